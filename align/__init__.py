@@ -1,0 +1,1 @@
+"""Generate, train and evaluate: Diffusion-DPO, DDPO, evaluation, best-of-N, judge benchmarks."""

@@ -1,0 +1,486 @@
+"""Preference data and prompt sets.
+
+Preference pairs follow the Pick-a-Pic schema: ``caption, jpg_0, jpg_1, label_0, label_1`` with the
+images as encoded bytes and ``label_0 = 0.5`` meaning a tie. They load from a local parquet file, a
+folder (parquet files, or a ``datasets`` ``save_to_disk`` folder) or a Hugging Face dataset id.
+As in the official Diffusion-DPO code, ties are dropped by default and each pair is stored winner
+first. Unreadable images are found up front (each image is decoded once), counted and reported, so
+a long run never dies on a bad image halfway through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+
+from rewards.images import UnreadableImageError, decode_image, encode_png
+
+PAIR_COLUMNS = ("caption", "jpg_0", "jpg_1", "label_0", "label_1")
+TIE_POLICIES = ("drop", "keep_first")
+PROMPT_FILE_SUFFIXES = (".txt", ".parquet", ".csv", ".jsonl")
+# Pairs whose images fail to decode: how many of them the stats keep as examples.
+MAX_UNREADABLE_EXAMPLES = 5
+
+
+class DataError(ValueError):
+    """Bad data input: the message names the source and what would be valid."""
+
+
+# ----------------------------------------------------------------------------------------- prompts
+
+
+def load_prompts(source: str, column: str = "caption") -> list[str]:
+    """Prompts from a text file (one per line; blank lines and '#' comments skipped), a column of a
+    .parquet/.csv/.jsonl file, or a column of a Hugging Face dataset ("id" or "id:split")."""
+    path = Path(str(source)).expanduser()
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            lines = path.read_text(encoding="utf-8").splitlines()
+            prompts = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        elif suffix in (".parquet", ".csv", ".jsonl"):
+            prompts = _clean_prompts(_read_table_column(path, column), source)
+        else:
+            raise DataError(
+                f"prompt file {source!r} has an unsupported type {suffix!r}; "
+                f"valid: {', '.join(PROMPT_FILE_SUFFIXES)} or a Hugging Face dataset id"
+            )
+    elif path.is_dir():
+        dataset = _dataset_from_folder(path, "train")
+        if column not in dataset.column_names:
+            raise DataError(
+                f"prompt dataset folder {source!r} has no column {column!r}; its columns: {', '.join(dataset.column_names)}"
+            )
+        prompts = _clean_prompts(dataset[column], source)
+    elif _looks_like_path(str(source)):
+        raise DataError(
+            f"prompt file {source!r} not found; give an existing {'/'.join(PROMPT_FILE_SUFFIXES)} file "
+            "or a Hugging Face dataset id ('id' or 'id:split')"
+        )
+    else:
+        dataset_id, _, split = str(source).partition(":")
+        dataset = _load_hf_dataset(dataset_id, split or "train", what="prompt set")
+        if column not in dataset.column_names:
+            raise DataError(
+                f"prompt dataset {source!r} has no column {column!r}; its columns: {', '.join(dataset.column_names)}"
+            )
+        prompts = _clean_prompts(dataset[column], source)
+    if not prompts:
+        raise DataError(
+            f"prompt source {source!r} holds no prompts (blank lines and '#' comments are skipped)"
+        )
+    return prompts
+
+
+def _clean_prompts(values, source) -> list[str]:
+    prompts = []
+    for value in values:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if not isinstance(value, str):
+            raise DataError(
+                f"prompt source {source!r}: the prompt column must hold text, got {type(value).__name__}"
+            )
+        if value.strip():
+            prompts.append(value.strip())
+    return prompts
+
+
+def _read_table_column(path: Path, column: str) -> list:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        names = pq.read_schema(path).names
+        if column not in names:
+            raise DataError(f"{path} has no column {column!r}; its columns: {', '.join(names)}")
+        return pq.read_table(path, columns=[column]).column(column).to_pylist()
+    if suffix == ".csv":
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            if column not in (reader.fieldnames or []):
+                raise DataError(
+                    f"{path} has no column {column!r}; its columns: {', '.join(reader.fieldnames or [])}"
+                )
+            return [row[column] for row in reader]
+    values = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {line_number} is not valid JSON: {err}") from err
+            if not isinstance(record, dict) or column not in record:
+                raise DataError(
+                    f"{path} line {line_number} has no key {column!r}; each line must be a JSON object"
+                )
+            values.append(record[column])
+    return values
+
+
+def _looks_like_path(source: str) -> bool:
+    """True when ``source`` is meant as a local path rather than a Hub dataset id ("owner/name")."""
+    return (
+        source.startswith((".", "/", "~"))
+        or "\\" in source
+        or source.count("/") > 1
+        or source.lower().endswith(PROMPT_FILE_SUFFIXES)
+    )
+
+
+def _load_hf_dataset(
+    dataset_id: str, split: str, what: str, cache_dir: str | None = None, streaming: bool = False
+):
+    import datasets
+
+    try:
+        return datasets.load_dataset(dataset_id, split=split, cache_dir=cache_dir, streaming=streaming)
+    except Exception as err:  # the library raises many types (offline, missing split, bad id)
+        raise DataError(
+            f"cannot load {what} {dataset_id!r} (split {split!r}) with datasets.load_dataset: "
+            f"{type(err).__name__}: {err}. Give a local file/folder or a valid Hugging Face dataset id"
+        ) from err
+
+
+# ----------------------------------------------------------------------------------- pairs: loading
+
+
+@dataclass
+class PreferencePair:
+    """One preference pair, winner first. Images are encoded bytes (PNG/JPEG)."""
+
+    caption: str
+    chosen: bytes
+    rejected: bytes
+    source_index: int
+
+
+@dataclass
+class PairStats:
+    """What happened to the rows of a preference source."""
+
+    source: str = ""
+    total: int = 0
+    kept: int = 0
+    ties_dropped: int = 0
+    ties_kept: int = 0
+    unlabelled: int = 0  # NaN labels or an 'abstained' flag (judge gave no usable answer)
+    unreadable: int = 0
+    unreadable_examples: list[tuple[int, str]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        text = (
+            f"{self.source}: {self.total} rows read, {self.kept} pairs kept, "
+            f"{self.ties_dropped} ties dropped, {self.ties_kept} ties kept as wins of image 0, "
+            f"{self.unlabelled} without a label, {self.unreadable} with unreadable images"
+        )
+        if self.unreadable_examples:
+            shown = "; ".join(f"row {index}: {reason}" for index, reason in self.unreadable_examples)
+            text += f" (e.g. {shown})"
+        return text
+
+
+def load_pairs(
+    source: str,
+    split: str = "train",
+    tie_policy: str = "drop",
+    max_pairs: int | None = None,
+    validate_images: bool = True,
+    cache_dir: str | None = None,
+    streaming: bool = False,
+) -> tuple[list[PreferencePair], PairStats]:
+    """Preference pairs, winner first, from a Pick-a-Pic-schema source.
+
+    source: a .parquet file, a folder (parquet files in the Hub layout, or a ``save_to_disk`` folder)
+        or a Hugging Face dataset id (e.g. ``yuvalkirstain/pickapic_v2``).
+    tie_policy: "drop" (official Diffusion-DPO) or "keep_first" (ties kept as wins of image 0, as
+        the diffusers LoRA script does).
+    max_pairs: stop reading once this many pairs are kept.
+    validate_images: decode every image once now; pairs with an unreadable image are skipped and
+        counted instead of failing later mid-training.
+    streaming: for Hub ids, read rows lazily (useful with ``max_pairs`` on Pick-a-Pic's 300+ GB).
+    """
+    if tie_policy not in TIE_POLICIES:
+        raise DataError(f"tie_policy {tie_policy!r} is not valid; choose one of {', '.join(TIE_POLICIES)}")
+    if max_pairs is not None and max_pairs < 1:
+        raise DataError(f"max_pairs must be a positive number of pairs (or None for all), got {max_pairs}")
+    stats = PairStats(source=str(source))
+    pairs: list[PreferencePair] = []
+    for index, row in enumerate(_iter_rows(str(source), split, cache_dir, streaming)):
+        stats.total += 1
+        pair = _row_to_pair(row, index, tie_policy, validate_images, stats)
+        if pair is not None:
+            pairs.append(pair)
+            stats.kept += 1
+            if max_pairs is not None and len(pairs) >= max_pairs:
+                break
+    if not pairs:
+        raise DataError(f"no usable preference pairs in {source!r}: {stats.summary()}")
+    return pairs, stats
+
+
+def _row_to_pair(
+    row: dict, index: int, tie_policy: str, validate: bool, stats: PairStats
+) -> PreferencePair | None:
+    label_0, label_1 = _as_float(row["label_0"]), _as_float(row["label_1"])
+    if row.get("abstained") or math.isnan(label_0) or math.isnan(label_1):
+        stats.unlabelled += 1
+        return None
+    if label_0 == label_1:
+        if tie_policy == "drop":
+            stats.ties_dropped += 1
+            return None
+        stats.ties_kept += 1
+    try:
+        jpg_0 = _image_bytes(row["jpg_0"], f"row {index} jpg_0")
+        jpg_1 = _image_bytes(row["jpg_1"], f"row {index} jpg_1")
+        if validate:
+            decode_image(jpg_0, f"row {index} jpg_0")
+            decode_image(jpg_1, f"row {index} jpg_1")
+    except UnreadableImageError as err:
+        stats.unreadable += 1
+        if len(stats.unreadable_examples) < MAX_UNREADABLE_EXAMPLES:
+            stats.unreadable_examples.append((index, str(err)))
+        return None
+    caption = row["caption"] if isinstance(row["caption"], str) else ""
+    if label_1 > label_0:  # winner first
+        return PreferencePair(caption, chosen=jpg_1, rejected=jpg_0, source_index=index)
+    return PreferencePair(caption, chosen=jpg_0, rejected=jpg_1, source_index=index)
+
+
+def _as_float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _image_bytes(value, where: str) -> bytes:
+    """Encoded bytes from raw bytes, a datasets Image dict {"bytes", "path"} or a PIL image."""
+    if isinstance(value, dict):
+        data = value.get("bytes")
+        if data is None and value.get("path"):
+            image_path = Path(value["path"])
+            if not image_path.is_file():
+                raise UnreadableImageError(f"cannot read {where}: file {image_path} not found")
+            data = image_path.read_bytes()
+        value = data
+    if isinstance(value, Image.Image):
+        return encode_png(value.convert("RGB"))
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise UnreadableImageError(
+        f"cannot read {where}: expected encoded image bytes, got {type(value).__name__}"
+    )
+
+
+def _iter_rows(source: str, split: str, cache_dir: str | None, streaming: bool) -> Iterator[dict]:
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".parquet":
+            raise DataError(f"preference file {source!r} must be a .parquet file (Pick-a-Pic schema)")
+        yield from _iter_parquet(path)
+    elif path.is_dir():
+        yield from _iter_dataset(_dataset_from_folder(path, split, cache_dir), source)
+    elif _looks_like_path(source) or source.lower().endswith(".parquet"):
+        raise DataError(
+            f"preference source {source!r} not found; give a .parquet file, a folder of parquet files, "
+            "a datasets save_to_disk folder, or a Hugging Face dataset id"
+        )
+    else:
+        yield from _iter_dataset(
+            _load_hf_dataset(source, split, "preference dataset", cache_dir, streaming), source
+        )
+
+
+def _missing_columns_error(source: str, names) -> DataError:
+    return DataError(
+        f"preference source {source!r} lacks the Pick-a-Pic columns "
+        f"{', '.join(c for c in PAIR_COLUMNS if c not in names)}; needed: {', '.join(PAIR_COLUMNS)} "
+        f"(found: {', '.join(names)})"
+    )
+
+
+def _iter_parquet(path: Path, batch_rows: int = 64) -> Iterator[dict]:
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"cannot read {path} as parquet: {err}") from err
+    names = parquet.schema_arrow.names
+    if any(c not in names for c in PAIR_COLUMNS):
+        raise _missing_columns_error(str(path), names)
+    columns = list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else [])
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
+        yield from batch.to_pylist()
+
+
+def _dataset_from_folder(path: Path, split: str, cache_dir: str | None = None):
+    """A ``save_to_disk`` folder, or a folder of parquet files (Hub layout) read by load_dataset."""
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        return _load_from_disk(path, split)
+    if any(path.rglob("*.parquet")):
+        return _load_hf_dataset(str(path), split, "dataset folder", cache_dir)
+    raise DataError(f"folder {str(path)!r} holds no .parquet files and is not a datasets save_to_disk folder")
+
+
+def _load_from_disk(path: Path, split: str):
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"dataset folder {path} has no split {split!r}; its splits: {', '.join(loaded)}")
+        return loaded[split]
+    return loaded
+
+
+def _iter_dataset(dataset, source: str, batch_rows: int = 64) -> Iterator[dict]:
+    import datasets
+
+    names = dataset.column_names or list((dataset.features or {}).keys())
+    if any(c not in names for c in PAIR_COLUMNS):
+        raise _missing_columns_error(source, names)
+    dataset = dataset.select_columns(list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else []))
+    for column in ("jpg_0", "jpg_1"):
+        if dataset.features is not None and isinstance(dataset.features[column], datasets.Image):
+            # keep the encoded bytes: decoding happens once, in validation or the transform
+            dataset = dataset.cast_column(column, datasets.Image(decode=False))
+    for batch in dataset.iter(batch_size=batch_rows):
+        keys = list(batch)
+        for values in zip(*(batch[k] for k in keys)):
+            yield dict(zip(keys, values))
+
+
+# --------------------------------------------------------------------------------- pairs: pixels
+
+
+def _resize_shortest_side(image: Image.Image, resolution: int) -> Image.Image:
+    width, height = image.size
+    scale = resolution / min(width, height)
+    size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
+    return image if size == image.size else image.resize(size, Image.Resampling.BILINEAR)
+
+
+def _crop_flip_to_tensor(image: Image.Image, resolution: int, u: float, v: float, flip: bool) -> torch.Tensor:
+    """Crop a RxR window at relative offset (u, v) in [0, 1] (0.5 = centre), flip, scale to [-1, 1]."""
+    width, height = image.size
+    left, top = round(u * (width - resolution)), round(v * (height - resolution))
+    image = image.crop((left, top, left + resolution, top + resolution))
+    if flip:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def _pair_tensors(pair: PreferencePair, resolution: int, u: float, v: float, flip: bool):
+    tensors = []
+    for name, data in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        image = decode_image(data, f"pair {pair.source_index} {name} image")
+        tensors.append(_crop_flip_to_tensor(_resize_shortest_side(image, resolution), resolution, u, v, flip))
+    return tensors[0], tensors[1]
+
+
+def pair_pixels(
+    pair: PreferencePair, resolution: int, flip: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic pixels (centre crop, optional flip) of winner and loser, [3, R, R] in [-1, 1].
+    For latent caching: cache both flips and pick one per epoch."""
+    return _pair_tensors(pair, resolution, 0.5, 0.5, flip)
+
+
+class PairTransform:
+    """Diffusion-DPO augmentation: resize the shortest side to R (bilinear), crop RxR (centre or
+    random), random horizontal flip, all the SAME for both images of a pair; the caption is replaced
+    by "" with probability ``caption_dropout`` (for classifier-free guidance).
+
+    Every call draws exactly four numbers from the given generator whatever the settings, so a run
+    resumed with a restored generator state reproduces the same augmentations.
+    """
+
+    def __init__(
+        self,
+        resolution: int,
+        random_crop: bool = False,
+        random_flip: bool = True,
+        caption_dropout: float = 0.2,
+    ):
+        if resolution < 8:
+            raise DataError(f"resolution must be at least 8 pixels, got {resolution}")
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise DataError(f"caption_dropout is a probability in [0, 1], got {caption_dropout}")
+        self.resolution = resolution
+        self.random_crop = random_crop
+        self.random_flip = random_flip
+        self.caption_dropout = caption_dropout
+
+    def __call__(
+        self, pair: PreferencePair, generator: torch.Generator
+    ) -> tuple[str, torch.Tensor, torch.Tensor]:
+        drop, flip, u, v = torch.rand(4, generator=generator).tolist()
+        caption = "" if drop < self.caption_dropout else pair.caption
+        if not self.random_crop:
+            u = v = 0.5
+        pixels_w, pixels_l = _pair_tensors(pair, self.resolution, u, v, self.random_flip and flip < 0.5)
+        return caption, pixels_w, pixels_l
+
+    def __repr__(self) -> str:
+        return (
+            f"PairTransform(resolution={self.resolution}, random_crop={self.random_crop}, "
+            f"random_flip={self.random_flip}, caption_dropout={self.caption_dropout})"
+        )
+
+
+# ----------------------------------------------------------------------------------------- writing
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_pairs_parquet(rows: list[dict], path: str | Path, schema: pa.Schema | None = None) -> None:
+    """Write rows (Pick-a-Pic schema plus any extra columns) to a parquet file atomically."""
+    if not rows and schema is None:
+        raise DataError(f"write_pairs_parquet({path}): no rows and no schema; nothing defines the columns")
+    table = pa.Table.from_pylist(rows, schema=schema)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+__all__ = [
+    "PAIR_COLUMNS",
+    "DataError",
+    "PairStats",
+    "PairTransform",
+    "PreferencePair",
+    "atomic_path",
+    "load_pairs",
+    "load_prompts",
+    "pair_pixels",
+    "write_pairs_parquet",
+]

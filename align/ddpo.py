@@ -1,0 +1,630 @@
+"""DDPO (Black et al. 2023, "Training Diffusion Models with Reinforcement Learning") for Stable
+Diffusion, with rewards from any judge in ``rewards``.
+
+    accelerate launch align/ddpo.py --reward aesthetic --prompts prompts.txt
+    accelerate launch align/ddpo.py --config configs/ddpo_sd15.yaml
+    python align/ddpo.py --config configs/testbed_ddpo.yaml          # offline, on a CPU
+
+The algorithm box, per epoch:
+    1. sample: draw prompts, run stochastic DDIM (η > 0) with classifier-free guidance and keep
+       every step's latent, next latent and log-probability (align/sampling.py);
+    2. reward: score the final images with the judge(s), in a worker thread while the next batch
+       samples; pairwise-only judges give win rates within each prompt's group of images;
+    3. advantages: gather rewards from all processes, normalise them per prompt (DDPO's stat
+       tracker) or per group (GRPO), give each process its share back;
+    4. train: for each inner epoch, shuffle samples and, per sample, the order of its timesteps;
+       for a fraction of the timesteps re-score the stored step under the current model and take
+       the PPO-clip loss (plus, optionally, the KL to the reference model, as Flow-GRPO does);
+       gradients accumulate over the timesteps and ``gradient_accumulation_steps`` batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# `accelerate launch align/ddpo.py` runs this file as a script: make the repo importable.
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from align.advantages import MODES, PerPromptStatTracker, compute_advantages  # noqa: E402
+from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
+from align.dpo import (  # noqa: E402
+    _tracker_config,
+    evaluate_model,
+    load_prompt_list,
+    register_lora_checkpoint_hooks,
+    save_checkpoint,
+    save_image_row,
+)
+from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
+from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.sampling import (  # noqa: E402
+    check_scheduler_steps,
+    ddim_step_mean_std,
+    gaussian_log_prob,
+    guided_noise_prediction,
+    sample_with_logprob,
+)
+
+STATE_FILE = "ddpo_state.json"
+
+
+@dataclass
+class DDPOConfig:
+    # --- what to train and with which reward
+    model: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # hub id, local pipeline folder, or "testbed"
+    reward: str = "aesthetic"  # judge spec: a name, name[opt=value], or a mix such as pickscore:0.7,aesthetic:0.3
+    prompts: str | None = None  # text file, dataset column, or testbed:<n>[:<seed>]
+    # --- output
+    output_dir: str = "runs/ddpo"
+    resume: str | None = None  # "latest" or a checkpoint folder
+    overwrite: bool = False  # replace a run already in output_dir
+    seed: int = 0
+    report_to: str = "tensorboard"  # tensorboard, wandb, all, or none
+    # --- model and adapter
+    finetune: str = "lora"  # "lora" (paper) or "full"
+    lora_rank: int = 4
+    lora_alpha: float | None = None  # None = rank
+    lora_targets: str = "to_q,to_k,to_v,to_out.0"
+    mixed_precision: str = "no"  # no, fp16 (paper), bf16
+    # --- sampling (paper: 50 DDIM steps, η = 1, guidance 5)
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    eta: float = 1.0  # must be > 0: the log-probability of a deterministic step is undefined
+    resolution: int | None = None  # None = the model's native size
+    samples_per_epoch: int = 256  # over all processes (paper: 256)
+    sample_batch_size: int = 8  # images per process per sampling batch
+    images_per_prompt: int = 1  # images drawn per prompt in a batch (>= 2 for group advantages or pairwise judges)
+    # --- advantages
+    advantage: str = "per-prompt"  # per-prompt (DDPO stat tracking), group (GRPO), or batch
+    stat_buffer_size: int = 32  # per-prompt reward buffer (ddpo-pytorch: 16-32)
+    stat_min_count: int = 16  # below this many rewards a prompt uses the batch statistics
+    # --- objective (paper: PPO-clip, no KL)
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    kl_coef: float = 0.0  # > 0 adds kl_coef x KL(step ‖ reference step) (Flow-GRPO); reference = adapter off
+    timestep_fraction: float = 1.0  # share of the denoising steps trained per sample, in (0, 1]
+    # --- optimisation (paper: AdamW, lr 3e-4, LoRA)
+    num_epochs: int = 100
+    num_inner_epochs: int = 1  # passes of PPO over each epoch's samples
+    train_batch_size: int = 4  # samples per process per micro-batch
+    gradient_accumulation_steps: int = 2  # micro-batches per optimiser step (each spans the trained timesteps)
+    learning_rate: float = 3e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_weight_decay: float = 1e-4
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    # --- checkpoints, samples, evaluation
+    checkpointing_epochs: int = 10
+    checkpoints_total_limit: int = 3
+    num_logged_images: int = 8  # images (with their rewards) saved under samples/ each logged epoch
+    sample_log_epochs: int = 10
+    eval_prompts: str | None = None  # held-out prompts scored before and after training
+    eval_judge: str | None = None  # defaults to --reward
+    eval_seed: int = 1234
+    num_validation_images: int = 4  # images per row of the before/after grids
+
+    def validate(self) -> None:
+        """Cheap checks, before any model or judge is loaded."""
+        if not self.prompts:
+            raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
+        if not (self.eta > 0 and math.isfinite(self.eta)):
+            raise ConfigError(f"--eta must be > 0 (DDPO samples stochastically; the paper uses 1.0), got {self.eta}")
+        if not 0.0 < self.timestep_fraction <= 1.0:
+            raise ConfigError(f"--timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.finetune not in ("full", "lora"):
+            raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
+        if self.advantage not in MODES:
+            raise ConfigError(f"--advantage must be one of {', '.join(MODES)}, got {self.advantage!r}")
+        if self.mixed_precision not in ("no", "fp16", "bf16"):
+            raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
+        if self.report_to not in ("tensorboard", "wandb", "all", "none"):
+            raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
+        for name in ("num_inference_steps", "samples_per_epoch", "sample_batch_size", "images_per_prompt",
+                     "num_epochs", "num_inner_epochs", "train_batch_size", "gradient_accumulation_steps",
+                     "lora_rank", "checkpointing_epochs", "stat_buffer_size", "stat_min_count"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("learning_rate", "clip_range", "adv_clip_max"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
+        if not self.kl_coef >= 0:
+            raise ConfigError(f"--kl_coef must be >= 0, got {self.kl_coef}")
+        if self.guidance_scale < 1:
+            raise ConfigError(f"--guidance_scale must be >= 1, got {self.guidance_scale}")
+        if self.stat_min_count > self.stat_buffer_size:
+            raise ConfigError(
+                f"--stat_min_count ({self.stat_min_count}) must not exceed --stat_buffer_size ({self.stat_buffer_size})"
+            )
+        if self.sample_batch_size % self.images_per_prompt:
+            raise ConfigError(
+                f"--sample_batch_size ({self.sample_batch_size}) must be a multiple of --images_per_prompt ({self.images_per_prompt})"
+            )
+        if self.advantage == "group" and self.images_per_prompt < 2:
+            raise ConfigError("--advantage group needs --images_per_prompt >= 2 (a group per prompt)")
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return max(1, int(self.num_inference_steps * self.timestep_fraction))
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on a failed judge or a bad value; the last good checkpoint is kept."""
+
+
+def check_inputs(config: DDPOConfig) -> None:
+    """Every bad input that can be found without loading a model or calling a judge."""
+    import rewards
+    from align.data import DataError
+    from align.pipeline import ModelLoadError, check_model
+
+    config.validate()
+    try:
+        check_model(config.model)
+    except ModelLoadError as err:
+        raise ConfigError(str(err)) from None
+    for spec in filter(None, (config.reward, config.eval_judge)):
+        try:
+            rewards.check_name(spec)
+        except ValueError as err:
+            raise ConfigError(f"--reward/--eval_judge: {err}") from None
+    for spec in filter(None, (config.prompts, config.eval_prompts)):
+        try:
+            if not load_prompt_list(spec):
+                raise ConfigError(f"prompt source {spec!r} holds no prompts")
+        except DataError as err:
+            raise ConfigError(str(err)) from None
+
+
+def check_batch_sizes(config: DDPOConfig, num_processes: int) -> int:
+    """Sampling batches per process per epoch; the epoch must split into whole batches and optimiser steps."""
+    per_round = config.sample_batch_size * num_processes
+    if config.samples_per_epoch % per_round:
+        raise ConfigError(
+            f"--samples_per_epoch ({config.samples_per_epoch}) must be a multiple of --sample_batch_size x processes "
+            f"({config.sample_batch_size} x {num_processes} = {per_round})"
+        )
+    per_process = config.samples_per_epoch // num_processes
+    per_update = config.train_batch_size * config.gradient_accumulation_steps
+    if per_process % per_update:
+        raise ConfigError(
+            f"samples per process per epoch ({per_process}) must be a multiple of --train_batch_size x "
+            f"--gradient_accumulation_steps ({config.train_batch_size} x {config.gradient_accumulation_steps} = {per_update})"
+        )
+    return config.samples_per_epoch // per_round
+
+
+# ----------------------------------------------------------------------------------------------
+# Every random draw of epoch e comes from a generator seeded by (seed, e, part, process), so an
+# interrupted run resumes exactly without saving sampler or data-loader state.
+
+SAMPLE, TRAIN = "sample", "train"
+
+
+def epoch_generator(seed: int, epoch: int, part: str, index: int, process: int) -> torch.Generator:
+    key = f"{seed}/{epoch}/{part}/{index}/{process}".encode()
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+
+def draw_prompts(prompts: list[str], config: DDPOConfig, gen: torch.Generator) -> list[str]:
+    """sample_batch_size prompts: distinct draws, each repeated images_per_prompt times (a group)."""
+    n = config.sample_batch_size // config.images_per_prompt
+    picks = torch.randint(len(prompts), (n,), generator=gen).tolist()
+    return [prompts[i] for i in picks for _ in range(config.images_per_prompt)]
+
+
+@dataclass
+class SampleBatch:
+    prompts: list[str]
+    embeds: torch.Tensor  # [B, L, D] prompt embeddings
+    all_latents: torch.Tensor  # [B, T+1, C, H, W]
+    timesteps: torch.Tensor  # [B, T]
+    log_probs: torch.Tensor  # [B, T]
+    images: torch.Tensor  # [B, 3, H, W] in [0, 1], CPU
+
+
+def collect_samples(pipe, unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
+    """Sample num_batches batches; rewards are computed in the background as each batch finishes."""
+    from align.pipeline import decode_latents, encode_prompts
+
+    batches, futures = [], []
+    for b in range(num_batches):
+        gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
+        batch_prompts = draw_prompts(prompts, config, gen)
+        embeds = encode_prompts(pipe, batch_prompts)
+        noise = torch.randn((len(batch_prompts), *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
+        trajectory = sample_with_logprob(
+            unet, pipe.scheduler, embeds, negative_embed.expand(len(batch_prompts), -1, -1),
+            num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
+            eta=config.eta, latents=noise, generator=gen,
+        )
+        images = decode_latents(pipe, trajectory.final_latents).cpu()
+        futures.append(background.submit(batch_prompts, images))
+        batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
+    return batches, futures
+
+
+def gather_rewards(accelerator, futures) -> tuple[torch.Tensor | None, dict[str, float], str | None]:
+    """Wait for this process's rewards; every process learns whether any judge failed anywhere."""
+    error, rewards, parts = None, [], {}
+    for future in futures:
+        try:
+            total, members = future.result()
+        except RewardError as err:
+            error = str(err)
+            break
+        rewards.append(total)
+        for name, values in members.items():
+            parts.setdefault(name, []).append(values)
+    failed = accelerator.gather(torch.tensor([1.0 if error else 0.0], device=accelerator.device)).max()
+    if failed > 0:
+        return None, {}, error or "a judge failed on another process"
+    means = {f"reward_{n}": float(accelerator.gather(torch.cat(v).to(accelerator.device)).mean()) for n, v in parts.items()}
+    return torch.cat(rewards), means, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def train(config: DDPOConfig) -> Path:
+    """Run DDPO; returns the run folder."""
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object, set_seed
+    from tqdm.auto import tqdm
+
+    from align.pipeline import (
+        add_lora,
+        disabled_adapter,
+        encode_prompts,
+        frozen_copy,
+        load_pipeline,
+        save_full_unet,
+        save_lora,
+    )
+
+    check_inputs(config)
+    run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    log_with = None if config.report_to == "none" else config.report_to
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, log_with=log_with, project_dir=str(run.path))
+    main, process = accelerator.is_main_process, accelerator.process_index
+    num_batches = check_batch_sizes(config, accelerator.num_processes)
+    if main:
+        run.prepare()
+        run.save_config(asdict(config))
+    accelerator.wait_for_everyone()
+    set_seed(config.seed)
+
+    # The judges first: a missing API key must stop us before any generation.
+    reward_fn = MixedReward(config.reward)
+    if reward_fn.needs_groups and config.images_per_prompt < 2:
+        raise ConfigError(
+            f"--reward {config.reward!r} has a pairwise-only judge: rewards are win rates within a prompt's group, "
+            "so --images_per_prompt must be >= 2"
+        )
+    eval_judge = None
+    if main and config.eval_prompts:
+        eval_reward = MixedReward(config.eval_judge) if config.eval_judge else reward_fn
+        if eval_reward.needs_groups:
+            raise ConfigError(
+                "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
+                f"(the judge of {eval_reward.spec!r} is pairwise-only)"
+            )
+        eval_judge = ScoreOnly(eval_reward)
+    prompts = load_prompt_list(config.prompts)
+
+    # Frozen parts in the compute dtype; trainable weights stay in float32.
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
+    pipe = load_pipeline(config.model, dtype=weight_dtype if config.finetune == "lora" else torch.float32, device=accelerator.device)
+    check_scheduler_steps(pipe.scheduler, config.num_inference_steps, config.eta)
+    for module in (pipe.vae, pipe.text_encoder):
+        module.requires_grad_(False)
+    resolution = config.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
+    latent_shape = (pipe.unet.config.in_channels, resolution // pipe.vae_scale_factor, resolution // pipe.vae_scale_factor)
+
+    unet = pipe.unet
+    if config.finetune == "lora":
+        add_lora(unet, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.lora_targets.split(","))
+        for p in unet.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        reference = None  # the same UNet with the adapter off
+    else:
+        unet.requires_grad_(True)
+        reference = frozen_copy(unet) if config.kl_coef > 0 else None
+    params = [p for p in unet.parameters() if p.requires_grad]
+
+    samples_per_process = config.samples_per_epoch // accelerator.num_processes
+    updates_per_epoch = samples_per_process // (config.train_batch_size * config.gradient_accumulation_steps)
+    if main:
+        print(
+            f"[ddpo] samples per epoch: {config.samples_per_epoch} = {config.sample_batch_size} per batch x "
+            f"{num_batches} batches x {accelerator.num_processes} processes | images per prompt: {config.images_per_prompt} | "
+            f"train batch: {config.train_batch_size} x {config.gradient_accumulation_steps} accumulation x "
+            f"{config.num_train_timesteps}/{config.num_inference_steps} timesteps | optimiser steps per epoch: "
+            f"{updates_per_epoch * config.num_inner_epochs} | epochs: {config.num_epochs} | finetune: {config.finetune} "
+            f"({sum(p.numel() for p in params):,} trainable parameters) | reward: {config.reward} | "
+            f"advantage: {config.advantage} | kl_coef: {config.kl_coef}",
+            flush=True,
+        )
+
+    optimizer = torch.optim.AdamW(
+        params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+        weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
+    )
+    train_unet, optimizer = accelerator.prepare(unet, optimizer)
+    register_lora_checkpoint_hooks(accelerator, config.finetune == "lora")
+    tracker = PerPromptStatTracker(config.stat_buffer_size, config.stat_min_count)
+    negative_embed = encode_prompts(pipe, [""])
+
+    # Resume: weights, optimiser and the reward statistics; the epoch seeds do the rest.
+    start_epoch, global_step = 0, 0
+    checkpoint = run.resume_checkpoint()
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        start_epoch, global_step = state["epoch"], state["global_step"]
+        tracker.load_state_dict(state["tracker"])
+        if main:
+            run.truncate_metrics(start_epoch)
+            print(f"[ddpo] resumed from {checkpoint} at epoch {start_epoch}", flush=True)
+    elif config.resume and main:
+        print("[ddpo] --resume latest: no checkpoint yet, starting from epoch 0", flush=True)
+    if log_with:
+        accelerator.init_trackers("ddpo", config=_tracker_config(config))
+    if main and eval_judge is not None and start_epoch == 0:
+        evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
+                       run.path / "eval_before.json", "before")
+
+    background = BackgroundRewards(reward_fn)
+    last_good = run.latest_checkpoint()
+    progress = tqdm(range(start_epoch, config.num_epochs), disable=not accelerator.is_local_main_process, desc="ddpo")
+    try:
+        for epoch in progress:
+            epoch_start = time.perf_counter()
+            # 1-2. Sample and reward (the judge works on batch b while batch b+1 samples).
+            unet.eval()
+            with accelerator.autocast():
+                batches, futures = collect_samples(
+                    pipe, unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape
+                )
+            local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
+            if error:
+                raise TrainingStopped(
+                    f"reward failed at epoch {epoch}: {error}. Stopped before the update; the last good checkpoint is "
+                    f"{last_good or 'none (no checkpoint was written yet)'} (continue with --resume latest)"
+                )
+            sample_seconds = time.perf_counter() - epoch_start
+
+            # 3. Advantages on every process's rewards, then this process's share.
+            local_prompts = [p for b in batches for p in b.prompts]
+            all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu().double().numpy()
+            all_prompts = gather_object(local_prompts)
+            advantages = compute_advantages(config.advantage, all_prompts, all_rewards, tracker)
+            advantages = torch.as_tensor(advantages, dtype=torch.float32).reshape(accelerator.num_processes, -1)[process]
+
+            # 4. PPO on the stored trajectories.
+            unet.train()
+            samples = {
+                "embeds": torch.cat([b.embeds for b in batches]),
+                "all_latents": torch.cat([b.all_latents for b in batches]),
+                "timesteps": torch.cat([b.timesteps for b in batches]),
+                "log_probs": torch.cat([b.log_probs for b in batches]),
+                "advantages": advantages.to(accelerator.device),
+            }
+            stats: dict[str, list[float]] = {}
+            for inner in range(config.num_inner_epochs):
+                gen = epoch_generator(config.seed, epoch, TRAIN, inner, process)
+                global_step += train_inner_epoch(
+                    config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
+                    samples, negative_embed, gen, stats, disabled_adapter,
+                )
+
+            # 5. Log, save samples, checkpoint.
+            done = epoch + 1
+            logs = {k: float(np.mean(v)) for k, v in stats.items()}
+            logs = {k: float(accelerator.reduce(torch.tensor(v, device=accelerator.device), "mean")) for k, v in logs.items()}
+            logs.update(reward_parts)
+            logs.update({
+                "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
+                "epoch": done, "global_step": global_step, "samples_seen": done * config.samples_per_epoch,
+                "samples_per_second": config.samples_per_epoch / (time.perf_counter() - epoch_start),
+                "sampling_seconds": sample_seconds,
+            })
+            if config.advantage == "per-prompt":
+                logs.update(tracker.stats())
+            if main:
+                run.log(done, logs)
+                progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", kl=f"{logs.get('approx_kl', 0):.2e}")
+                if config.num_logged_images > 0 and (done % config.sample_log_epochs == 0 or done == config.num_epochs or epoch == start_epoch):
+                    log_samples(accelerator, run, batches, local_rewards, config.num_logged_images, done)
+            accelerator.log(logs, step=done)
+            if done % config.checkpointing_epochs == 0 or done == config.num_epochs:
+                last_good = save_ddpo_checkpoint(accelerator, run, done, global_step, tracker, config.checkpoints_total_limit)
+    finally:
+        background.shutdown()
+
+    # 6. Final weights, after-evaluation, model card, report.
+    accelerator.wait_for_everyone()
+    if main:
+        final = run.path / "final"
+        trained = accelerator.unwrap_model(train_unet)
+        if config.finetune == "lora":
+            save_lora(trained, final)
+        else:
+            save_full_unet(trained, final)
+        if eval_judge is not None:
+            evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
+                           run.path / "eval_after.json", "after")
+        write_model_card(final, config, run)
+        from align.run_report import write_training_report
+
+        write_training_report(run.path, title=f"DDPO: {config.model}", metric_keys=("reward_mean", "approx_kl", "clipfrac", "policy_loss"))
+    reward_fn.close()
+    accelerator.end_training()
+    return run.path
+
+
+def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
+                      samples, negative_embed, gen, stats, disabled_adapter) -> int:
+    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
+    n, steps_total = samples["timesteps"].shape
+    order = torch.randperm(n, generator=gen)
+    # Each sample trains on its own random subset of timesteps (a per-sample shuffle, then the first k).
+    time_order = torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, : config.num_train_timesteps]
+    rows = torch.arange(n)[:, None]
+    device = accelerator.device
+    k = config.num_train_timesteps
+    updates = 0
+    micro_batches = [order[i : i + config.train_batch_size] for i in range(0, n, config.train_batch_size)]
+    for m, idx in enumerate(micro_batches):
+        embeds = samples["embeds"][idx]
+        negative = negative_embed.expand(len(idx), -1, -1)
+        chosen = time_order[idx]
+        latents = samples["all_latents"][rows[idx], chosen]  # [b, k, C, H, W]
+        next_latents = samples["all_latents"][rows[idx], chosen + 1]
+        timesteps = samples["timesteps"][rows[idx], chosen]
+        old_log_probs = samples["log_probs"][rows[idx], chosen]
+        adv = samples["advantages"][idx]
+        last_of_update = (m + 1) % config.gradient_accumulation_steps == 0
+        for j in range(k):
+            sync = last_of_update and j == k - 1
+            with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
+                with accelerator.autocast():
+                    pred = guided_noise_prediction(train_unet, latents[:, j], timesteps[:, j].to(device),
+                                                   embeds, negative, config.guidance_scale)
+                mean, std = ddim_step_mean_std(scheduler, pred, timesteps[:, j], latents[:, j], config.eta)
+                log_prob = gaussian_log_prob(next_latents[:, j], mean, std)
+                loss, metrics = ddpo_clipped_loss(log_prob, old_log_probs[:, j], adv, config.clip_range, config.adv_clip_max)
+                if config.kl_coef > 0:
+                    with torch.no_grad(), accelerator.autocast():
+                        if reference is None:
+                            with disabled_adapter(unet):
+                                ref_pred = guided_noise_prediction(unet, latents[:, j], timesteps[:, j].to(device),
+                                                                   embeds, negative, config.guidance_scale)
+                        else:
+                            ref_pred = guided_noise_prediction(reference, latents[:, j], timesteps[:, j].to(device),
+                                                               embeds, negative, config.guidance_scale)
+                    ref_mean, _ = ddim_step_mean_std(scheduler, ref_pred, timesteps[:, j], latents[:, j], config.eta)
+                    kl = gaussian_mean_kl(mean, ref_mean, std).mean()
+                    loss = loss + config.kl_coef * kl
+                    metrics["kl_to_reference"] = kl.detach()
+                if not torch.isfinite(loss):
+                    raise TrainingStopped("non-finite DDPO loss; stopped before the update (lower --learning_rate)")
+                accelerator.backward(loss / (k * config.gradient_accumulation_steps))
+            for key, value in {"loss": loss.detach(), **metrics}.items():
+                stats.setdefault(key, []).append(float(value))
+        if last_of_update:
+            if config.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(params, config.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            updates += 1
+    return updates
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints, samples, model card
+
+
+class ScoreOnly:
+    """A reward (mix) seen as a pointwise judge, for the before/after evaluation."""
+
+    def __init__(self, reward: MixedReward):
+        self.reward, self.name = reward, reward.spec
+
+    def score(self, prompts, images) -> torch.Tensor:
+        return self.reward(prompts, images)[0]
+
+
+def save_ddpo_checkpoint(accelerator, run: RunFolder, epoch: int, global_step: int, tracker, keep: int) -> Path:
+    """accelerate's state (LoRA or UNet, optimiser, RNG) plus the epoch and the reward statistics.
+
+    The DDPO state is written before save_checkpoint's state.json, which marks the folder complete.
+    """
+    folder = run.checkpoint_dir(epoch)
+    if accelerator.is_main_process:
+        state = {"epoch": epoch, "global_step": global_step, "tracker": tracker.state_dict()}
+        atomic_write_text(folder / STATE_FILE, json.dumps(state))
+    return save_checkpoint(accelerator, run, epoch, keep)
+
+
+def log_samples(accelerator, run: RunFolder, batches, rewards: torch.Tensor, count: int, epoch: int) -> None:
+    """A row of this process's first images under samples/, with their prompts and rewards beside it."""
+    images = torch.cat([b.images for b in batches])[:count]
+    prompts = [p for b in batches for p in b.prompts][:count]
+    values = rewards[:count].tolist()
+    path = run.path / "samples" / f"epoch_{epoch:05d}.png"
+    save_image_row(images, path)
+    atomic_write_text(path.with_suffix(".json"), json.dumps([{"prompt": p, "reward": r} for p, r in zip(prompts, values)], indent=1))
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log({"samples": [wandb.Image(img, caption=f"{r:.3f} | {p}") for img, p, r in
+                                     zip(images.permute(0, 2, 3, 1).numpy(), prompts, values)]}, step=epoch)
+        elif tracker.name == "tensorboard":
+            tracker.writer.add_images("samples", images, epoch)
+
+
+def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
+    metrics = run.read_metrics()
+    first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+    weights = (
+        "`pytorch_lora_weights.safetensors` (load with `pipe.load_lora_weights(folder)`)"
+        if config.finetune == "lora"
+        else "a diffusers `unet/` folder"
+    )
+    text = f"""---
+base_model: {config.model}
+tags: [text-to-image, diffusers, ddpo, reinforcement-learning]
+---
+# DDPO fine-tune of {config.model}
+
+Trained with DDPO (Black et al. 2023) to maximise the reward `{config.reward}`.
+Weights: {weights}.
+
+| setting | value |
+|---|---|
+| sampling | DDIM, {config.num_inference_steps} steps, eta {config.eta}, guidance {config.guidance_scale} |
+| epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
+| advantages | {config.advantage} |
+| PPO | clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef} |
+| learning rate | {config.learning_rate} |
+| reward mean, first epoch | {first.get('reward_mean', float('nan')):.4f} |
+| reward mean, last epoch | {last.get('reward_mean', float('nan')):.4f} |
+"""
+    atomic_write_text(folder / "README.md", text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(DDPOConfig, argv)
+    try:
+        train(config)
+    except (ConfigError, RunFolderError) as err:
+        die(str(err))
+    except TrainingStopped as err:
+        die(str(err), code=3)
+    except Exception as err:  # data/model errors with their own clear messages
+        from align.data import DataError
+        from align.pipeline import ModelLoadError
+
+        if isinstance(err, (DataError, ModelLoadError)):
+            die(str(err))
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""DDPO rewards from any judge in ``rewards``.
+
+- A pointwise judge (``score``) gives each image its score.
+- A weighted mix, ``pickscore:0.7,aesthetic:0.3``, gives Σ weight·score (raw scores, not rescaled).
+- A pairwise-only judge (VLM or API model that only answers "which of two is better") gives each
+  image its win rate against the other images drawn for the same prompt: every pair in the group
+  is compared once (the judge itself controls position bias by asking both orders), a tie counts
+  ½, and abstained pairs are left out.
+
+Any failure of a judge, or a reward that is NaN/inf, raises ``RewardError`` naming the judge, so
+the trainer can stop cleanly before the bad rewards touch the weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+import rewards
+from rewards.base import Judge
+
+
+class RewardError(RuntimeError):
+    """A judge failed or returned a non-finite reward."""
+
+
+def is_pairwise_only(judge: Judge) -> bool:
+    """True if the judge does not override ``score`` (so only ``compare`` can rate images)."""
+    return type(judge).score is Judge.score
+
+
+def group_indices(prompts: list[str]) -> list[list[int]]:
+    """Indices of the samples that share a prompt, in first-seen order."""
+    groups: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(i)
+    return list(groups.values())
+
+
+def win_rates(judge: Judge, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+    """Each image's mean probability of beating the other images of its prompt (NaN if never judged)."""
+    groups = group_indices(prompts)
+    if any(len(g) < 2 for g in groups):
+        raise RewardError(
+            f"judge {judge.name!r} is pairwise-only: every prompt needs at least 2 images in a batch "
+            "to compute win rates (raise images_per_prompt)"
+        )
+    pairs = [pair for group in groups for pair in itertools.combinations(group, 2)]
+    firsts = [a for a, _ in pairs]
+    seconds = [b for _, b in pairs]
+    verdicts = judge.compare([prompts[a] for a in firsts], images[firsts], images[seconds])
+    if len(verdicts) != len(pairs):
+        raise RewardError(f"judge {judge.name!r} returned {len(verdicts)} verdicts for {len(pairs)} pairs")
+    wins = torch.zeros(len(prompts), dtype=torch.float64)
+    counts = torch.zeros(len(prompts), dtype=torch.float64)
+    for (a, b), verdict in zip(pairs, verdicts):
+        if verdict.abstained:
+            continue
+        p = 0.5 if verdict.tie else float(verdict.prob_a)
+        wins[a] += p
+        wins[b] += 1.0 - p
+        counts[a] += 1
+        counts[b] += 1
+    return (wins / counts).float()  # 0/0 = NaN for an image whose pairs all abstained
+
+
+@dataclass
+class RewardMember:
+    weight: float
+    name: str
+    judge: Judge
+    pairwise: bool
+
+
+class MixedReward:
+    """Σ weight·reward over the judges of a spec such as ``pickscore:0.7,aesthetic:0.3``."""
+
+    def __init__(self, spec: str, loader: Callable[..., Judge] = rewards.load):
+        self.spec = spec
+        self.members = []
+        for weight, name, options in rewards.parse_mix(spec):
+            judge = loader(name, **options)
+            self.members.append(RewardMember(weight, name, judge, is_pairwise_only(judge)))
+
+    @property
+    def needs_groups(self) -> bool:
+        return any(m.pairwise for m in self.members)
+
+    def __call__(self, prompts: list[str], images: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rewards [N] (float32, CPU) and each member's raw rewards; raises RewardError on failure."""
+        total = torch.zeros(len(prompts))
+        parts = {}
+        for member in self.members:
+            try:
+                if member.pairwise:
+                    values = win_rates(member.judge, prompts, images)
+                else:
+                    values = member.judge.score(prompts, images)
+                values = torch.as_tensor(values).detach().float().cpu().reshape(-1)
+            except RewardError:
+                raise
+            except Exception as err:  # any judge failure (network, parsing, OOM) stops training cleanly
+                raise RewardError(f"judge {member.name!r} failed: {type(err).__name__}: {err}") from err
+            if values.shape[0] != len(prompts):
+                raise RewardError(f"judge {member.name!r} returned {values.shape[0]} rewards for {len(prompts)} images")
+            bad = int((~torch.isfinite(values)).sum())
+            if bad:
+                raise RewardError(f"judge {member.name!r} returned {bad} non-finite reward(s) (NaN/inf) out of {len(values)}")
+            parts[member.name] = values
+            total += member.weight * values
+        return total, parts
+
+    def close(self) -> None:
+        for member in self.members:
+            member.judge.close()
+
+
+class BackgroundRewards:
+    """Score one batch in a worker thread while the next batch is being sampled.
+
+    Judges that wait on I/O (API calls) or release the GIL (torch) overlap with sampling;
+    ``result()`` re-raises the judge's RewardError in the training thread.
+    """
+
+    def __init__(self, reward: MixedReward):
+        self.reward = reward
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+
+    def submit(self, prompts: list[str], images: torch.Tensor) -> Future:
+        return self.pool.submit(self.reward, list(prompts), images.detach().cpu())
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,616 @@
+"""Diffusion-DPO (Wallace et al., CVPR 2024) for Stable Diffusion, with preference pairs from a
+dataset or made on the fly by a judge.
+
+    accelerate launch align/dpo.py --reward gpt4o --prompts prompts.txt
+    accelerate launch align/dpo.py --dataset yuvalkirstain/pickapic_v2
+    python align/dpo.py --config configs/testbed_dpo.yaml          # offline, on a CPU
+
+The algorithm box, per optimisation step:
+    1. take pairs (caption c, preferred x_w, rejected x_l) and encode them to latents;
+    2. draw one timestep t and one noise ε per pair, shared by x_w and x_l;
+    3. err(x) = ‖ε_θ(x_t, t, c) − ε‖² averaged over C, H, W, for the model and the frozen reference;
+    4. loss = −log σ(−β/2 · [(err_θ(w) − err_ref(w)) − (err_θ(l) − err_ref(l))]).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# `accelerate launch align/dpo.py` runs this file as a script: make the repo importable.
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
+from align.runs import RunFolder, RunFolderError, atomic_write_text, scrub_secrets  # noqa: E402
+
+
+@dataclass
+class DPOConfig:
+    # --- what to train and on what feedback
+    model: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # hub id, local pipeline folder, or "testbed"
+    reward: str | None = None  # judge that labels fresh generations (AI feedback), e.g. gpt4o, pickscore
+    prompts: str | None = None  # prompts for AI feedback: text file, dataset column, or testbed:<n>
+    dataset: str | None = None  # offline pairs: Pick-a-Pic-schema parquet/folder or HF dataset id
+    dataset_split: str = "train"
+    max_pairs: int | None = None  # cap on the pairs used (None = all)
+    tie_policy: str = "drop"  # drop ties (official code) or keep_first (diffusers script)
+    # --- AI feedback (used with --reward)
+    images_per_prompt: int = 2  # K generations per prompt; pointwise judges pair best vs worst
+    # --- output
+    output_dir: str = "runs/dpo"
+    resume: str | None = None  # "latest" or a checkpoint folder
+    overwrite: bool = False  # replace a run already in output_dir
+    seed: int = 0
+    report_to: str = "tensorboard"  # tensorboard, wandb, all, or none
+    # --- model and adapter
+    finetune: str = "full"  # "full" (paper: frozen copy as reference) or "lora" (adapter off = reference)
+    lora_rank: int = 8
+    lora_alpha: float | None = None  # None = rank
+    lora_targets: str = "to_q,to_k,to_v,to_out.0"
+    mixed_precision: str = "no"  # no, fp16 (paper), bf16
+    gradient_checkpointing: bool = False
+    use_8bit_adam: bool = False  # needs bitsandbytes
+    # --- objective
+    loss: str = "dpo"  # dpo, or sft (MSE on preferred images only)
+    beta: float = 5000.0  # official normalisation (diffusers LoRA script's 2500 = this / 2)
+    # --- optimisation (paper: 16 GPUs x 1 pair x 128 accumulation = 2048 pairs per step)
+    learning_rate: float = 1e-8  # per pair; multiplied by the effective batch when scale_lr
+    scale_lr: bool = True
+    lr_scheduler: str = "constant_with_warmup"
+    lr_warmup_steps: int = 500
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_weight_decay: float = 1e-2
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    train_batch_size: int = 1  # pairs per process per micro-step
+    gradient_accumulation_steps: int = 128
+    max_steps: int = 2000
+    # --- data processing
+    resolution: int | None = 512  # None = the model's native size
+    random_flip: bool = True
+    caption_dropout: float = 0.2  # share of captions replaced by "" (keeps CFG working)
+    cache_latents: bool = True  # encode each image through the VAE once
+    # --- sampling (feedback, validation, before/after evaluation)
+    num_inference_steps: int = 50
+    guidance_scale: float = 7.5
+    # --- checkpoints, validation, evaluation
+    checkpointing_steps: int = 500
+    checkpoints_total_limit: int = 3
+    validation_steps: int = 100
+    validation_prompts: str | None = None  # defaults to the first few training prompts
+    num_validation_images: int = 4
+    eval_prompts: str | None = None  # held-out prompts scored before and after training
+    eval_judge: str | None = None  # defaults to --reward
+    eval_seed: int = 1234
+
+    def validate(self) -> None:
+        """Cheap checks, before any model or judge is loaded."""
+        if bool(self.reward) == bool(self.dataset):
+            raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset (offline pairs)")
+        if self.reward and not self.prompts:
+            raise ConfigError("--reward needs --prompts (a text file, a dataset column, or testbed:<n>)")
+        if self.beta <= 0 or not math.isfinite(self.beta):
+            raise ConfigError(f"--beta must be a positive number, got {self.beta}")
+        if self.loss not in ("dpo", "sft"):
+            raise ConfigError(f"--loss must be dpo or sft, got {self.loss!r}")
+        if self.finetune not in ("full", "lora"):
+            raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
+        if self.tie_policy not in ("drop", "keep_first"):
+            raise ConfigError(f"--tie_policy must be drop or keep_first, got {self.tie_policy!r}")
+        if self.mixed_precision not in ("no", "fp16", "bf16"):
+            raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
+        if self.report_to not in ("tensorboard", "wandb", "all", "none"):
+            raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
+        if self.images_per_prompt < 2:
+            raise ConfigError(f"--images_per_prompt must be >= 2, got {self.images_per_prompt}")
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ConfigError(f"--caption_dropout must be in [0, 1), got {self.caption_dropout}")
+        for name in ("max_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on a bad value (NaN loss); the last good checkpoint is kept."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and pairs
+
+
+def load_prompt_list(spec: str) -> list[str]:
+    """testbed:<n>[:<seed>] samples captions from the shapes world; anything else goes to data.load_prompts."""
+    if spec.startswith("testbed:"):
+        from align.testbed.scene import sample_captions
+
+        parts = spec.split(":")
+        try:
+            n = int(parts[1])
+            seed = int(parts[2]) if len(parts) > 2 else 0
+        except ValueError:
+            raise ConfigError(f"prompt spec {spec!r} must be testbed:<count>[:<seed>]") from None
+        return sample_captions(n, seed)
+    from align.data import load_prompts
+
+    return load_prompts(spec)
+
+
+def check_inputs(config: DPOConfig) -> None:
+    """Every bad input that can be found without loading a model or calling a judge."""
+    import rewards
+    from align.data import DataError
+    from align.pipeline import ModelLoadError, check_model
+
+    config.validate()
+    try:
+        check_model(config.model)
+    except ModelLoadError as err:
+        raise ConfigError(str(err)) from None
+    for spec in filter(None, (config.reward, config.eval_judge)):
+        try:
+            rewards.check_name(spec)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    for spec in filter(None, (config.prompts, config.eval_prompts, config.validation_prompts)):
+        try:
+            if not load_prompt_list(spec):
+                raise ConfigError(f"prompt source {spec!r} holds no prompts")
+        except DataError as err:
+            raise ConfigError(str(err)) from None
+    if config.dataset and not Path(config.dataset).exists() and config.dataset.startswith((".", "/", "~")):
+        raise ConfigError(f"--dataset {config.dataset!r}: no such file or folder")
+
+
+def load_judge(spec: str):
+    """Load a judge and let it fail fast (missing API key, model id the server rejects)."""
+    import rewards
+
+    judge = rewards.load(spec)
+    check_ready = getattr(judge, "check_ready", None)
+    if callable(check_ready):
+        check_ready()
+    return judge
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches: every random draw of step s comes from a generator seeded by (seed, s, micro-step,
+# process), so an interrupted run resumes exactly without saving data-loader state.
+
+
+def step_generator(seed: int, step: int, micro: int, process: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + micro) * 101 + process)
+
+
+class PairOrder:
+    """Epoch-wise shuffled order of pair indices, addressable by a global sample counter."""
+
+    def __init__(self, num_pairs: int, seed: int):
+        self.num_pairs, self.seed, self._perms = num_pairs, seed, {}
+
+    def index(self, counter: int) -> int:
+        epoch, position = divmod(counter, self.num_pairs)
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(self.num_pairs, generator=torch.Generator().manual_seed(self.seed + epoch))}
+        return int(self._perms[epoch][position])
+
+
+class LatentStore:
+    """VAE latents of pair images, computed once per (pair, flip) when caching is on."""
+
+    def __init__(self, pipe, pairs, resolution: int, enabled: bool):
+        self.pipe, self.pairs, self.resolution, self.enabled = pipe, pairs, resolution, enabled
+        self.cache: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.encoded = 0
+
+    def get(self, index: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from align.data import pair_pixels
+        from align.pipeline import encode_images
+
+        key = (index, flip)
+        if key in self.cache:
+            return self.cache[key]
+        pixels_w, pixels_l = pair_pixels(self.pairs[index], self.resolution, flip)
+        latents = encode_images(self.pipe, torch.stack([pixels_w, pixels_l]))
+        self.encoded += 2
+        result = (latents[0].cpu(), latents[1].cpu())
+        if self.enabled:
+            self.cache[key] = result
+        return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def train(config: DPOConfig) -> Path:
+    """Run Diffusion-DPO; returns the run folder."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from diffusers.optimization import get_scheduler
+    from tqdm.auto import tqdm
+
+    from align.data import load_pairs
+    from align.feedback import generate_feedback, make_pipeline_generator
+    from align.pipeline import (
+        add_lora,
+        disabled_adapter,
+        encode_prompts,
+        frozen_copy,
+        load_pipeline,
+        save_full_unet,
+        save_lora,
+        testbed_settings,
+    )
+
+    check_inputs(config)
+    run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    log_with = None if config.report_to == "none" else config.report_to
+    accelerator = Accelerator(
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        mixed_precision=config.mixed_precision,
+        log_with=log_with,
+        project_dir=str(run.path),
+    )
+    main = accelerator.is_main_process
+    if main:
+        run.prepare()
+        run.save_config(asdict(config))
+    accelerator.wait_for_everyone()
+    set_seed(config.seed)
+
+    # The judge first: a missing API key must stop us before any generation.
+    judge = load_judge(config.reward) if config.reward else None
+    eval_judge_spec = config.eval_judge or config.reward
+    eval_judge = None
+    if config.eval_prompts and eval_judge_spec:
+        eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
+
+    pipe = load_pipeline(config.model, device=accelerator.device)
+    defaults = testbed_settings(config.model)
+    steps = defaults.get("num_inference_steps", config.num_inference_steps)
+    guidance = defaults.get("guidance_scale", config.guidance_scale)
+    resolution = config.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
+    for module in (pipe.vae, pipe.text_encoder):
+        module.requires_grad_(False)
+
+    # 1. Preference pairs: AI feedback written to the run folder, or an offline dataset.
+    if judge is not None:
+        feedback_path = run.path / "feedback" / "pairs.parquet"
+        prompts = load_prompt_list(config.prompts)
+        if main:
+            generate_images = make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance)
+            stats = generate_feedback(
+                generate_images, judge, prompts, feedback_path,
+                images_per_prompt=config.images_per_prompt, seed=config.seed,
+            )
+            print(f"[feedback] {stats.summary()}", flush=True)
+        accelerator.wait_for_everyone()
+        source = str(feedback_path)
+    else:
+        source = config.dataset
+    pairs, pair_stats = load_pairs(source, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
+    if main:
+        print(f"[data] {pair_stats.summary()}", flush=True)
+
+    # 2. The trained UNet and its reference.
+    unet = pipe.unet
+    if config.finetune == "lora":
+        add_lora(unet, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.lora_targets.split(","))
+        reference = None  # same UNet, adapter off
+    else:
+        unet.requires_grad_(True)
+        reference = frozen_copy(unet) if config.loss == "dpo" else None
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    params = [p for p in unet.parameters() if p.requires_grad]
+
+    # 3. Derived batch sizes (printed so they can be checked against the paper's 2048).
+    pairs_per_step = config.train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
+    lr = config.learning_rate * pairs_per_step if config.scale_lr else config.learning_rate
+    if main:
+        print(
+            f"[dpo] pairs: {len(pairs)} | per process per micro-step: {config.train_batch_size} | processes: "
+            f"{accelerator.num_processes} | accumulation: {config.gradient_accumulation_steps} | pairs per step: "
+            f"{pairs_per_step} | steps: {config.max_steps} | learning rate: {lr:.3g}"
+            f"{' (scaled by pairs per step)' if config.scale_lr else ''} | beta: {config.beta} | finetune: "
+            f"{config.finetune} ({sum(p.numel() for p in params):,} trainable parameters)",
+            flush=True,
+        )
+
+    optimizer_class = torch.optim.AdamW
+    if config.use_8bit_adam:
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            die("--use_8bit_adam needs bitsandbytes (pip install bitsandbytes)")
+        optimizer_class = bnb.optim.AdamW8bit
+    optimizer = optimizer_class(
+        params, lr=lr, betas=(config.adam_beta1, config.adam_beta2),
+        weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
+    )
+    lr_scheduler = get_scheduler(
+        config.lr_scheduler, optimizer=optimizer,
+        num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
+        num_training_steps=config.max_steps * accelerator.num_processes,
+    )
+    unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+    register_lora_checkpoint_hooks(accelerator, config.finetune == "lora")
+
+    # 4. Caches: text embeddings of every caption (and ""), VAE latents of every pair image.
+    captions = sorted({p.caption for p in pairs} | {""})
+    text_cache = dict(zip(captions, encode_prompts(pipe, captions).cpu()))
+    latents = LatentStore(pipe, pairs, resolution, enabled=config.cache_latents)
+    order = PairOrder(len(pairs), config.seed)
+    noise_scheduler = pipe.scheduler
+    prediction_type = noise_scheduler.config.prediction_type
+
+    # 5. Resume.
+    start_step = 0
+    checkpoint = run.resume_checkpoint()
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        start_step = json.loads((checkpoint / "state.json").read_text())["step"]
+        if main:
+            run.truncate_metrics(start_step)
+            print(f"[dpo] resumed from {checkpoint} at step {start_step}", flush=True)
+    elif config.resume and main:
+        print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
+
+    if log_with:
+        accelerator.init_trackers("dpo", config=_tracker_config(config))
+
+    # 6. Before: score held-out prompts with the starting model (fixed seeds, reused after).
+    if main and eval_judge is not None and start_step == 0:
+        evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_before.json", "before")
+
+    # 7. The loop.
+    progress = tqdm(range(start_step, config.max_steps), disable=not accelerator.is_local_main_process, desc="dpo")
+    last_good = run.latest_checkpoint()
+    for step in progress:
+        step_start = time.perf_counter()
+        logs: dict[str, float] = {}
+        for micro in range(config.gradient_accumulation_steps):
+            gen = step_generator(config.seed, step, micro, accelerator.process_index)
+            counter = ((step * config.gradient_accumulation_steps + micro) * accelerator.num_processes
+                       + accelerator.process_index) * config.train_batch_size
+            batch = [order.index(counter + k) for k in range(config.train_batch_size)]
+            flips = (torch.rand(len(batch), generator=gen) < 0.5).tolist() if config.random_flip else [False] * len(batch)
+            drops = (torch.rand(len(batch), generator=gen) < config.caption_dropout).tolist()
+            pair_latents = [latents.get(i, f) for i, f in zip(batch, flips)]
+            latents_w = torch.stack([w for w, _ in pair_latents])
+            latents_l = torch.stack([l for _, l in pair_latents])
+            text = torch.stack([text_cache["" if d else pairs[i].caption] for i, d in zip(batch, drops)])
+
+            # One timestep and one noise draw per pair, shared by winner and loser.
+            noise = torch.randn(latents_w.shape, generator=gen)
+            timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(batch),), generator=gen)
+            x0 = torch.cat([latents_w, latents_l]).to(accelerator.device)
+            noise2 = torch.cat([noise, noise]).to(accelerator.device)
+            t2 = torch.cat([timesteps, timesteps]).to(accelerator.device)
+            text2 = torch.cat([text, text]).to(accelerator.device)
+            noisy = noise_scheduler.add_noise(x0, noise2, t2)
+            target = noise2 if prediction_type == "epsilon" else noise_scheduler.get_velocity(x0, noise2, t2)
+
+            with accelerator.accumulate(unet):
+                model_err = per_sample_mse(unet(noisy, t2, text2).sample, target)
+                model_err_w, model_err_l = model_err.chunk(2)
+                if config.loss == "sft":
+                    loss, metrics = diffusion_sft_loss(model_err_w)
+                else:
+                    with torch.no_grad():
+                        if reference is None:
+                            with disabled_adapter(accelerator.unwrap_model(unet)) as ref_unet:
+                                ref_pred = ref_unet(noisy, t2, text2).sample
+                        else:
+                            ref_pred = reference(noisy, t2, text2).sample
+                    ref_err_w, ref_err_l = per_sample_mse(ref_pred, target).chunk(2)
+                    loss, metrics = diffusion_dpo_loss(model_err_w, model_err_l, ref_err_w, ref_err_l, config.beta)
+                finite = accelerator.gather(torch.isfinite(loss.detach()).float().reshape(1)).min()
+                if finite < 1:
+                    raise TrainingStopped(
+                        f"non-finite loss at step {step}; stopped before the update. The last good checkpoint "
+                        f"is {last_good or 'none (no checkpoint was written yet)'}; lower --learning_rate or --beta"
+                    )
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and config.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, config.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            for key, value in {"loss": loss.detach(), **metrics}.items():
+                logs[key] = logs.get(key, 0.0) + float(value) / config.gradient_accumulation_steps
+
+        logs = {k: float(accelerator.reduce(torch.tensor(v, device=accelerator.device), "mean")) for k, v in logs.items()}
+        logs["lr"] = lr_scheduler.get_last_lr()[0]
+        logs["pairs_per_second"] = pairs_per_step / (time.perf_counter() - step_start)
+        done = step + 1
+        if main:
+            run.log(done, logs)
+            progress.set_postfix(loss=f"{logs['loss']:.4f}", acc=f"{logs.get('implicit_acc', float('nan')):.2f}")
+        accelerator.log(logs, step=done)
+
+        if done % config.checkpointing_steps == 0 or done == config.max_steps:
+            last_good = save_checkpoint(accelerator, run, done, config.checkpoints_total_limit)
+        if main and config.validation_steps > 0 and (done % config.validation_steps == 0 or done == config.max_steps):
+            save_validation_grid(pipe, config, steps, guidance, run.path / "samples" / f"step_{done:07d}.png")
+
+    # 8. Final weights, after-evaluation, model card, report.
+    accelerator.wait_for_everyone()
+    if main:
+        final = run.path / "final"
+        trained = accelerator.unwrap_model(unet)
+        if config.finetune == "lora":
+            save_lora(trained, final)
+        else:
+            save_full_unet(trained, final)
+        if eval_judge is not None:
+            evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
+        write_model_card(final, config, run)
+        write_run_report(run, config)
+    accelerator.end_training()
+    return run.path
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def register_lora_checkpoint_hooks(accelerator, lora: bool) -> None:
+    """With LoRA, checkpoints hold only the trainable weights (not the whole frozen UNet)."""
+    if not lora:
+        return
+    from safetensors.torch import load_file, save_file
+
+    def save_hook(models, weights, output_dir):
+        for model in models:
+            state = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+            save_file(state, str(Path(output_dir) / "trainable_weights.safetensors"))
+        weights.clear()  # accelerate must not also write the full model
+
+    def load_hook(models, input_dir):
+        state = load_file(str(Path(input_dir) / "trainable_weights.safetensors"))
+        while models:
+            model = models.pop()
+            missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(state)
+            if missing:
+                raise RuntimeError(f"checkpoint {input_dir} lacks {len(missing)} trainable tensors")
+            model.load_state_dict(state, strict=False)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int) -> Path:
+    """Model, optimizer, LR scheduler and RNG states; state.json is written last and marks it complete."""
+    folder = run.checkpoint_dir(step)
+    accelerator.save_state(str(folder))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        atomic_write_text(folder / "state.json", json.dumps({"step": step}))
+        run.prune_checkpoints(keep)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation, evaluation, model card, report
+
+
+def _validation_prompts(config: DPOConfig) -> list[str]:
+    source = config.validation_prompts or config.eval_prompts or config.prompts
+    if source:
+        return load_prompt_list(source)[: config.num_validation_images]
+    return ["a photo of a cat", "a red car on a street", "a bowl of fruit", "a mountain lake at sunrise"][
+        : config.num_validation_images
+    ]
+
+
+def save_validation_grid(pipe, config: DPOConfig, steps: int, guidance: float, path: Path) -> None:
+    from align.pipeline import generate_images
+
+    prompts = _validation_prompts(config)
+    seeds = [config.eval_seed + i for i in range(len(prompts))]
+    images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
+    save_image_row(images, path)
+
+
+def save_image_row(images: torch.Tensor, path: Path) -> None:
+    from rewards.images import to_pil
+
+    tiles = to_pil(images)
+    width, height = tiles[0].size
+    from PIL import Image
+
+    canvas = Image.new("RGB", (width * len(tiles), height), "white")
+    for i, tile in enumerate(tiles):
+        canvas.paste(tile, (i * width, 0))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path)
+
+
+def evaluate_model(pipe, judge, config: DPOConfig, steps: int, guidance: float, path: Path, label: str) -> float:
+    """Mean judge score on the held-out prompts with fixed seeds; writes scores and an image row."""
+    from align.pipeline import generate_images
+
+    prompts = load_prompt_list(config.eval_prompts)
+    seeds = [config.eval_seed + i for i in range(len(prompts))]
+    images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
+    scores = judge.score(prompts, images).float()
+    mean = float(scores.nanmean())
+    atomic_write_text(path, json.dumps({"mean": mean, "scores": scores.tolist(), "prompts": prompts, "seeds": seeds}))
+    save_image_row(images[: config.num_validation_images * 4], path.with_suffix(".png"))
+    print(f"[eval] {label}: mean {judge.name} score on {len(prompts)} held-out prompts = {mean:.4f}", flush=True)
+    return mean
+
+
+def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
+    metrics = run.read_metrics()
+    last = metrics[-1] if metrics else {}
+    feedback = f"AI feedback from the judge `{config.reward}`" if config.reward else f"pairs from `{config.dataset}`"
+    weights = (
+        "`pytorch_lora_weights.safetensors` (load with `pipe.load_lora_weights(folder)`)"
+        if config.finetune == "lora"
+        else "a diffusers `unet/` folder"
+    )
+    text = f"""---
+base_model: {config.model}
+tags: [text-to-image, diffusers, diffusion-dpo]
+---
+# Diffusion-DPO fine-tune of {config.model}
+
+Trained with Diffusion-DPO (Wallace et al. 2024) on {feedback}.
+Weights: {weights}.
+
+| setting | value |
+|---|---|
+| objective | {config.loss} (beta = {config.beta}) |
+| fine-tuning | {config.finetune} |
+| steps | {config.max_steps} |
+| pairs per step | {config.train_batch_size} x processes x {config.gradient_accumulation_steps} |
+| learning rate | {config.learning_rate} {'x pairs per step' if config.scale_lr else ''} |
+| final loss | {last.get('loss', float('nan')):.4f} |
+| final implicit accuracy | {last.get('implicit_acc', float('nan')):.3f} |
+"""
+    atomic_write_text(folder / "README.md", text)
+
+
+def write_run_report(run: RunFolder, config: DPOConfig) -> None:
+    from align.run_report import write_training_report
+
+    write_training_report(run.path, title=f"Diffusion-DPO: {config.model}", metric_keys=("loss", "implicit_acc", "model_mse", "ref_mse"))
+
+
+def _tracker_config(config: DPOConfig) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in scrub_secrets(asdict(config)).items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(DPOConfig, argv)
+    try:
+        train(config)
+    except (ConfigError, RunFolderError) as err:
+        die(str(err))
+    except TrainingStopped as err:
+        die(str(err), code=3)
+    except Exception as err:  # judge/data errors with their own clear messages
+        from align.data import DataError
+
+        if isinstance(err, DataError):
+            die(str(err))
+        raise
+
+
+if __name__ == "__main__":
+    main()

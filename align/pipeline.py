@@ -1,0 +1,220 @@
+"""Load Stable Diffusion pipelines, attach LoRA, give a reference model, save in diffusers formats."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+TESTBED_PIPELINE_DIR = Path(__file__).resolve().parent / "testbed" / "weights" / "pipeline"
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def resolve_model(model: str) -> str:
+    """'testbed' -> the bundled shapes-testbed pipeline; hub ids and local folders pass through."""
+    if model == "testbed":
+        if not (TESTBED_PIPELINE_DIR / "model_index.json").is_file():
+            raise ModelLoadError(
+                f"the bundled testbed pipeline is missing at {TESTBED_PIPELINE_DIR}; "
+                "build it with `python scripts/build_testbed.py`"
+            )
+        return str(TESTBED_PIPELINE_DIR)
+    return model
+
+
+def check_model(model: str) -> str:
+    """Cheap check before expensive work: a local path must be a diffusers pipeline folder."""
+    resolved = resolve_model(model)
+    path = Path(resolved).expanduser()
+    looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
+    if looks_local:
+        if not path.is_dir():
+            raise ModelLoadError(f"--model {model!r}: no such folder")
+        if not (path / "model_index.json").is_file():
+            raise ModelLoadError(
+                f"--model {model!r} is not a diffusers pipeline folder (no model_index.json); "
+                "give a hub id such as stable-diffusion-v1-5/stable-diffusion-v1-5, a folder saved with "
+                "save_pretrained, or 'testbed'"
+            )
+    return resolved
+
+
+def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A StableDiffusionPipeline with a DDIM scheduler, safety checker off, on ``device``."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    resolved = check_model(model)
+    try:
+        pipe = StableDiffusionPipeline.from_pretrained(
+            resolved, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False
+        )
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelLoadError(f"cannot load a Stable Diffusion pipeline from {model!r}: {err}") from err
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def testbed_settings(model: str) -> dict:
+    """Inference defaults stored beside a testbed pipeline (steps, guidance, resolution), if any."""
+    path = Path(resolve_model(model)) / "testbed.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def add_lora(unet, rank: int = 4, alpha: float | None = None, target_modules=DEFAULT_LORA_TARGETS, dropout: float = 0.0):
+    """Attach a PEFT LoRA adapter ("default") to the UNet; only its weights train."""
+    from peft import LoraConfig
+
+    unet.requires_grad_(False)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else rank,
+        lora_dropout=dropout,
+        init_lora_weights="gaussian",
+        target_modules=list(target_modules),
+    )
+    unet.add_adapter(config)
+    return unet
+
+
+def has_lora(unet) -> bool:
+    return bool(getattr(unet, "peft_config", None))
+
+
+@contextlib.contextmanager
+def disabled_adapter(unet):
+    """The LoRA reference model: the same UNet with its adapter switched off (one UNet in memory)."""
+    unet.disable_adapters()
+    try:
+        yield unet
+    finally:
+        unet.enable_adapters()
+
+
+def frozen_copy(unet):
+    """The full fine-tuning reference model: a frozen copy of the starting UNet."""
+    reference = copy.deepcopy(unet)
+    reference.requires_grad_(False)
+    reference.eval()
+    return reference
+
+
+def lora_state_dict(unet) -> dict[str, torch.Tensor]:
+    """LoRA weights in diffusers' key format (what pipe.load_lora_weights expects)."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+
+
+def save_lora(unet, folder: str | Path) -> Path:
+    """Write ``folder/pytorch_lora_weights.safetensors`` loadable by ``pipe.load_lora_weights(folder)``."""
+    from diffusers import StableDiffusionPipeline
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict(unet).items()}
+    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=state, safe_serialization=True)
+    return folder / LORA_WEIGHTS
+
+
+def save_full_unet(unet, folder: str | Path) -> Path:
+    """Write a diffusers ``folder/unet/`` (safetensors) for a fully fine-tuned UNet."""
+    target = Path(folder) / "unet"
+    unet.save_pretrained(target, safe_serialization=True)
+    return target
+
+
+def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", base: str | None = None):
+    """A pipeline from a run folder, a LoRA folder, a full-UNet folder, or a pipeline/hub id.
+
+    A run folder's config.yaml names its base model; ``base`` overrides it (needed for bare LoRA folders).
+    """
+    import yaml
+    from diffusers import UNet2DConditionModel
+
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "config.yaml").is_file() and (p / "final").is_dir():
+        base = base or yaml.safe_load((p / "config.yaml").read_text()).get("model")
+        p = p / "final"
+    if p.is_dir() and (p / LORA_WEIGHTS).is_file():
+        if not base:
+            raise ModelLoadError(f"{path}: a LoRA folder needs the base model (base=...)")
+        pipe = load_pipeline(base, dtype=dtype, device=device)
+        pipe.load_lora_weights(str(p))
+        return pipe
+    if p.is_dir() and (p / "unet" / "config.json").is_file() and not (p / "model_index.json").is_file():
+        if not base:
+            raise ModelLoadError(f"{path}: a UNet folder needs the base model (base=...)")
+        pipe = load_pipeline(base, dtype=dtype, device=device)
+        pipe.unet = UNet2DConditionModel.from_pretrained(p / "unet", torch_dtype=dtype).to(device)
+        return pipe
+    return load_pipeline(path, dtype=dtype, device=device)
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts: list[str]) -> torch.Tensor:
+    """CLIP text-encoder hidden states [N, 77, D] for the prompts (SD's conditioning)."""
+    tokens = pipe.tokenizer(
+        list(prompts),
+        padding="max_length",
+        max_length=pipe.tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids.to(pipe.text_encoder.device)
+    return pipe.text_encoder(tokens)[0]
+
+
+@torch.no_grad()
+def encode_images(pipe, pixels: torch.Tensor) -> torch.Tensor:
+    """VAE latents (mean of the posterior, scaled) of pixels in [-1, 1]."""
+    vae = pipe.vae
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+    return latents * vae.config.scaling_factor
+
+
+@torch.no_grad()
+def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """Images [N, 3, H, W] in [0, 1] from scaled VAE latents."""
+    vae = pipe.vae
+    images = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+@torch.no_grad()
+def generate_images(
+    pipe,
+    prompts: list[str],
+    seeds: list[int],
+    num_inference_steps: int = 50,
+    guidance_scale: float = 7.5,
+    height: int | None = None,
+    width: int | None = None,
+    batch_size: int = 8,
+) -> torch.Tensor:
+    """Images [N, 3, H, W] in [0, 1]; image i depends only on (prompt i, seed i), not on batching."""
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = slice(start, start + batch_size)
+        generators = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds[chunk]]
+        result = pipe(
+            prompt=list(prompts[chunk]),
+            generator=generators,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            output_type="pt",
+        )
+        out.append(result.images.float().cpu())
+    return torch.cat(out) if out else torch.empty(0, 3, 1, 1)

@@ -1,0 +1,142 @@
+"""Run folders: one folder per run holding the resolved config (no secrets), metrics.jsonl,
+checkpoints for exact resume, final weights, samples and the report. Writes are atomic."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+
+# Keys whose values are never written anywhere; values that look like API keys are masked too.
+_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.IGNORECASE)
+_SECRET_VALUE = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|AIza[0-9A-Za-z_\-]{20,}|hf_[A-Za-z0-9]{20,})")
+
+
+class RunFolderError(ValueError):
+    pass
+
+
+def scrub_secrets(obj):
+    """A copy of ``obj`` with secret-looking keys and values replaced by '***'."""
+    if isinstance(obj, dict):
+        return {k: ("***" if _SECRET_KEY.search(str(k)) and v else scrub_secrets(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(scrub_secrets(v) for v in obj)
+    if isinstance(obj, str):
+        return _SECRET_VALUE.sub("***", obj)
+    return obj
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+class RunFolder:
+    """The output folder of one run.
+
+    A folder that already holds a run (its config.yaml) is refused unless ``resume`` is set
+    (continue it) or ``overwrite`` is set (start afresh; old checkpoints are removed).
+    """
+
+    def __init__(self, output_dir: str | Path, resume: str | None = None, overwrite: bool = False):
+        self.path = Path(output_dir)
+        self.resume = resume
+        holds_run = (self.path / CONFIG_FILE).is_file() or (self.path / CHECKPOINTS).is_dir()
+        if self.path.exists() and not self.path.is_dir():
+            raise RunFolderError(f"output path {self.path} exists and is not a folder")
+        if holds_run and not resume and not overwrite:
+            raise RunFolderError(
+                f"output folder {self.path} already holds a run; pass --resume latest to continue it, "
+                "--overwrite to start afresh, or choose another --output-dir"
+            )
+        if resume and resume != "latest" and not Path(resume).is_dir():
+            raise RunFolderError(f"--resume {resume!r}: no such checkpoint folder (or use 'latest')")
+        self.overwrite = overwrite and not resume
+
+    def prepare(self) -> None:
+        """Create the folder (main process only). With --overwrite, clear old run outputs."""
+        if self.overwrite:
+            for name in (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples"):
+                target = self.path / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def save_config(self, config: dict) -> None:
+        atomic_write_text(self.path / CONFIG_FILE, yaml.safe_dump(scrub_secrets(config), sort_keys=False))
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path / METRICS_FILE, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        path = self.path / METRICS_FILE
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """On resume, drop metric lines logged after the checkpoint (they will be redone)."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
+        atomic_write_text(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.path / CHECKPOINTS / f"step_{step:07d}"
+
+    def checkpoints(self) -> list[Path]:
+        folder = self.path / CHECKPOINTS
+        if not folder.is_dir():
+            return []
+        done = [p for p in folder.iterdir() if p.is_dir() and (p / "state.json").is_file()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[-1]))
+
+    def latest_checkpoint(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def resume_checkpoint(self) -> Path | None:
+        if not self.resume:
+            return None
+        if self.resume == "latest":
+            return self.latest_checkpoint()
+        return Path(self.resume)
+
+    def prune_checkpoints(self, keep: int) -> None:
+        if keep <= 0:
+            return
+        for old in self.checkpoints()[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _plain(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value

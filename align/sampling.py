@@ -1,0 +1,213 @@
+"""DDIM sampling that records, per step, the latents and the log-probability of each step (DDPO).
+
+One stochastic DDIM step (Song et al. 2021, eq. 12 and 16), with ᾱ the cumulative alphas:
+
+    x̂0   = (x_t - √(1-ᾱ_t)·ε̂) / √ᾱ_t
+    σ_t  = η·√[(1-ᾱ_prev)/(1-ᾱ_t) · (1 - ᾱ_t/ᾱ_prev)]
+    μ    = √ᾱ_prev·x̂0 + √(1-ᾱ_prev-σ_t²)·ε̂
+    x_prev = μ + σ_t·z
+
+and log p(x_prev | x_t) is the Gaussian log-density under N(μ, σ_t²), averaged (not summed)
+over the non-batch dimensions, as ddpo-pytorch does. With the same z, ``x_prev`` is what
+diffusers' ``DDIMScheduler.step(..., eta=η, variance_noise=z)`` returns; the difference is that
+here ``timestep`` may hold one timestep per sample, so a training batch can mix steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, 1, 1, ...] so that it broadcasts against ``like``."""
+    return values.reshape(values.shape[0], *([1] * (like.ndim - 1)))
+
+
+def _timesteps_tensor(timestep, batch: int, device) -> torch.Tensor:
+    t = torch.as_tensor(timestep, device=device).long()
+    if t.ndim == 0:
+        t = t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(f"timestep must be a scalar or hold one value per sample ({batch}), got shape {tuple(t.shape)}")
+    return t
+
+
+def ddim_step_mean_std(scheduler, model_output: torch.Tensor, timestep, sample: torch.Tensor, eta: float):
+    """Mean μ and standard deviation σ_t ([B, 1, ...]) of the DDIM step's Gaussian, in float32.
+
+    Follows ``DDIMScheduler.step`` exactly (prediction types, clipping/thresholding of x̂0,
+    the previous timestep ``t - T // num_inference_steps`` and ``final_alpha_cumprod``).
+    """
+    if not eta > 0:
+        raise ValueError(f"eta must be > 0 for a stochastic step with a log-probability (DDPO uses 1.0), got {eta}")
+    if scheduler.num_inference_steps is None:
+        raise ValueError("call scheduler.set_timesteps(num_inference_steps) before stepping")
+    config = scheduler.config
+    model_output = model_output.float()
+    sample = sample.float()
+    t = _timesteps_tensor(timestep, sample.shape[0], sample.device)
+    prev_t = t - config.num_train_timesteps // scheduler.num_inference_steps
+
+    alphas_cumprod = scheduler.alphas_cumprod.to(sample.device, torch.float32)
+    final = torch.as_tensor(scheduler.final_alpha_cumprod, device=sample.device, dtype=torch.float32)
+    alpha_t = _per_sample(alphas_cumprod[t], sample)
+    alpha_prev = _per_sample(torch.where(prev_t >= 0, alphas_cumprod[prev_t.clamp(min=0)], final), sample)
+    beta_t = 1 - alpha_t
+
+    if config.prediction_type == "epsilon":
+        x0 = (sample - beta_t.sqrt() * model_output) / alpha_t.sqrt()
+        eps = model_output
+    elif config.prediction_type == "sample":
+        x0 = model_output
+        eps = (sample - alpha_t.sqrt() * x0) / beta_t.sqrt()
+    elif config.prediction_type == "v_prediction":
+        x0 = alpha_t.sqrt() * sample - beta_t.sqrt() * model_output
+        eps = alpha_t.sqrt() * model_output + beta_t.sqrt() * sample
+    else:
+        raise ValueError(
+            f"scheduler prediction_type {config.prediction_type!r} is not one of epsilon, sample, v_prediction"
+        )
+    if config.thresholding:
+        x0 = scheduler._threshold_sample(x0)
+    elif config.clip_sample:
+        x0 = x0.clamp(-config.clip_sample_range, config.clip_sample_range)
+
+    variance = (1 - alpha_prev) / beta_t * (1 - alpha_t / alpha_prev)
+    std = eta * variance.sqrt()
+    mean = alpha_prev.sqrt() * x0 + (1 - alpha_prev - std**2).sqrt() * eps
+    return mean, std
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """log N(x; mean, std²) averaged over the non-batch dimensions: one value per sample."""
+    x = x.float()
+    log_density = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return log_density.flatten(1).mean(dim=1)
+
+
+def ddim_step_with_logprob(
+    scheduler,
+    model_output: torch.Tensor,
+    timestep,
+    sample: torch.Tensor,
+    eta: float,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stochastic DDIM step and its log-probability.
+
+    ``timestep``: an int or a tensor [B] (one timestep per sample). If ``prev_sample`` is given
+    (training: re-scoring a stored trajectory) it is kept and only its log-probability computed;
+    otherwise it is drawn with ``generator``. Returns (prev_sample in ``sample``'s dtype, log_prob [B]).
+    """
+    mean, std = ddim_step_mean_std(scheduler, model_output, timestep, sample, eta)
+    if prev_sample is None:
+        noise = randn_tensor(model_output.shape, generator=generator, device=model_output.device, dtype=torch.float32)
+        # Cast before scoring so the stored sample is exactly the one whose log-prob is recorded.
+        prev_sample = (mean + std * noise).to(sample.dtype)
+    elif generator is not None:
+        raise ValueError("pass either prev_sample or generator, not both")
+    log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
+    return prev_sample, log_prob
+
+
+def guided_noise_prediction(
+    unet,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    negative_prompt_embeds: torch.Tensor,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """Classifier-free guidance: uncond + w·(cond - uncond), both halves in one UNet call.
+
+    ``timesteps`` is an int or a tensor [B]; the UNet takes one timestep per sample.
+    """
+    batch = latents.shape[0]
+    t = _timesteps_tensor(timesteps, batch, latents.device)
+    if guidance_scale == 1.0:
+        return unet(latents, t, encoder_hidden_states=prompt_embeds).sample
+    out = unet(
+        torch.cat([latents, latents]),
+        torch.cat([t, t]),
+        encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]),
+    ).sample
+    uncond, cond = out.chunk(2)
+    return uncond + guidance_scale * (cond - uncond)
+
+
+@dataclass
+class Trajectory:
+    """A batch of sampled trajectories.
+
+    all_latents: [B, T+1, C, H, W], x_T first and the final x_0 latent last.
+    timesteps:   [B, T] the scheduler timestep of each step (the same for every sample).
+    log_probs:   [B, T] log p(x_{t-1} | x_t) of the step actually taken, at sampling time.
+    """
+
+    all_latents: torch.Tensor
+    timesteps: torch.Tensor
+    log_probs: torch.Tensor
+
+    @property
+    def latents(self) -> torch.Tensor:
+        """[B, T, ...] the input of each step."""
+        return self.all_latents[:, :-1]
+
+    @property
+    def next_latents(self) -> torch.Tensor:
+        """[B, T, ...] the output of each step."""
+        return self.all_latents[:, 1:]
+
+    @property
+    def final_latents(self) -> torch.Tensor:
+        return self.all_latents[:, -1]
+
+
+def check_scheduler_steps(scheduler, num_inference_steps: int, eta: float) -> None:
+    """Raise if some step of this schedule has zero variance (its log-probability would be infinite)."""
+    scheduler.set_timesteps(num_inference_steps)
+    sample = torch.zeros(len(scheduler.timesteps), 1)
+    _, std = ddim_step_mean_std(scheduler, sample, scheduler.timesteps, sample, eta)
+    if not bool((std > 0).all()):
+        raise ValueError(
+            "the scheduler has a step with zero noise (for example set_alpha_to_one=True makes the last "
+            "step deterministic), so its log-probability is undefined; use set_alpha_to_one=False "
+            "(the Stable Diffusion default)"
+        )
+
+
+@torch.no_grad()
+def sample_with_logprob(
+    unet,
+    scheduler,
+    prompt_embeds: torch.Tensor,
+    negative_prompt_embeds: torch.Tensor,
+    *,
+    num_inference_steps: int,
+    guidance_scale: float,
+    eta: float,
+    latents: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> Trajectory:
+    """Run the full DDIM chain from the initial noise ``latents`` [B, C, H, W] and record it."""
+    scheduler.set_timesteps(num_inference_steps, device=latents.device)
+    latents = latents * scheduler.init_noise_sigma
+    all_latents, log_probs = [latents], []
+    for t in scheduler.timesteps:
+        model_input = scheduler.scale_model_input(latents, t)
+        noise_pred = guided_noise_prediction(
+            unet, model_input, t, prompt_embeds, negative_prompt_embeds, guidance_scale
+        )
+        latents, log_prob = ddim_step_with_logprob(scheduler, noise_pred, t, latents, eta, generator=generator)
+        all_latents.append(latents)
+        log_probs.append(log_prob)
+    batch = latents.shape[0]
+    timesteps = scheduler.timesteps.to(latents.device).unsqueeze(0).expand(batch, -1)
+    return Trajectory(torch.stack(all_latents, dim=1), timesteps.clone(), torch.stack(log_probs, dim=1))

@@ -1,0 +1,32 @@
+"""Where the bundled testbed pipeline lives inside the package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# A full diffusers StableDiffusionPipeline folder written by scripts/build_testbed.py.
+TESTBED_PIPELINE_DIR = Path(__file__).parent / "weights" / "pipeline"
+# Default sampling settings of the bundled pipeline, stored beside its model_index.json.
+TESTBED_SETTINGS_FILE = "testbed.json"
+
+
+class MissingTestbedWeightsError(FileNotFoundError):
+    pass
+
+
+def testbed_pipeline_dir() -> Path:
+    """The bundled pipeline folder, or a clear error saying how to build it."""
+    if not (TESTBED_PIPELINE_DIR / "model_index.json").is_file():
+        raise MissingTestbedWeightsError(
+            f"the bundled testbed pipeline is missing ({TESTBED_PIPELINE_DIR} has no model_index.json); "
+            "build it with `python scripts/build_testbed.py` (about 30 minutes on 2 CPU cores), "
+            "or pass a hub id / local pipeline folder as --model instead of 'testbed'"
+        )
+    return TESTBED_PIPELINE_DIR
+
+
+def testbed_settings() -> dict:
+    """The bundled pipeline's default inference settings (num_inference_steps, guidance_scale, resolution)."""
+    import json
+
+    return json.loads((testbed_pipeline_dir() / TESTBED_SETTINGS_FILE).read_text(encoding="utf-8"))

@@ -1,0 +1,108 @@
+"""Judges for text-to-image alignment: ``rewards.load(name, **options)``.
+
+Heavy imports (torch models, API SDKs) happen inside the adapter module that needs
+them, so ``import rewards`` is fast and an API-only user needs no vision weights.
+This package never imports ``align``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from rewards.base import Judge, Preference, preference_from_scores
+from rewards.spec import parse_mix, parse_spec
+
+# name -> "module:factory". Factories take the judge options as keyword arguments.
+_REGISTRY: dict[str, str] = {
+    # rule judges (no weights)
+    "jpeg-compressibility": "rewards.rules:JpegCompressibility",
+    "jpeg-incompressibility": "rewards.rules:JpegIncompressibility",
+    "random": "rewards.rules:RandomJudge",
+    "first-image": "rewards.rules:FirstImageJudge",
+    # the shapes testbed
+    "shapes-oracle": "rewards.shapes:ShapesOracle",
+    "shapes-clip": "rewards.clip:shapes_clip",
+    # scoring models (MJ-Bench names)
+    "clip": "rewards.clip:clip_score",
+    "pickscore": "rewards.clip:pickscore",
+    "aesthetic": "rewards.clip:aesthetic",
+    "blip": "rewards.blip:BlipItm",
+    "hps": "rewards.hps:HpsV21",
+    "imagereward": "rewards.imagereward:image_reward",
+    "vpscore": "rewards.imagereward:vp_score",
+    "llava-reward": "rewards.llava_reward:LlavaReward",
+    # API judges
+    "gpt4o": "rewards.api:gpt4o",
+    "gpt4v": "rewards.api:gpt4v",
+    "gemini": "rewards.api:gemini",
+    "claude": "rewards.api:claude",
+    # local VLM judges (transformers)
+    "llava-1.5-7b": "rewards.vlm:llava_15_7b",
+    "llava-1.6-7b": "rewards.vlm:llava_16_7b",
+    "idefics2-8b": "rewards.vlm:idefics2_8b",
+    "instructblip": "rewards.vlm:instructblip",
+    "qwen2.5-vl-7b": "rewards.vlm:qwen25_vl_7b",
+    "internvl": "rewards.vlm:internvl",
+}
+
+# "prefix:<model>" names, e.g. openai:gpt-4.1-mini for any OpenAI-compatible server (vLLM too).
+_PREFIXES: dict[str, str] = {
+    "openai": "rewards.api:openai_compatible",
+    "anthropic": "rewards.api:anthropic_model",
+    "google": "rewards.api:gemini_model",
+    "hf-vlm": "rewards.vlm:hf_vlm",
+}
+
+# A folder written by ``align.train_reward`` carries this file and loads by path.
+TRAINED_MARKER = "reward_model.json"
+
+
+class UnknownJudgeError(ValueError):
+    pass
+
+
+def available() -> list[str]:
+    """Registered judge names (plus the 'prefix:<model>' forms)."""
+    return sorted(_REGISTRY) + [f"{p}:<model>" for p in sorted(_PREFIXES)]
+
+
+def _resolve(name: str) -> tuple[str, dict]:
+    if name in _REGISTRY:
+        return _REGISTRY[name], {}
+    prefix, sep, model = name.partition(":")
+    if sep and prefix in _PREFIXES and model:
+        return _PREFIXES[prefix], {"model": model}
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / TRAINED_MARKER).is_file():
+        return "rewards.trained:load_trained", {"path": str(path)}
+    raise UnknownJudgeError(f"unknown judge {name!r}; known judges: {', '.join(available())}")
+
+
+def check_name(spec: str) -> None:
+    """Raise UnknownJudgeError for an unknown judge (or mix member) without loading anything."""
+    for _, name, _ in parse_mix(spec):
+        _resolve(name)
+
+
+def load(name: str, **options) -> Judge:
+    """Load a judge by name (or 'name[key=value]' spec) with adapter options."""
+    base, spec_options = parse_spec(name)
+    target, implied = _resolve(base)
+    module_name, _, factory_name = target.partition(":")
+    module = importlib.import_module(module_name)
+    factory = getattr(module, factory_name)
+    return factory(**{**implied, **spec_options, **options})
+
+
+__all__ = [
+    "Judge",
+    "Preference",
+    "UnknownJudgeError",
+    "available",
+    "check_name",
+    "load",
+    "parse_mix",
+    "parse_spec",
+    "preference_from_scores",
+]

@@ -1,0 +1,240 @@
+"""The MJ-Bench protocol shared by API judges (rewards.api) and local VLM judges (rewards.vlm).
+
+A multimodal LLM judge is asked a question (judge_prompts.JudgeQuestion) about one or two images,
+answers in text, and the answer is parsed (parsing.parse_answer). This module turns those answers
+into scores and preferences:
+
+- ``score`` (modes single / likert): one question per image; abstentions are NaN.
+- ``compare`` (mode pair): one question per pair in each order (A,B) and (B,A) unless
+  ``swap_orders=False``; consistent answers give that preference, inconsistent ones a tie
+  (``inconsistent="tie"``) or the mean of the two orders' probabilities (``"average"``).
+  ``raw`` records both answers and whether they agreed. In single/likert modes ``compare`` is the
+  score difference (base class).
+
+Subclasses implement ``judge_id`` and ``_generate(requests, on_answer)``. Answers are looked up in
+and written to the SQLite cache (``cache_path``) one by one, as they arrive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from rewards.base import Judge, Preference
+from rewards.cache import CachedAnswer, JudgeCache, cache_key, image_hash
+from rewards.concurrency import CallStats
+from rewards.images import Images, num_images, to_pil
+from rewards.judge_prompts import JudgeQuestion, render
+from rewards.parsing import FAILED, OK, Parsed, parse_answer
+
+INCONSISTENT_POLICIES = ("tie", "average")
+ONE_ORDER_POLICIES = ("abstain", "use")
+
+
+class JudgeNotReadyError(RuntimeError):
+    """The judge cannot run (missing key, rejected key or model id, unreachable server)."""
+
+
+@dataclass
+class JudgeRequest:
+    """One question to send: the rendered prompt and its images (in the order shown)."""
+
+    caption: str
+    prompt: str
+    images: list[Image.Image]
+    image_hashes: list[str]
+    key: str = ""
+
+
+@dataclass
+class Answer:
+    """One question's outcome: the raw text (None when no answer came back) and its parse."""
+
+    raw: str | None
+    parsed: Parsed
+    cached: bool = False
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"raw": self.raw, "status": self.parsed.status, "value": self.parsed.value,
+                "reason": self.parsed.reason or self.error or "", "cached": self.cached}
+
+
+@dataclass
+class MllmJudge(Judge):
+    """Base of the (M)LLM judges. Options are documented in docs/judges_vlm_api.md."""
+
+    model: str = ""
+    mode: str = "single"
+    perspective: str = "alignment"
+    scale: str = "1-10"
+    likert_levels: int = 5
+    swap_orders: bool = True
+    inconsistent: str = "tie"
+    one_order: str = "abstain"
+    temperature: float | None = 0.0  # None: the provider's default (not sent)
+    max_tokens: int = 512
+    cache_path: str | None = None
+    stats: CallStats = field(default_factory=CallStats, repr=False)
+    last_answers: list = field(default_factory=list, repr=False)
+    _cache: JudgeCache | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self.question = JudgeQuestion(self.mode, self.perspective, self.scale, int(self.likert_levels))
+        if self.inconsistent not in INCONSISTENT_POLICIES:
+            raise ValueError(f"inconsistent={self.inconsistent!r}; valid: {', '.join(INCONSISTENT_POLICIES)}")
+        if self.one_order not in ONE_ORDER_POLICIES:
+            raise ValueError(f"one_order={self.one_order!r}; valid: {', '.join(ONE_ORDER_POLICIES)}")
+        if self.temperature is not None and not (0.0 <= float(self.temperature) <= 2.0):
+            raise ValueError(f"temperature={self.temperature!r}; valid: 0 to 2, or None for the provider default")
+        self.pairwise_native = self.mode == "pair"
+        if self.cache_path:
+            self._cache = JudgeCache(self.cache_path)
+
+    # ---- to implement -------------------------------------------------------------------------
+    @property
+    def judge_id(self) -> str:
+        raise NotImplementedError
+
+    def decoding(self) -> dict:
+        """Settings that change the answer; part of the cache key."""
+        temperature = None if self.temperature is None else float(self.temperature)
+        return {"temperature": temperature, "max_tokens": int(self.max_tokens)}
+
+    def _generate(self, requests: list[JudgeRequest], on_answer: Callable[[int, CachedAnswer | Exception], None]):
+        """Answer every request, calling ``on_answer(i, answer_or_error)`` as each one finishes."""
+        raise NotImplementedError
+
+    def check_ready(self) -> None:
+        """Fail fast (JudgeNotReadyError) before any expensive work; cheap when ready."""
+
+    # ---- the protocol -------------------------------------------------------------------------
+    def score(self, prompts: list[str], images: Images) -> torch.Tensor:
+        if self.mode == "pair":
+            raise ValueError(
+                f"judge {self.name!r} runs in mode 'pair' (two images per question); use compare(), "
+                "or load it with mode='single' or mode='likert' for pointwise scores"
+            )
+        pils = to_pil(images)
+        if len(pils) != len(prompts):
+            raise ValueError(f"score needs one prompt per image: got {len(prompts)} prompts and {len(pils)} images")
+        answers = self.ask([self._request(p, [img]) for p, img in zip(prompts, pils)])
+        self.last_answers = answers
+        return torch.tensor([a.parsed.value if a.parsed.ok else math.nan for a in answers], dtype=torch.float32)
+
+    def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
+        if self.mode != "pair":
+            return super().compare(prompts, images_a, images_b)
+        n = len(prompts)
+        if num_images(images_a) != n or num_images(images_b) != n:
+            raise ValueError(
+                f"compare needs one prompt per pair: got {n} prompts, "
+                f"{num_images(images_a)} images A and {num_images(images_b)} images B"
+            )
+        pa, pb = to_pil(images_a), to_pil(images_b)
+        requests = [self._request(p, [a, b]) for p, a, b in zip(prompts, pa, pb)]
+        if self.swap_orders:
+            requests += [self._request(p, [b, a]) for p, a, b in zip(prompts, pa, pb)]
+        answers = self.ask(requests)
+        self.last_answers = answers
+        if not self.swap_orders:
+            return [reconcile(ab, None, self.inconsistent, "use") for ab in answers]
+        return [reconcile(ab, ba, self.inconsistent, self.one_order) for ab, ba in zip(answers[:n], answers[n:])]
+
+    def _request(self, caption: str, images: list[Image.Image]) -> JudgeRequest:
+        hashes = [image_hash(img) for img in images]
+        prompt = render(self.question, caption)
+        key = cache_key(self.judge_id, self.question.key(), prompt, hashes, self.decoding())
+        return JudgeRequest(caption, prompt, images, hashes, key)
+
+    def ask(self, requests: list[JudgeRequest]) -> list[Answer]:
+        """Answers for the requests: from the cache where present, otherwise generated (and cached)."""
+        answers: list[Answer | None] = [None] * len(requests)
+        todo: list[int] = []
+        seen: dict[str, int] = {}
+        duplicates: list[tuple[int, int]] = []
+        for i, req in enumerate(requests):
+            hit = self._cache.get(req.key) if self._cache is not None else None
+            if hit is not None:
+                self.stats.add(cache_hits=1)
+                answers[i] = Answer(hit.raw, parse_answer(hit.raw, self.question), cached=True)
+            elif req.key in seen:  # the same question twice in one batch: ask once
+                duplicates.append((i, seen[req.key]))
+            else:
+                seen[req.key] = i
+                todo.append(i)
+
+        def on_answer(j: int, result: CachedAnswer | Exception) -> None:
+            i = todo[j]
+            if isinstance(result, Exception):
+                self.stats.add(failures=1)
+                answers[i] = Answer(None, Parsed(FAILED, reason=str(result)), error=str(result))
+                return
+            self.stats.add(input_tokens=result.input_tokens, output_tokens=result.output_tokens)
+            if self._cache is not None:
+                req = requests[i]
+                self._cache.put(req.key, judge=self.judge_id, question=self.question.key(), prompt=req.prompt,
+                                image_hashes=req.image_hashes, decoding=self.decoding(), answer=result)
+            answers[i] = Answer(result.raw, parse_answer(result.raw, self.question))
+
+        if todo:
+            self._generate([requests[i] for i in todo], on_answer)
+        for i, j in duplicates:
+            answers[i] = answers[j]
+        missing = [i for i, a in enumerate(answers) if a is None]
+        if missing:  # a backend bug must not silently drop labels
+            raise RuntimeError(f"judge {self.name!r} returned no answer for requests {missing[:5]}")
+        return answers  # type: ignore[return-value]
+
+    def usage_summary(self) -> str:
+        return self.stats.summary(self.judge_id, getattr(self, "price_per_mtok", None))
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
+
+
+def order_prob(parsed: Parsed, swapped: bool) -> float:
+    """P(A better) from one order's answer (better_image 1 = the first image shown)."""
+    better = parsed.value["better"]
+    if better == 0:
+        return 0.5
+    first_wins = better == 1
+    return float(first_wins != swapped)
+
+
+def reconcile(ab: Answer, ba: Answer | None, inconsistent: str = "tie", one_order: str = "abstain") -> Preference:
+    """Combine the answers for orders (A,B) and (B,A) into one Preference (position-bias control)."""
+    orders = [dict(order="AB", **ab.as_dict())] + ([dict(order="BA", **ba.as_dict())] if ba is not None else [])
+    probs = [order_prob(ab.parsed, False) if ab.parsed.ok else None]
+    if ba is not None:
+        probs.append(order_prob(ba.parsed, True) if ba.parsed.ok else None)
+    usable = [p for p in probs if p is not None]
+    raw: dict[str, Any] = {"orders": orders, "consistent": None}
+    if not usable or (len(usable) < len(probs) and one_order == "abstain"):
+        return Preference(0.5, abstained=True, raw=raw)
+    if len(usable) == 1:
+        p = usable[0]
+        return Preference(p, tie=p == 0.5, raw=raw)
+    p_ab, p_ba = usable
+    raw["consistent"] = p_ab == p_ba
+    if p_ab == p_ba:
+        return Preference(p_ab, tie=p_ab == 0.5, raw=raw)
+    if inconsistent == "tie":
+        return Preference(0.5, tie=True, raw=raw)
+    p = (p_ab + p_ba) / 2
+    return Preference(p, tie=p == 0.5, raw=raw)
+
+
+def reparse(answers: list[Answer], question: JudgeQuestion) -> list[Answer]:
+    """Parse stored raw answers again (e.g. after improving the parser); no calls are made."""
+    return [a if a.raw is None else Answer(a.raw, parse_answer(a.raw, question), a.cached, a.error) for a in answers]
+
+
+__all__ = ["Answer", "JudgeNotReadyError", "JudgeRequest", "MllmJudge", "OK", "reconcile", "reparse"]

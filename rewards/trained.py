@@ -1,0 +1,242 @@
+"""Reward models trained by ``align.train_reward``, loaded by path: ``rewards.load("<folder>")``.
+
+A trained folder holds ``reward_model.json`` (the marker, written last) plus the weights:
+
+- kind ``clip-mlp`` (ImageReward / VP-Score style): ``backbone/`` (a transformers CLIPModel and
+  its processor, LoRA merged in) and ``head.safetensors`` (an MLP on [img, txt, img*txt, cos]).
+- kind ``mllm-skipca`` (LLaVA-Reward style): the authors' layout (``lora/``, the head file,
+  ``reward_config.yaml``), loaded by ``rewards.llava_reward``.
+
+Calibration: the trainer fits a temperature T on held-out pairs and stores it in the marker.
+At load, scores are s = r / (tau * T), so P(a > b) = sigmoid(s_a - s_b) is calibrated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rewards.base import Judge, Preference
+from rewards.images import Images, num_images, to_pil
+from rewards.reward_heads import MLPHead
+from rewards.weights import batched, check_batch_size, check_prompts, resolve_device
+
+MARKER = "reward_model.json"
+FORMAT_VERSION = 1
+KINDS = ("clip-mlp", "mllm-skipca")
+
+
+class TrainedRewardError(ValueError):
+    """A trained reward-model folder that cannot be loaded (missing files, unknown kind)."""
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+class ClipRewardModel(nn.Module):
+    """CLIP image and text embeddings -> MLP -> one scalar reward per (prompt, image).
+
+    The head sees [img, txt, img * txt, cos(img, txt)] of the unit-norm projected embeddings, so
+    it starts from CLIP's own alignment signal and can learn more (counts, relations, quality).
+    """
+
+    def __init__(self, clip, processor, hidden: tuple[int, ...] = (256, 64), dropout: float = 0.1, max_tokens: int | None = None):
+        super().__init__()
+        self.clip = clip
+        self.processor = processor
+        dim = clip.config.projection_dim
+        self.head = MLPHead(3 * dim + 1, tuple(hidden), dropout)
+        self.hidden, self.dropout = tuple(hidden), dropout
+        limit = getattr(processor.tokenizer, "model_max_length", None) or 77
+        self.max_tokens = int(min(limit, clip.config.text_config.max_position_embeddings, max_tokens or 10**9))
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.layers[0].weight.device
+
+    def pixel_values(self, images: list) -> torch.Tensor:
+        return self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def features(self, prompts: list[str], images: list) -> torch.Tensor:
+        tokens = self.processor.tokenizer(
+            prompts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+        )
+        pixels = self.pixel_values(images).to(self.device)
+        # transformers 5 returns output objects; the projected embedding is pooler_output
+        image = self.clip.get_image_features(pixel_values=pixels).pooler_output
+        text = self.clip.get_text_features(
+            input_ids=tokens["input_ids"].to(self.device), attention_mask=tokens["attention_mask"].to(self.device)
+        ).pooler_output
+        image = nn.functional.normalize(image.float(), dim=-1)
+        text = nn.functional.normalize(text.float(), dim=-1)
+        cos = (image * text).sum(-1, keepdim=True)
+        return torch.cat([image, text, image * text, cos], dim=-1)
+
+    def rewards(self, prompts: list[str], images: list) -> torch.Tensor:
+        """[N] rewards, differentiable (used for training and scoring)."""
+        return self.head(self.features(prompts, images))
+
+    def forward(self, prompts: list[str], images: list) -> torch.Tensor:
+        return self.rewards(prompts, images)
+
+    def save(self, folder: str | Path) -> dict:
+        """Write backbone/ and head.safetensors; returns the marker fields describing them."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        clip = self.clip
+        if hasattr(clip, "merge_and_unload"):  # a peft LoRA wrapper: save plain CLIP weights
+            import copy
+
+            clip = copy.deepcopy(clip).merge_and_unload()
+        clip.save_pretrained(folder / "backbone")
+        self.processor.save_pretrained(folder / "backbone")
+        state = {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
+        save_file(state, str(folder / "head.safetensors"))
+        return {"kind": "clip-mlp", "backbone": "backbone", "head": {"hidden": list(self.hidden), "dropout": self.dropout}}
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, meta: dict, dtype: torch.dtype = torch.float32) -> ClipRewardModel:
+        from safetensors.torch import load_file
+        from transformers import AutoProcessor, CLIPModel
+
+        folder = Path(folder)
+        backbone = folder / meta.get("backbone", "backbone")
+        head_file = folder / "head.safetensors"
+        for needed in (backbone / "config.json", head_file):
+            if not needed.is_file():
+                raise TrainedRewardError(f"trained reward model {str(folder)!r} lacks {needed.relative_to(folder)}")
+        clip = CLIPModel.from_pretrained(str(backbone), dtype=dtype)
+        processor = AutoProcessor.from_pretrained(str(backbone))
+        head = meta.get("head", {})
+        model = cls(clip, processor, hidden=tuple(head.get("hidden", (256, 64))), dropout=float(head.get("dropout", 0.0)))
+        model.head.load_state_dict(load_file(str(head_file)))
+        return model.eval()
+
+
+# ---------------------------------------------------------------------------------------- judge
+
+
+class TrainedRewardJudge(Judge):
+    """A judge over any model with ``rewards(prompts, pil_images) -> tensor[N]``.
+
+    score() = r / (tau * T) with the stored calibration temperature T (calibrated=True), or the
+    raw reward r (calibrated=False). compare() gives P(a > b) = sigmoid((r_a - r_b) / (tau * T)).
+    """
+
+    def __init__(self, model, name: str, tau: float = 1.0, temperature: float = 1.0, calibrated: bool = True,
+                 batch_size: int = 32, tie_margin: float = 0.0):
+        super().__init__(name=name, tie_margin=tie_margin)
+        if tau <= 0 or temperature <= 0:
+            raise TrainedRewardError(f"judge {name!r}: tau and temperature must be > 0, got {tau} and {temperature}")
+        self.model = model.eval()
+        self.tau, self.temperature, self.calibrated = float(tau), float(temperature), calibrated
+        self.batch_size = check_batch_size(batch_size)
+
+    @property
+    def scale(self) -> float:
+        """Divide raw rewards by this to get preference logits."""
+        return self.tau * self.temperature
+
+    @torch.no_grad()
+    def raw_rewards(self, prompts: list[str], images: Images) -> torch.Tensor:
+        prompts = check_prompts(prompts, num_images(images), self.name)
+        pil = to_pil(images)
+        out = [
+            self.model.rewards(prompts[i : i + len(chunk)], chunk).float().cpu()
+            for i, chunk in zip(range(0, len(pil), self.batch_size), batched(pil, self.batch_size))
+        ]
+        return torch.cat(out) if out else torch.empty(0)
+
+    def score(self, prompts: list[str], images: Images) -> torch.Tensor:
+        rewards = self.raw_rewards(prompts, images)
+        return rewards / self.scale if self.calibrated else rewards
+
+    def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
+        n = len(prompts)
+        if num_images(images_a) != n or num_images(images_b) != n:
+            raise ValueError(
+                f"compare needs one prompt per pair: got {n} prompts, "
+                f"{num_images(images_a)} images A and {num_images(images_b)} images B"
+            )
+        reward_a, reward_b = self.raw_rewards(prompts, images_a), self.raw_rewards(prompts, images_b)
+        out = []
+        for ra, rb in zip(reward_a.tolist(), reward_b.tolist()):
+            logit = (ra - rb) / self.scale
+            raw = {"reward_a": ra, "reward_b": rb, "logit": logit}
+            if abs(logit if self.calibrated else ra - rb) <= self.tie_margin:
+                out.append(Preference(0.5, tie=True, raw=raw))
+            else:
+                out.append(Preference(float(torch.sigmoid(torch.tensor(logit))), raw=raw))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"TrainedRewardJudge(name={self.name!r}, tau={self.tau}, temperature={self.temperature:.4g}, "
+                f"calibrated={self.calibrated})")
+
+
+# ----------------------------------------------------------------------------------- load by path
+
+
+def read_marker(path: str | Path) -> dict:
+    folder = Path(path).expanduser()
+    marker = folder / MARKER
+    if not marker.is_file():
+        raise TrainedRewardError(
+            f"{str(folder)!r} is not a trained reward model: it has no {MARKER} (train one with "
+            "python -m align.train_reward)"
+        )
+    try:
+        meta = json.loads(marker.read_text())
+    except json.JSONDecodeError as err:
+        raise TrainedRewardError(f"{marker} is not valid JSON: {err}") from err
+    if meta.get("kind") not in KINDS:
+        raise TrainedRewardError(f"{marker}: unknown kind {meta.get('kind')!r}; known kinds: {', '.join(KINDS)}")
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise TrainedRewardError(f"{marker} has format_version {meta.get('format_version')}; this code reads <= {FORMAT_VERSION}")
+    return meta
+
+
+def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float32, batch_size: int = 32,
+                 calibrated: bool = True, tie_margin: float = 0.0, name: str | None = None, **options) -> TrainedRewardJudge:
+    """Load a folder written by ``align.train_reward`` as a judge (the registry calls this for a path)."""
+    meta = read_marker(path)
+    folder = Path(path).expanduser()
+    device = resolve_device(device or "cpu")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    if meta["kind"] == "clip-mlp":
+        if options:
+            raise TrainedRewardError(f"unknown option(s) {', '.join(sorted(options))} for a clip-mlp reward model; "
+                                     "valid: device, dtype, batch_size, calibrated, tie_margin, name")
+        model = ClipRewardModel.from_folder(folder, meta, dtype=dtype).to(device)
+    else:
+        from rewards.llava_reward import load_reward_checkpoint
+
+        model = load_reward_checkpoint(folder, device=device, dtype=dtype, **options)
+    calibration = meta.get("calibration") or {}
+    return TrainedRewardJudge(
+        model,
+        name=name or meta.get("name") or folder.name,
+        tau=float(meta.get("tau", 1.0)),
+        temperature=float(calibration.get("temperature", 1.0)),
+        calibrated=calibrated,
+        batch_size=batch_size,
+        tie_margin=tie_margin,
+    )
+
+
+def write_marker(folder: str | Path, meta: dict) -> None:
+    """Write reward_model.json atomically (last, so a folder with it is complete)."""
+    import os
+    import tempfile
+
+    folder = Path(folder)
+    text = json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MARKER}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, folder / MARKER)

@@ -1,0 +1,304 @@
+"""DDPO end to end on a tiny SD-architecture pipeline built in the test, plus its reward adapters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from align import ddpo
+from align.ddpo import DDPOConfig
+from align.ddpo_rewards import MixedReward, RewardError, is_pairwise_only, win_rates
+from align.pipeline import load_trained
+from rewards.base import Judge, Preference
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_sd import build_tiny_pipeline  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("a red circle\na blue square\na green triangle\n")
+    return str(path)
+
+
+def small_config(tiny_model, prompt_file, out, **overrides) -> DDPOConfig:
+    base = dict(
+        model=tiny_model,
+        reward="jpeg-compressibility",
+        prompts=prompt_file,
+        output_dir=str(out),
+        report_to="none",
+        num_inference_steps=4,
+        samples_per_epoch=4,
+        sample_batch_size=2,
+        train_batch_size=2,
+        gradient_accumulation_steps=1,
+        timestep_fraction=0.5,
+        num_epochs=2,
+        checkpointing_epochs=1,
+        stat_buffer_size=4,
+        stat_min_count=2,
+        learning_rate=1e-2,
+        clip_range=0.2,
+    )
+    base.update(overrides)
+    return DDPOConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------- rewards
+
+
+@dataclass
+class BrightnessJudge(Judge):
+    """Pointwise: mean pixel value."""
+
+    name: str = "brightness"
+
+    def score(self, prompts, images):
+        return images.float().mean(dim=(1, 2, 3))
+
+
+@dataclass
+class PairwiseBrightness(Judge):
+    """Pairwise-only: prefers the brighter image; records the pairs it was asked about."""
+
+    name: str = "pairwise-brightness"
+    asked: int = 0
+
+    def compare(self, prompts, images_a, images_b):
+        self.asked += len(prompts)
+        a, b = images_a.mean(dim=(1, 2, 3)), images_b.mean(dim=(1, 2, 3))
+        return [Preference(1.0 if x > y else 0.0 if x < y else 0.5, tie=bool(x == y)) for x, y in zip(a, b)]
+
+
+def _images(levels):
+    return torch.stack([torch.full((3, 4, 4), v) for v in levels])
+
+
+def test_pairwise_judge_gives_win_rates_within_each_prompt():
+    judge = PairwiseBrightness()
+    assert is_pairwise_only(judge) and not is_pairwise_only(BrightnessJudge())
+    prompts = ["a", "a", "a", "b", "b"]
+    rates = win_rates(judge, prompts, _images([0.1, 0.9, 0.5, 0.3, 0.3]))
+    # group a: 0.9 beats both, 0.5 beats one, 0.1 none; group b: a tie counts 1/2 each
+    torch.testing.assert_close(rates, torch.tensor([0.0, 1.0, 0.5, 0.5, 0.5]))
+    assert judge.asked == 3 + 1  # every pair within a group once, never across groups
+
+
+def test_pairwise_judge_needs_groups():
+    with pytest.raises(RewardError, match="at least 2 images"):
+        win_rates(PairwiseBrightness(), ["a", "b"], _images([0.1, 0.2]))
+
+
+def test_abstentions_are_left_out_of_win_rates():
+    @dataclass
+    class Abstains(Judge):
+        name: str = "abstains"
+
+        def compare(self, prompts, a, b):
+            return [Preference(0.5, abstained=True) for _ in prompts]
+
+    rates = win_rates(Abstains(), ["a", "a"], _images([0.1, 0.2]))
+    assert torch.isnan(rates).all()
+    reward = MixedReward("x", loader=lambda name, **kw: Abstains())
+    with pytest.raises(RewardError, match="non-finite"):
+        reward(["a", "a"], _images([0.1, 0.2]))
+
+
+def test_weighted_mix_of_pointwise_and_pairwise_judges():
+    judges = {"bright": BrightnessJudge(), "pair": PairwiseBrightness()}
+    reward = MixedReward("bright:0.7,pair:0.3", loader=lambda name, **kw: judges[name])
+    assert reward.needs_groups
+    images = _images([0.2, 0.6])
+    total, parts = reward(["p", "p"], images)
+    torch.testing.assert_close(parts["bright"], torch.tensor([0.2, 0.6]))
+    torch.testing.assert_close(parts["pair"], torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(total, 0.7 * torch.tensor([0.2, 0.6]) + 0.3 * torch.tensor([0.0, 1.0]))
+
+
+def test_failing_judge_becomes_reward_error():
+    @dataclass
+    class Broken(Judge):
+        name: str = "broken"
+
+        def score(self, prompts, images):
+            raise ConnectionError("server down")
+
+    reward = MixedReward("broken", loader=lambda name, **kw: Broken())
+    with pytest.raises(RewardError, match="'broken' failed: ConnectionError: server down"):
+        reward(["p"], _images([0.5]))
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def test_end_to_end_lora_run(tiny_model, prompt_file, tmp_path):
+    config = small_config(tiny_model, prompt_file, tmp_path / "run", eval_prompts=prompt_file, gradient_accumulation_steps=2)
+    run = ddpo.train(config)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for key in ("reward_mean", "reward_std", "approx_kl", "clipfrac", "policy_loss", "global_step"):
+        assert key in records[-1]
+    # 4 samples per process, 2 x 2 per optimiser step, one inner epoch: 1 update per epoch
+    assert records[-1]["global_step"] == 2
+    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert (run / "final" / "README.md").is_file() and (run / "report.html").is_file()
+    logged = json.loads((run / "samples" / "epoch_00002.json").read_text())
+    assert len(logged) == 4 and {"prompt", "reward"} <= set(logged[0])
+    before = json.loads((run / "eval_before.json").read_text())["mean"]
+    after = json.loads((run / "eval_after.json").read_text())["mean"]
+    assert before != after  # the weights moved
+    pipe = load_trained(str(run))  # the run folder loads back as a pipeline with the LoRA
+    assert any("lora" in name for name, _ in pipe.unet.named_parameters())
+
+
+def test_resume_gives_identical_weights(tiny_model, prompt_file, tmp_path):
+    straight = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "a", num_epochs=2))
+    ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "b", num_epochs=1))
+    resumed = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "b", num_epochs=2, resume="latest"))
+    a = load_file(straight / "final" / "pytorch_lora_weights.safetensors")
+    b = load_file(resumed / "final" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert [r["step"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+
+
+def test_full_finetune_with_kl_and_group_advantages(tiny_model, prompt_file, tmp_path):
+    config = small_config(
+        tiny_model, prompt_file, tmp_path / "full", finetune="full", kl_coef=0.1, advantage="group",
+        images_per_prompt=2, num_epochs=1,
+    )
+    run = ddpo.train(config)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["kl_to_reference"] >= 0.0
+    assert (run / "final" / "unet" / "config.json").is_file()
+
+
+def test_lora_kl_uses_the_adapter_free_reference(tiny_model, prompt_file, tmp_path):
+    # LoRA starts as the identity (B = 0), so the KL to the adapter-off UNet is 0 until the first
+    # update and positive after it; the epoch mean covers both.
+    run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "kl", kl_coef=1.0, num_epochs=1))
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["kl_to_reference"] > 0.0
+
+
+def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
+    run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "pair", reward="first-image",
+                                  images_per_prompt=2, num_epochs=1))
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["reward_mean"] == pytest.approx(0.5)  # win rates in groups of two average 1/2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(eta=0.0), "--eta must be > 0"),
+        (dict(timestep_fraction=0.0), "--timestep_fraction must be in (0, 1]"),
+        (dict(timestep_fraction=1.5), "--timestep_fraction must be in (0, 1]"),
+        (dict(reward="no-such-judge"), "unknown judge 'no-such-judge'"),
+        (dict(model="/no/such/folder"), "no such folder"),
+        (dict(prompts="/no/such/prompts.txt"), "not found"),
+        (dict(advantage="median"), "--advantage must be one of"),
+        (dict(stat_min_count=8), "--stat_min_count (8) must not exceed"),
+        (dict(samples_per_epoch=5), "--samples_per_epoch (5) must be a multiple"),
+        (dict(train_batch_size=3), "must be a multiple of --train_batch_size"),
+        (dict(advantage="group"), "--images_per_prompt >= 2"),
+        (dict(reward="first-image"), "pairwise-only"),
+        (dict(clip_range=0.0), "--clip_range must be > 0"),
+        (dict(finetune="half"), "--finetune must be full or lora"),
+    ],
+)
+def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_path, capsys, overrides, message):
+    config = small_config(tiny_model, prompt_file, tmp_path / "bad", **overrides)
+    with pytest.raises(SystemExit) as exit_:
+        _main_with(config)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("error:") == 1
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_existing_run_folder_is_refused(tiny_model, prompt_file, tmp_path, capsys):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "config.yaml").write_text("model: x\n")
+    with pytest.raises(SystemExit):
+        _main_with(small_config(tiny_model, prompt_file, tmp_path / "used"))
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def _main_with(config: DDPOConfig):
+    """Run main() with the config's fields as command-line flags."""
+    argv = []
+    for key, value in vars(config).items():
+        if value is None:
+            continue
+        argv += [f"--{key}", str(value)]
+    ddpo.main(argv)
+
+
+@pytest.mark.parametrize("failure", ["nan", "raise"])
+def test_failing_judge_stops_cleanly_and_keeps_the_last_checkpoint(tiny_model, prompt_file, tmp_path, monkeypatch, capsys, failure):
+    @dataclass
+    class FailsAtEpochTwo(Judge):
+        name: str = "flaky"
+        calls: int = 0
+
+        def score(self, prompts, images):
+            self.calls += 1
+            if self.calls <= 2:  # two sampling batches per epoch
+                return images.mean(dim=(1, 2, 3))
+            if failure == "raise":
+                raise TimeoutError("judge timed out")
+            return torch.full((len(prompts),), float("nan"))
+
+    monkeypatch.setattr(ddpo, "MixedReward", lambda spec: MixedReward(spec, loader=lambda n, **kw: FailsAtEpochTwo()))
+    config = small_config(tiny_model, prompt_file, tmp_path / "flaky", reward="random", num_epochs=2)
+    with pytest.raises(SystemExit) as exit_:
+        _main_with(config)
+    assert exit_.value.code == 3
+    err = capsys.readouterr().err
+    assert "reward failed at epoch 1" in err and "step_0000001" in err and "--resume latest" in err
+    run = tmp_path / "flaky"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000001"]
+    assert (run / "checkpoints" / "step_0000001" / "state.json").is_file()
+    assert not (run / "final").exists()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
+    out = tmp_path / "ddp"
+    flags = dict(
+        model=tiny_model, reward="jpeg-compressibility", prompts=prompt_file, output_dir=str(out), report_to="none",
+        num_inference_steps=4, samples_per_epoch=8, sample_batch_size=2, train_batch_size=2,
+        gradient_accumulation_steps=1, timestep_fraction=0.5, num_epochs=2, checkpointing_epochs=1,
+        stat_buffer_size=4, stat_min_count=2, learning_rate=1e-2, clip_range=0.2,
+    )
+    argv = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "align" / "ddpo.py"), *argv]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes" in result.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    # 4 samples per process, 2 per optimiser step: 2 synchronised updates per epoch
+    assert records[-1]["global_step"] == 4
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()

@@ -1,0 +1,255 @@
+"""End-to-end Diffusion-DPO runs on a tiny SD-architecture pipeline built in the test."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from align import dpo
+from align.dpo import DPOConfig, TrainingStopped
+from align.pipeline import generate_images, load_pipeline
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_sd import build_tiny_pipeline  # noqa: E402
+from wandb_records import history_rows  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("a red circle\na blue square\n# comment\n\na green triangle\n")
+    return str(path)
+
+
+def _png(color, size=16, noise_seed=None):
+    image = Image.new("RGB", (size, size), color)
+    if noise_seed is not None:
+        g = torch.Generator().manual_seed(noise_seed)
+        arr = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()
+        image = Image.fromarray(arr)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def pair_parquet(tmp_path_factory):
+    rows = []
+    for i in range(6):
+        rows.append(
+            {
+                "caption": f"shape number {i}",
+                "jpg_0": _png((200, 30 * i, 40)),
+                "jpg_1": _png((0, 0, 0), noise_seed=i),
+                "label_0": 1.0 if i % 2 == 0 else 0.0,
+                "label_1": 0.0 if i % 2 == 0 else 1.0,
+            }
+        )
+    rows.append({"caption": "a tie", "jpg_0": _png((1, 2, 3)), "jpg_1": _png((3, 2, 1)), "label_0": 0.5, "label_1": 0.5})
+    path = tmp_path_factory.mktemp("pairs") / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def small_config(tiny_model, out, **overrides):
+    base = dict(
+        model=tiny_model,
+        output_dir=str(out),
+        finetune="lora",
+        lora_rank=4,
+        resolution=None,
+        train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=4,
+        learning_rate=1e-3,
+        scale_lr=False,
+        lr_warmup_steps=0,
+        beta=100.0,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        checkpointing_steps=2,
+        validation_steps=2,
+        num_validation_images=2,
+        report_to="none",
+    )
+    base.update(overrides)
+    return DPOConfig(**base)
+
+
+def _trainable(folder):
+    return load_file(str(Path(folder) / "final" / "pytorch_lora_weights.safetensors"))
+
+
+def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, prompt_file, tmp_path):
+    run = dpo.train(small_config(tiny_model, tmp_path / "run", reward="jpeg-compressibility", prompts=prompt_file))
+    feedback = pq.read_table(run / "feedback" / "pairs.parquet").to_pylist()
+    assert len(feedback) == 3 and {r["judge"] for r in feedback} == {"jpeg-compressibility"}
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "implicit_acc", "model_mse", "ref_mse", "lr"):
+        assert key in records[0]
+    assert (run / "final" / "README.md").is_file() and (run / "report.html").is_file()
+    assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["step_0000002.png", "step_0000004.png"]
+
+    # The saved LoRA goes into a plain diffusers pipeline and changes its output.
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    before = generate_images(pipe, ["a red circle"], [0], num_inference_steps=2, guidance_scale=2.0)
+    pipe.load_lora_weights(str(run / "final"))
+    after = generate_images(pipe, ["a red circle"], [0], num_inference_steps=2, guidance_scale=2.0)
+    assert (before - after).abs().max() > 1e-4
+
+
+def test_dataset_run_full_finetune(tiny_model, pair_parquet, tmp_path):
+    run = dpo.train(small_config(tiny_model, tmp_path / "run", dataset=pair_parquet, finetune="full", learning_rate=1e-4))
+    assert (run / "final" / "unet" / "config.json").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    from align.pipeline import load_trained
+
+    pipe = load_trained(str(run))
+    base = load_pipeline(tiny_model)
+    changed = any((a - b).abs().max() > 0 for a, b in zip(pipe.unet.parameters(), base.unet.parameters()))
+    assert changed
+
+
+def test_resume_gives_identical_weights(tiny_model, pair_parquet, tmp_path):
+    straight = dpo.train(small_config(tiny_model, tmp_path / "straight", dataset=pair_parquet))
+    half = small_config(tiny_model, tmp_path / "halves", dataset=pair_parquet, max_steps=2)
+    dpo.train(half)
+    resumed = dpo.train(small_config(tiny_model, tmp_path / "halves", dataset=pair_parquet, resume="latest"))
+    a, b = _trainable(straight), _trainable(resumed)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    assert [r["step"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4]
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_model, pair_parquet, tmp_path, monkeypatch):
+    real = dpo.diffusion_dpo_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] == 3 else loss), metrics
+
+    monkeypatch.setattr(dpo, "diffusion_dpo_loss", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match="non-finite loss at step 2"):
+        dpo.train(small_config(tiny_model, out, dataset=pair_parquet))
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step_0000002"]
+    assert (out / "checkpoints" / "step_0000002" / "state.json").is_file()
+    assert not (out / "final").exists()
+
+
+def test_wandb_offline_logs_the_same_metrics(tiny_model, pair_parquet, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = dpo.train(small_config(tiny_model, tmp_path / "run", dataset=pair_parquet, report_to="wandb", max_steps=2))
+    import wandb
+
+    wandb.teardown()  # waits for the background writer to flush the run file
+    run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1, "wandb wrote no offline run"
+    logged = [r for r in history_rows(run_files[0]) if "loss" in r]
+    ours = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["_step"] for r in logged] == [r["step"] for r in ours] == [1, 2]
+    for theirs, mine in zip(logged, ours):
+        for key in ("loss", "implicit_acc", "model_mse", "ref_mse", "lr"):
+            assert theirs[key] == pytest.approx(mine[key], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+
+
+def run_cli(args, cwd=ROOT):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "align/dpo.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n# nothing\n")
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("beta: 10\nlearning_rat: 0.1\n")
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not a parquet file")
+    not_pipeline = tmp_path / "not_a_pipeline"
+    not_pipeline.mkdir()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "config.yaml").write_text("model: x\n")
+    out = str(tmp_path / "out")
+    common = ["--model", tiny_model, "--output-dir", out]
+    return {
+        "unknown judge": (common + ["--reward", "nonexistent-judge", "--prompts", prompt_file], "unknown judge 'nonexistent-judge'; known judges: "),
+        "both reward and dataset": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--dataset", pair_parquet], "exactly one of --reward"),
+        "neither reward nor dataset": (common, "exactly one of --reward"),
+        "missing prompt file": (common + ["--reward", "jpeg-compressibility", "--prompts", str(tmp_path / "nope.txt")], "nope.txt"),
+        "empty prompt file": (common + ["--reward", "jpeg-compressibility", "--prompts", str(empty)], "empty.txt"),
+        "unreadable dataset": (common + ["--dataset", str(garbage)], "garbage.parquet"),
+        "unknown config key": (["--config", str(bad_yaml)] + common + ["--dataset", pair_parquet], "unknown key(s) learning_rat"),
+        "beta not positive": (common + ["--dataset", pair_parquet, "--beta", "0"], "--beta must be a positive number"),
+        "not a pipeline": (["--model", str(not_pipeline), "--output-dir", out, "--dataset", pair_parquet], "is not a diffusers pipeline folder"),
+        "folder holds a run": (["--model", tiny_model, "--output-dir", str(taken), "--dataset", pair_parquet], "already holds a run"),
+    }
+
+
+def test_bad_inputs_fail_fast_with_one_clear_message(tiny_model, prompt_file, pair_parquet, tmp_path, capsys):
+    for name, (args, expected) in bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path).items():
+        with pytest.raises(SystemExit) as exit_info:
+            dpo.main(args)
+        err = capsys.readouterr().err
+        assert exit_info.value.code not in (0, None), name
+        assert expected in err, f"{name}: {err[-800:]}"
+        assert err.count("error:") == 1, f"{name}: {err[-800:]}"
+    # The refused run folder is untouched; nothing was trained.
+    assert (tmp_path / "taken" / "config.yaml").read_text() == "model: x\n"
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_cli_script_reports_bad_input_without_traceback(tiny_model, prompt_file, tmp_path):
+    args = ["--model", tiny_model, "--output-dir", str(tmp_path / "o"), "--reward", "nonexistent-judge", "--prompts", prompt_file]
+    result = run_cli(args)
+    assert result.returncode == 2
+    assert "unknown judge 'nonexistent-judge'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_two_process_cpu_run(tiny_model, pair_parquet, tmp_path):
+    out = tmp_path / "ddp"
+    # accelerate's --cpu flag runs one process; torchrun processes + ACCELERATE_USE_CPU give gloo DDP.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    args = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "align/dpo.py",
+        "--model", tiny_model, "--dataset", pair_parquet, "--output-dir", str(out), "--finetune", "lora",
+        "--resolution", "16", "--train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_steps", "2",
+        "--learning_rate", "1e-3", "--scale_lr", "false", "--lr_warmup_steps", "0", "--beta", "100",
+        "--num_inference_steps", "2", "--checkpointing_steps", "2", "--validation_steps", "0", "--report_to", "none",
+    ]
+    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "processes: 2" in result.stdout
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # one set of outputs, written by the main process only
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
