@@ -28,7 +28,14 @@ import numpy as np
 import torch
 
 from align.cli import ConfigError
-from align.evaluate import judge_is_pointwise, load_judge, resolve_device, sampling_settings, split_list
+from align.evaluate import (
+    compare_shuffled,
+    judge_is_pointwise,
+    load_judge,
+    resolve_device,
+    sampling_settings,
+    split_list,
+)
 
 SEARCHES = ("random", "zero-order")
 
@@ -226,15 +233,24 @@ def best_of_n(config: BestOfNConfig) -> dict:
         chosen = np.argmax(np.nan_to_num(sel, nan=-np.inf), axis=1)
         for spec, values in {config.reward: sel, **eval_scores}.items():
             per_size = [expected_best_of_n(sel, values, k) for k in sizes]
-            curves[spec] = [float(np.mean(v)) for v in per_size]
-            errors[spec] = [float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0 for v in per_size]
+            curves[spec], errors[spec] = _mean_sem(per_size)
+        # the pick among the first k candidates, for judges that can only compare
+        picks = [{k: int(np.nanargmax(np.nan_to_num(sel[i, :k], nan=-np.inf))) for k in sizes} for i in range(num_prompts)]
     else:
         picks = [knockout_winners(_pairwise_compare(selector, prompts[i], images[i]), n) for i in range(num_prompts)]
         chosen = np.array([p[n] for p in picks])
         for spec, values in eval_scores.items():
-            per_size = [np.array([values[i, picks[i][k]] for i in range(num_prompts)]) for k in sizes]
-            curves[spec] = [float(np.mean(v)) for v in per_size]
-            errors[spec] = [float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0 for v in per_size]
+            curves[spec], errors[spec] = _mean_sem([np.array([values[i, picks[i][k]] for i in range(num_prompts)]) for k in sizes])
+    # a pairwise-only second judge: win rate of the pick at each N against the N = 1 pick
+    for spec, judge in others.items():
+        if spec in eval_scores:
+            continue
+        per_size = []
+        for k in sizes:
+            first = torch.stack([images[i, picks[i][1]] for i in range(num_prompts)])
+            pick = torch.stack([images[i, picks[i][k]] for i in range(num_prompts)])
+            per_size.append(compare_shuffled(judge, prompts, pick, first, np.random.default_rng(config.seed)))
+        curves[f"{spec} (win rate vs N=1)"], errors[f"{spec} (win rate vs N=1)"] = _mean_sem(per_size)
 
     zero_order = None
     if config.search == "zero-order":
@@ -266,6 +282,17 @@ def best_of_n(config: BestOfNConfig) -> dict:
     for judge in [selector, *others.values()]:
         judge.close()
     return results
+
+
+def _mean_sem(per_size: list) -> tuple[list[float], list[float]]:
+    """Mean over prompts and its standard error, per curve point (NaN = no answer, left out)."""
+    means, sems = [], []
+    for values in per_size:
+        v = np.asarray(values, dtype=float)
+        v = v[~np.isnan(v)]
+        means.append(float(v.mean()) if v.size else float("nan"))
+        sems.append(float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0)
+    return means, sems
 
 
 def _pairwise_compare(judge, prompt: str, candidates: torch.Tensor):
@@ -325,14 +352,18 @@ def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chos
         report.Section("Reward against N", report.table_html(rows, table_id="curve-table")),
     ]
     if series:
-        plot = report.line_plot(series, title="best-of-N", xlabel="N (candidates per prompt)", ylabel="score", logx=True)
-        sections.append(report.Section("Curves", report.img_tag(plot, alt="reward against N")))
+        # one plot per judge: their scales differ
+        plots = [
+            report.img_tag(report.line_plot({spec: values}, title=spec, xlabel="N (candidates per prompt)", ylabel="score", logx=True, size=(4.5, 3.2)), alt=f"{spec} against N")
+            for spec, values in series.items()
+        ]
+        sections.append(report.Section("Curves", "".join(plots)))
     if results["zero_order"]:
         trace = results["zero_order"]["trace"]
         zo = report.line_plot(
             {
                 "zero-order": ([t["candidates"] for t in trace], [t["selector"] for t in trace]),
-                "random": (sizes, results["curves"].get(results["selector"], [float("nan")] * len(sizes))),
+                "best-of-N (random search)": (sizes, results["curves"].get(results["selector"], [float("nan")] * len(sizes))),
             },
             title="search with the same budget",
             xlabel="candidates generated",

@@ -458,6 +458,7 @@ def train(config: DDPOConfig) -> Path:
 
     # 6. Final weights, after-evaluation, model card, report.
     accelerator.wait_for_everyone()
+    check_weights_in_sync(accelerator, params)
     if main:
         final = run.path / "final"
         trained = accelerator.unwrap_model(train_unet)
@@ -475,6 +476,18 @@ def train(config: DDPOConfig) -> Path:
     reward_fn.close()
     accelerator.end_training()
     return run.path
+
+
+def check_weights_in_sync(accelerator, params) -> None:
+    """Every process must end with the same trained weights (else gradients were not all-reduced)."""
+    if accelerator.num_processes == 1:
+        return
+    checksum = torch.stack([p.detach().double().sum() for p in params]).sum().reshape(1)
+    sums = accelerator.gather(checksum.to(accelerator.device))
+    if not bool((sums == sums[0]).all()):
+        raise TrainingStopped(f"trained weights differ across processes ({sums.tolist()}): gradients were not synchronised")
+    if accelerator.is_main_process:
+        print(f"[ddpo] trained weights identical on all {accelerator.num_processes} processes", flush=True)
 
 
 def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,

@@ -37,7 +37,7 @@ class DPOConfig:
     # --- what to train and on what feedback
     model: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # hub id, local pipeline folder, or "testbed"
     reward: str | None = None  # judge that labels fresh generations (AI feedback), e.g. gpt4o, pickscore
-    prompts: str | None = None  # prompts for AI feedback: text file, dataset column, or testbed:<n>
+    prompts: str = "parti"  # prompts for AI feedback: a prompt set (parti, drawbench, testbed:<n>, ...) or a file
     dataset: str | None = None  # offline pairs: Pick-a-Pic-schema parquet/folder or HF dataset id
     dataset_split: str = "train"
     max_pairs: int | None = None  # cap on the pairs used (None = all)
@@ -96,8 +96,6 @@ class DPOConfig:
         """Cheap checks, before any model or judge is loaded."""
         if bool(self.reward) == bool(self.dataset):
             raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset (offline pairs)")
-        if self.reward and not self.prompts:
-            raise ConfigError("--reward needs --prompts (a text file, a dataset column, or testbed:<n>)")
         if self.beta <= 0 or not math.isfinite(self.beta):
             raise ConfigError(f"--beta must be a positive number, got {self.beta}")
         if self.loss not in ("dpo", "sft"):
@@ -130,26 +128,21 @@ class TrainingStopped(RuntimeError):
 
 
 def load_prompt_list(spec: str) -> list[str]:
-    """testbed:<n>[:<seed>] samples captions from the shapes world; anything else goes to data.load_prompts."""
-    if spec.startswith("testbed:"):
-        from align.testbed.scene import sample_captions
+    """A prompt set by name (parti, drawbench, testbed:<n>[:<seed>], mjbench, ...) or a prompt file."""
+    from align.prompt_sets import PromptSetError, load_prompt_set
 
-        parts = spec.split(":")
-        try:
-            n = int(parts[1])
-            seed = int(parts[2]) if len(parts) > 2 else 0
-        except ValueError:
-            raise ConfigError(f"prompt spec {spec!r} must be testbed:<count>[:<seed>]") from None
-        return sample_captions(n, seed)
-    from align.data import load_prompts
-
-    return load_prompts(spec)
+    try:
+        prompts = load_prompt_set(spec).prompts
+    except (PromptSetError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
+    if not prompts:
+        raise ConfigError(f"prompt source {spec!r} holds no prompts")
+    return prompts
 
 
 def check_inputs(config: DPOConfig) -> None:
     """Every bad input that can be found without loading a model or calling a judge."""
     import rewards
-    from align.data import DataError
     from align.pipeline import ModelLoadError, check_model
 
     config.validate()
@@ -162,12 +155,9 @@ def check_inputs(config: DPOConfig) -> None:
             rewards.check_name(spec)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    for spec in filter(None, (config.prompts, config.eval_prompts, config.validation_prompts)):
-        try:
-            if not load_prompt_list(spec):
-                raise ConfigError(f"prompt source {spec!r} holds no prompts")
-        except DataError as err:
-            raise ConfigError(str(err)) from None
+    prompt_specs = (config.prompts if config.reward else None, config.eval_prompts, config.validation_prompts)
+    for spec in filter(None, prompt_specs):
+        load_prompt_list(spec)
     if config.dataset and not Path(config.dataset).exists() and config.dataset.startswith((".", "/", "~")):
         raise ConfigError(f"--dataset {config.dataset!r}: no such file or folder")
 
@@ -390,7 +380,7 @@ def train(config: DPOConfig) -> Path:
             drops = (torch.rand(len(batch), generator=gen) < config.caption_dropout).tolist()
             pair_latents = [latents.get(i, f) for i, f in zip(batch, flips)]
             latents_w = torch.stack([w for w, _ in pair_latents])
-            latents_l = torch.stack([l for _, l in pair_latents])
+            latents_l = torch.stack([loser for _, loser in pair_latents])
             text = torch.stack([text_cache["" if d else pairs[i].caption] for i, d in zip(batch, drops)])
 
             # One timestep and one noise draw per pair, shared by winner and loser.
@@ -509,7 +499,7 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int) -> Path:
 
 
 def _validation_prompts(config: DPOConfig) -> list[str]:
-    source = config.validation_prompts or config.eval_prompts or config.prompts
+    source = config.validation_prompts or config.eval_prompts or (config.prompts if config.reward else None)
     if source:
         return load_prompt_list(source)[: config.num_validation_images]
     return ["a photo of a cat", "a red car on a street", "a bowl of fruit", "a mountain lake at sunrise"][

@@ -153,6 +153,19 @@ def copeland_scores(pairwise_outcomes: dict[tuple[int, int], np.ndarray], num_mo
     return scores
 
 
+def pairwise_accuracy(judge_outcomes, oracle_outcomes) -> tuple[float, int]:
+    """Agreement with an oracle on the pairs it does not call a tie: 1 agree, 1/2 judge tie or
+    abstention, 0 disagree. Outcomes are A-against-B in {1, 0.5, 0} (NaN = abstained).
+    Returns (accuracy, pairs used)."""
+    judge = np.nan_to_num(np.asarray(judge_outcomes, dtype=float), nan=0.5)
+    oracle = np.asarray(oracle_outcomes, dtype=float)
+    decided = (oracle == 1.0) | (oracle == 0.0)
+    if not decided.any():
+        return float("nan"), 0
+    agree = np.where(judge[decided] == 0.5, 0.5, (judge[decided] == oracle[decided]).astype(float))
+    return float(agree.mean()), int(decided.sum())
+
+
 def spearman(x, y) -> float:
     """Spearman rank correlation (ties averaged)."""
     from scipy.stats import spearmanr

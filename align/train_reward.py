@@ -396,6 +396,12 @@ def train(config: RewardTrainConfig) -> Path:
 
     # 2. Model, optimiser, schedule (sizes printed so they can be checked).
     model = build_model(config)
+    if config.backbone == "clip":
+        sample = train_pairs[:128]
+        model.fit_feature_norm(
+            [p.caption for p in sample] * 2,
+            [decode(p.chosen, "pair") for p in sample] + [decode(p.rejected, "pair") for p in sample],
+        )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     per_step = config.train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
@@ -506,7 +512,8 @@ def train(config: RewardTrainConfig) -> Path:
               f"load it with rewards.load({str(final)!r})", flush=True)
         from align.run_report import write_training_report
 
-        write_training_report(run.path, title=f"Reward model: {config.model}", metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"))
+        report = write_training_report(run.path, title=f"Reward model: {config.model}", metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"))
+        add_calibration_to_report(report, meta, final / "reliability.png")
     accelerator.end_training()
     return final
 
@@ -530,6 +537,7 @@ def calibrate(r_w: torch.Tensor, r_l: torch.Tensor, tau: float, fit: bool = True
     sign = torch.ones_like(logits)
     sign[1::2] = -1.0
     first_wins = (sign > 0).double()
+    nll = lambda t: float(-torch.nn.functional.logsigmoid(logits.double() / t).mean()) if logits.numel() else float("nan")  # noqa: E731
     before = reliability_bins(torch.sigmoid(sign * logits), first_wins, num_bins)
     after = reliability_bins(torch.sigmoid(sign * logits / temperature), first_wins, num_bins)
     return {
@@ -537,6 +545,8 @@ def calibrate(r_w: torch.Tensor, r_l: torch.Tensor, tau: float, fit: bool = True
         "fitted": fit,
         "ece_before": expected_calibration_error(before),
         "ece_after": expected_calibration_error(after),
+        "nll_before": nll(1.0),
+        "nll_after": nll(temperature),
         "bins_before": before,
         "bins_after": after,
         "pairs": int(logits.numel()),
@@ -592,6 +602,24 @@ def register_trainable_checkpoint_hooks(accelerator, full: bool) -> None:
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+def add_calibration_to_report(report: Path, meta: dict, plot: Path) -> None:
+    """Append the held-out accuracy and the reliability diagram to the run's report.html."""
+    import base64
+
+    cal = meta["calibration"]
+    uri = "data:image/png;base64," + base64.b64encode(plot.read_bytes()).decode("ascii")
+    section = (
+        "<h2>Held-out pairs and calibration</h2><table>"
+        f"<tr><td>pairwise accuracy</td><td>{meta['eval_accuracy']:.4f} ({meta['eval_pairs']} pairs)</td></tr>"
+        f"<tr><td>temperature T</td><td>{cal['temperature']:.4g}</td></tr>"
+        f"<tr><td>ECE before / after</td><td>{cal['ece_before']:.4f} / {cal['ece_after']:.4f}</td></tr>"
+        f"<tr><td>NLL before / after</td><td>{cal['nll_before']:.4f} / {cal['nll_after']:.4f}</td></tr>"
+        f"</table><img alt='reliability diagram' src='{uri}'>"
+    )
+    page = report.read_text(encoding="utf-8")
+    atomic_write_text(report, page.replace("</body>", section + "</body>", 1))
 
 
 def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int) -> Path:

@@ -24,9 +24,11 @@ import base64
 import functools
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 
 from rewards.concurrency import (
+    CallStats,
     FatalCallError,
     RetryableError,
     RpmLimiter,
@@ -81,8 +83,15 @@ def _backend_class(provider: str):
         ) from err
 
 
-def png_base64(req: JudgeRequest) -> list[str]:
-    return [base64.b64encode(encode_png(img)).decode("ascii") for img in req.images]
+def png_base64(req: JudgeRequest, memo: dict[str, str]) -> list[str]:
+    """Base64 PNGs of the request's images; ``memo`` (image hash -> base64) spares re-encoding an
+    image that appears in several requests (both orders of a pair)."""
+    out = []
+    for img, digest in zip(req.images, req.image_hashes):
+        if digest not in memo:
+            memo[digest] = base64.b64encode(encode_png(img)).decode("ascii")
+        out.append(memo[digest])
+    return out
 
 
 @dataclass
@@ -163,9 +172,10 @@ class ApiJudge(MllmJudge):
 
         async def run_all():
             client = backend.async_client()
+            encoded: dict[str, str] = {}
             try:
                 async def one(j: int, req: JudgeRequest) -> None:
-                    images_b64 = await asyncio.to_thread(png_base64, req)
+                    images_b64 = await asyncio.to_thread(png_base64, req, encoded)
                     try:
                         result = await call_with_retries(
                             lambda: backend.complete(client, req.prompt, images_b64, question, **settings),
@@ -190,6 +200,10 @@ class ApiJudge(MllmJudge):
         run_sync(run_all)
 
     def close(self) -> None:
+        """Print the run's request, token and cost counts (once) and close the cache."""
+        if self.stats.requests or self.stats.cache_hits:
+            print(self.usage_summary(), file=sys.stderr)
+            self.stats = CallStats()
         super().close()
 
 

@@ -29,6 +29,7 @@ from rewards.weights import (
     check_prompts,
     load_state_dict,
     missing,
+    offline_hint,
     resolve_device,
     resolve_dtype,
     resolve_file,
@@ -197,6 +198,9 @@ def load_aesthetic_mlp(source: str | Path, input_size: int, filename: str = AEST
     """The predictor head from a URL, a local .pth/.safetensors file or folder, or a hub repo."""
     text = str(source)
     if text.startswith(("http://", "https://")):
+        cached = Path(torch.hub.get_dir()) / "checkpoints" / filename
+        if offline_hint() and not cached.is_file():
+            raise missing("aesthetic", text, f"not in the torch hub cache ({cached})")
         try:
             state = torch.hub.load_state_dict_from_url(
                 text, map_location="cpu", weights_only=True, file_name=filename, progress=False

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-Images = Union[list, torch.Tensor]
+Images = list | torch.Tensor  # PIL images or [N, 3, H, W] in [0, 1]
 
 
 class UnreadableImageError(ValueError):

@@ -138,17 +138,19 @@ class LlavaRewardModel(nn.Module):
 
     @classmethod
     def from_base(cls, model: str, skip_cross_attention: bool = True, trust_remote_code: bool = False,
-                  value_head_dim: int = 1, dtype: torch.dtype = torch.float32, device=None) -> LlavaRewardModel:
+                  value_head_dim: int = 1, dtype: torch.dtype = torch.float32, device=None, processor=None) -> LlavaRewardModel:
+        """``processor``: an already built processor (default: the backbone folder's own)."""
         from transformers import AutoModelForCausalLM, AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
         kind = check_backbone(model, trust_remote_code)
         try:
             if kind == "qwen2.5-vl":
                 mllm = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=dtype)
-                processor = AutoProcessor.from_pretrained(model)
+                processor = processor or AutoProcessor.from_pretrained(model)
             else:
                 mllm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=True, _attn_implementation="eager")
-                processor = AutoProcessor.from_pretrained(model, trust_remote_code=True, num_crops=4)
+                # num_crops=4: the processor setting Phi-3.5-vision recommends for single images
+                processor = processor or AutoProcessor.from_pretrained(model, trust_remote_code=True, num_crops=4)
         except OSError as err:
             raise LlavaRewardError(f"cannot load the LLaVA-Reward backbone {model!r}: {err}") from err
         built = cls(mllm, processor, kind, skip_cross_attention, value_head_dim, base_model=model)
@@ -174,8 +176,73 @@ class LlavaRewardModel(nn.Module):
         from peft import LoraConfig
 
         self.mllm.requires_grad_(False)
-        self.mllm.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGETS[self.kind]))
+        self._inject_lora(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGETS[self.kind]))
         self.projector().requires_grad_(True)
+
+    def _inject_lora(self, config) -> None:
+        # peft directly (not transformers' add_adapter, which needs a newer peft than some installs have)
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, self.mllm, adapter_name="default")
+        self.lora_config = config
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """Adapter tensors under PEFT's saved names (no adapter name), as in adapter_model.safetensors."""
+        return {
+            name.replace(".default.", "."): p.detach().cpu().contiguous()
+            for name, p in self.mllm.named_parameters()
+            if "lora_" in name
+        }
+
+    def save_lora(self, folder: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.lora_config.save_pretrained(str(folder))
+        save_file(self.lora_state_dict(), str(folder / "adapter_model.safetensors"))
+
+    def load_lora(self, folder: str | Path) -> None:
+        """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors/.bin) onto the backbone."""
+        from peft import LoraConfig
+
+        folder = Path(folder)
+        config = LoraConfig.from_pretrained(str(folder))
+        if (folder / "adapter_model.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            state = load_file(str(folder / "adapter_model.safetensors"))
+        elif (folder / "adapter_model.bin").is_file():
+            state = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise LlavaRewardError(f"LoRA folder {str(folder)!r} has no adapter_model.safetensors or adapter_model.bin")
+        self._inject_lora(config)
+        renamed = {}
+        for key, tensor in state.items():
+            key = key.removeprefix("base_model.model.")
+            if self.kind == "qwen2.5-vl":  # transformers < 5 names of Qwen2.5-VL modules
+                if key.startswith("model.layers."):
+                    key = "model.language_model." + key.removeprefix("model.")
+                elif key.startswith("visual."):
+                    key = "model." + key
+            for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"):
+                key = key.replace(f".{part}.", f".{part}.default.")
+            renamed[key] = tensor
+        result = self.mllm.load_state_dict(renamed, strict=False)
+        expected = {n for n, _ in self.mllm.named_parameters() if "lora_" in n}
+        missing = expected - set(renamed)
+        if result.unexpected_keys or missing:
+            raise LlavaRewardError(
+                f"LoRA adapter {str(folder)!r} does not fit the {self.kind} backbone: "
+                f"unexpected {sorted(result.unexpected_keys)[:3]}, missing {sorted(missing)[:3]}"
+            )
+
+    def set_adapters_enabled(self, enabled: bool) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in self.mllm.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.enable_adapters(enabled)
 
     def freeze_backbone(self) -> None:
         self.mllm.requires_grad_(False)
@@ -276,8 +343,8 @@ class LlavaRewardModel(nn.Module):
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        if getattr(self.mllm, "_hf_peft_config_loaded", False):
-            self.mllm.save_pretrained(folder / "lora")  # with an adapter attached: adapter files only
+        if getattr(self, "lora_config", None) is not None:
+            self.save_lora(folder / "lora")
         save_file(self.head_state_dict(), str(folder / "reward_head.safetensors"))
         config = {
             "is_general_preference": self.value_head_dim > 1,
@@ -356,7 +423,7 @@ def _base_model_of(folder: Path, base_model: str | None) -> str:
 
 
 def load_reward_checkpoint(checkpoint: str | Path, base_model: str | None = None, trust_remote_code: bool = False,
-                           device=None, dtype: torch.dtype = torch.float32) -> LlavaRewardModel:
+                           device=None, dtype: torch.dtype = torch.float32, processor=None) -> LlavaRewardModel:
     """An LLaVA-Reward model from a checkpoint folder in the authors' layout and its base MLLM."""
     if not Path(str(checkpoint)).expanduser().is_dir():
         # a hub checkpoint: refuse a remote-code backbone before downloading anything
@@ -368,10 +435,10 @@ def load_reward_checkpoint(checkpoint: str | Path, base_model: str | None = None
     head, head_source = load_head_file(folder)
     dim = int(config.get("value_head_dim", 2)) if config["is_general_preference"] else 1
     model = LlavaRewardModel.from_base(base, skip_cross_attention=bool(config["add_cross_attention"]),
-                                       trust_remote_code=trust_remote_code, value_head_dim=dim, dtype=dtype, device=device)
+                                       trust_remote_code=trust_remote_code, value_head_dim=dim, dtype=dtype, device=device,
+                                       processor=processor)
     if (folder / "lora").is_dir():
-        model.mllm.load_adapter(str(folder / "lora"))
-        model.mllm.enable_adapters()
+        model.load_lora(folder / "lora")
     model.load_head_state_dict(head, head_source)
     model.tau = float(config.get("general_preference_tau", 0.1))
     return model.to(device=device or "cpu", dtype=dtype).eval()
@@ -404,11 +471,13 @@ class LlavaRewardJudge(TrainedRewardJudge):
 
 def LlavaReward(model: str = DEFAULT_CHECKPOINT, base_model: str | None = None, trust_remote_code: bool = False,
                 device=None, dtype: str | torch.dtype = "float32", tau: float | None = None, batch_size: int = 4,
-                tie_margin: float = 0.0) -> LlavaRewardJudge:  # noqa: N802 (a registry factory, named like the judge)
-    """The 'llava-reward' judge: ``model`` is a checkpoint folder (or hub '<owner>/<repo>/<folder>')."""
+                tie_margin: float = 0.0, processor=None) -> LlavaRewardJudge:
+    """The 'llava-reward' judge: ``model`` is a checkpoint folder (or hub '<owner>/<repo>/<folder>');
+    ``base_model`` the backbone (default: Phi-3.5-vision, which needs trust_remote_code=True)."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    reward_model = load_reward_checkpoint(model, base_model=base_model, trust_remote_code=trust_remote_code, device=device, dtype=dtype)
+    reward_model = load_reward_checkpoint(model, base_model=base_model, trust_remote_code=trust_remote_code, device=device,
+                                          dtype=dtype, processor=processor)
     return LlavaRewardJudge(reward_model, name="llava-reward", tau=tau or reward_model.tau, batch_size=batch_size, tie_margin=tie_margin)
 
 

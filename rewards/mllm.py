@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from rewards.base import Judge, Preference
+from rewards.base import Judge, Preference, preference_from_scores
 from rewards.cache import CachedAnswer, JudgeCache, cache_key, image_hash
 from rewards.concurrency import CallStats
 from rewards.images import Images, num_images, to_pil
@@ -128,8 +128,6 @@ class MllmJudge(Judge):
         return torch.tensor([a.parsed.value if a.parsed.ok else math.nan for a in answers], dtype=torch.float32)
 
     def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
-        if self.mode != "pair":
-            return super().compare(prompts, images_a, images_b)
         n = len(prompts)
         if num_images(images_a) != n or num_images(images_b) != n:
             raise ValueError(
@@ -137,6 +135,13 @@ class MllmJudge(Judge):
                 f"{num_images(images_a)} images A and {num_images(images_b)} images B"
             )
         pa, pb = to_pil(images_a), to_pil(images_b)
+        if self.mode != "pair":  # pointwise: score all 2n images in one batch (one round of concurrency)
+            scores = self.score(list(prompts) * 2, pa + pb).tolist()
+            answers = self.last_answers
+            prefs = [preference_from_scores(a, b, self.tie_margin) for a, b in zip(scores[:n], scores[n:])]
+            for pref, ans_a, ans_b in zip(prefs, answers[:n], answers[n:]):
+                pref.raw = {**pref.raw, "answers": [ans_a.as_dict(), ans_b.as_dict()]}
+            return prefs
         requests = [self._request(p, [a, b]) for p, a, b in zip(prompts, pa, pb)]
         if self.swap_orders:
             requests += [self._request(p, [b, a]) for p, a, b in zip(prompts, pa, pb)]

@@ -49,6 +49,10 @@ class ClipRewardModel(nn.Module):
         self.processor = processor
         dim = clip.config.projection_dim
         self.head = MLPHead(3 * dim + 1, tuple(hidden), dropout)
+        # Per-feature standardisation, fitted on training images before training: embeddings of
+        # small or synthetic images can differ by ~1% of their norm, too little for the MLP to see.
+        self.register_buffer("feature_mean", torch.zeros(3 * dim + 1))
+        self.register_buffer("feature_std", torch.ones(3 * dim + 1))
         self.hidden, self.dropout = tuple(hidden), dropout
         limit = getattr(processor.tokenizer, "model_max_length", None) or 77
         self.max_tokens = int(min(limit, clip.config.text_config.max_position_embeddings, max_tokens or 10**9))
@@ -77,7 +81,18 @@ class ClipRewardModel(nn.Module):
 
     def rewards(self, prompts: list[str], images: list) -> torch.Tensor:
         """[N] rewards, differentiable (used for training and scoring)."""
-        return self.head(self.features(prompts, images))
+        return self.head((self.features(prompts, images) - self.feature_mean) / self.feature_std)
+
+    @torch.no_grad()
+    def fit_feature_norm(self, prompts: list[str], images: list, batch_size: int = 64) -> None:
+        was_training = self.training
+        self.eval()
+        feats = torch.cat([
+            self.features(prompts[i : i + batch_size], images[i : i + batch_size]) for i in range(0, len(prompts), batch_size)
+        ])
+        self.train(was_training)
+        self.feature_mean.copy_(feats.mean(0))
+        self.feature_std.copy_(feats.std(0).clamp_min(1e-6) if len(feats) > 1 else torch.ones_like(self.feature_std))
 
     def forward(self, prompts: list[str], images: list) -> torch.Tensor:
         return self.rewards(prompts, images)
@@ -94,8 +109,9 @@ class ClipRewardModel(nn.Module):
             clip = copy.deepcopy(clip).merge_and_unload()
         clip.save_pretrained(folder / "backbone")
         self.processor.save_pretrained(folder / "backbone")
-        state = {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
-        save_file(state, str(folder / "head.safetensors"))
+        state = {f"head.{k}": v for k, v in self.head.state_dict().items()}
+        state.update(feature_mean=self.feature_mean, feature_std=self.feature_std)
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(folder / "head.safetensors"))
         return {"kind": "clip-mlp", "backbone": "backbone", "head": {"hidden": list(self.hidden), "dropout": self.dropout}}
 
     @classmethod
@@ -113,7 +129,13 @@ class ClipRewardModel(nn.Module):
         processor = AutoProcessor.from_pretrained(str(backbone))
         head = meta.get("head", {})
         model = cls(clip, processor, hidden=tuple(head.get("hidden", (256, 64))), dropout=float(head.get("dropout", 0.0)))
-        model.head.load_state_dict(load_file(str(head_file)))
+        state = load_file(str(head_file))
+        try:
+            model.feature_mean.copy_(state.pop("feature_mean"))
+            model.feature_std.copy_(state.pop("feature_std"))
+            model.head.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
+        except (KeyError, RuntimeError) as err:
+            raise TrainedRewardError(f"{head_file} does not match the head described in {MARKER}: {err}") from err
         return model.eval()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -86,9 +87,15 @@ def tiny_judges(root: Path, batch_size: int) -> dict:
     """name -> judge on tiny weights (hps and imagereward built in memory: their loaders only remap keys)."""
     import rewards
     from rewards.checkpoint_keys import ScoreMLP
-    from rewards.clip import AestheticPredictor, ClipEmbedder, ClipSimilarity
+    from rewards.clip import ClipEmbedder, ClipSimilarity
     from rewards.hps import letterbox_pixels
-    from rewards.imagereward import IMAGE_REWARD_MEAN, IMAGE_REWARD_STD, BlipRewardJudge, ImageRewardModel, text_config_from_med_config
+    from rewards.imagereward import (
+        IMAGE_REWARD_MEAN,
+        IMAGE_REWARD_STD,
+        BlipRewardJudge,
+        ImageRewardModel,
+        text_config_from_med_config,
+    )
 
     opts = dict(device="cpu", dtype="float32", batch_size=batch_size)
     clip = tiny_clip_folder(root / "clip")
@@ -204,8 +211,11 @@ def main() -> None:
         real = f"{n / 1e6:>11.1f}M {row['fp32_gib']:>9.2f} {row['fp16_gib']:>9.2f}" if n else f"{'(testbed)':>12}"
         print(f"{row['judge']:<12} {row['tiny_images_per_s']:>10.1f} {real}")
     print("vpscore: same adapter as imagereward (throughput copied; size assumes ImageReward's layout, unverified)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.json:  # atomically: a reader never sees half a file
+        out = Path(args.json)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(rows, indent=2))
+        os.replace(tmp, out)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ def brightness_judge(prompt: str, images: list[Image.Image]) -> str:
     return json.dumps({"analysis": "ok", "rating": round(lo + (hi - lo) * values[0], 2)})
 
 
+def constant_judge(prompt: str, images: list) -> str:
+    """Always the same pair verdict; needs no decoded images (benchmarks)."""
+    return json.dumps({"analysis": "same", "image_1_rating": 6, "image_2_rating": 5, "better_image": 1})
+
+
 def position_biased_judge(prompt: str, images: list[Image.Image]) -> str:
     """Always prefers the first image shown (the failure mode order swapping must catch)."""
     return json.dumps({"analysis": "first", "image_1_rating": 8, "image_2_rating": 5, "better_image": 1})
@@ -58,11 +63,15 @@ class FakeJudgeServer:
 
     def __init__(self, kind: str, answer=brightness_judge, latency: float = 0.0,
                  models: tuple[str, ...] = ("fake-model",), api_key: str | None = None,
-                 timeout_sleep: float = 2.0):
+                 timeout_sleep: float = 2.0, decode_images: bool = True, retrieve_endpoint: bool = True):
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} not in {KINDS}")
         self.kind, self.answer, self.latency, self.models = kind, answer, latency, set(models)
         self.api_key, self.timeout_sleep = api_key, timeout_sleep
+        # decode_images=False: count the images but skip PNG decoding (cheap server for benchmarks)
+        self.decode_images = decode_images
+        # retrieve_endpoint=False: like vLLM, GET /v1/models/{id} is 404 and only the list exists
+        self.retrieve_endpoint = retrieve_endpoint
         self.faults: deque[str] = deque()
         self.calls: list[dict] = []  # generation requests, in arrival order
         self.model_checks: list[str] = []
@@ -117,14 +126,14 @@ class FakeJudgeServer:
                 if part["type"] == "text":
                     texts.append(part["text"])
                 elif part["type"] == "image_url":
-                    images.append(_decode_data_url(part["image_url"]["url"]))
+                    images.append(self._image(part["image_url"]["url"].split(",", 1)[1]))
         elif self.kind == "anthropic":
             model, temperature = body.get("model"), body.get("temperature")
             for part in body["messages"][-1]["content"]:
                 if part["type"] == "text":
                     texts.append(part["text"])
                 elif part["type"] == "image":
-                    images.append(_decode_b64(part["source"]["data"]))
+                    images.append(self._image(part["source"]["data"]))
         else:
             model = re.search(r"models/([^/:]+):generateContent", path).group(1)
             temperature = body.get("generationConfig", {}).get("temperature")
@@ -133,8 +142,11 @@ class FakeJudgeServer:
                     texts.append(part["text"])
                 inline = part.get("inlineData") or part.get("inline_data")
                 if inline:
-                    images.append(_decode_b64(inline["data"]))
+                    images.append(self._image(inline["data"]))
         return model, texts[0] if texts else "", temperature, images
+
+    def _image(self, data: str):
+        return _decode_b64(data) if self.decode_images else len(data)
 
 
 def _decode_b64(data: str) -> Image.Image:
@@ -144,12 +156,10 @@ def _decode_b64(data: str) -> Image.Image:
     return img.convert("RGB")
 
 
-def _decode_data_url(url: str) -> Image.Image:
-    return _decode_b64(url.split(",", 1)[1])
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # headers and body go out in two writes: without TCP_NODELAY, Nagle + delayed ACK add ~40 ms each
+    disable_nagle_algorithm = True
     server_state: FakeJudgeServer
 
     def log_message(self, *args):  # keep test output quiet
@@ -194,8 +204,11 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server_state
         if not self._authorised():
             return self._error(401, "invalid api key")
+        if state.kind == "openai" and self.path.rstrip("/").endswith("/models"):
+            return self._send(200, {"object": "list", "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in sorted(state.models)]})
         match = re.search(r"/models/([^/?]+)", self.path)
-        if not match:
+        if not match or (state.kind == "openai" and not state.retrieve_endpoint):
             return self._error(404, "not found")
         model = match.group(1)
         state.model_checks.append(model)

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fake_judge_servers import FakeJudgeServer, position_biased_judge
 
 import rewards
-from fake_judge_servers import FakeJudgeServer, position_biased_judge
 from rewards.cache import JudgeCache
 from rewards.images import to_pil
 from rewards.judge_prompts import CRITERIA
@@ -199,9 +199,12 @@ def test_google_api_key_is_accepted_too(monkeypatch):
 
 def test_openai_compatible_local_server_needs_no_key():
     a, b = pairs(1)
-    with FakeJudgeServer("openai") as server:  # like `vllm serve` without --api-key
+    # like `vllm serve` without --api-key: no key, and models are only listed, not retrievable by id
+    with FakeJudgeServer("openai", retrieve_endpoint=False, models=("fake-model", "other")) as server:
         judge = rewards.load("openai:fake-model", base_url=server.base_url, structured="none", **FAST)
         judge.check_ready()
+        with pytest.raises(JudgeNotReadyError, match="it serves: fake-model, other"):
+            rewards.load("openai:typo-model", base_url=server.base_url).check_ready()
         assert judge.compare(["x"], a, b)[0].winner == 0
     assert "response_format" not in server.calls[0]["body"]
 
@@ -294,3 +297,28 @@ def test_crash_mid_run_then_rerun_repeats_no_call(monkeypatch, tmp_path):
 
     rerun_hashes = {json.dumps([image_hash(c["images"][0])]) for c in rerun_calls}
     assert not rerun_hashes & {h for _, h in done_prompts}
+
+
+def test_pointwise_compare_asks_all_images_in_one_round(monkeypatch, capsys):
+    a, b = pairs(3)
+    with serve("gemini", monkeypatch, latency=0.5) as server:
+        judge = load("gemini", server, mode="single", concurrency=6)
+        prefs = judge.compare(["x"] * 3, a, b)
+    assert [p.winner for p in prefs] == [0, 0, 0]
+    arrivals = [c["time"] for c in server.calls]
+    assert len(arrivals) == 6 and max(arrivals) - min(arrivals) < 0.4  # not two sequential batches
+    assert prefs[0].raw["answers"][0]["status"] == "ok"
+    judge.close()
+    assert "6 requests" in capsys.readouterr().err  # usage printed at the end of the run
+
+
+def test_benchmark_script_smoke(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_api_judges
+
+    results = bench_api_judges.main(["--pairs", "6", "--latency", "0.05", "--concurrency", "6", "--size", "16",
+                                     "--in-process-server", "--json", str(tmp_path / "bench.json")])
+    assert results["labelled_pairs"] == 6 and results["requests"] == 12
+    assert results["reference_loop_s"] >= 12 * 0.05
+    assert results["ours_c6_s"] < results["reference_loop_s"]
+    assert json.loads((tmp_path / "bench.json").read_text())["pairs"] == 6

@@ -1,6 +1,7 @@
 """align.evaluate end to end on two tiny models, plus prompt sets."""
 
 import json
+import sys
 from html.parser import HTMLParser
 
 import numpy as np
@@ -13,6 +14,15 @@ from align import metrics
 from align.cli import ConfigError
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.report import format_value
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run ~10x faster on one thread than two on this shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +40,17 @@ def two_models(tmp_path_factory):
         pipe.unet.conv_out.bias.add_(0.5)
     save_full_unet(pipe.unet, root / "tuned")
     return root / "base", root / "tuned"
+
+
+def _load_checker():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_report_in_browser.py"
+    spec = importlib.util.spec_from_file_location("check_report_in_browser", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class TableParser(HTMLParser):
@@ -124,6 +145,13 @@ def test_evaluate_two_tiny_models_report_matches_results(tmp_path, two_models, m
     # FID with pixel features against the true testbed scenes: finite, and the two models differ
     assert np.isfinite(saved["fid"]["base"]) and saved["fid"]["base"] != saved["fid"]["tuned"]
 
+    # every image of the report is embedded and decodes; in headless Chromium none is broken
+    checker = _load_checker()
+    total, problems = checker.static_problems(out / "report.html")
+    assert problems == [] and total == 3 + 3 * 2  # plots (2 win rates, avg rank) + the 3 x 2 image grid
+    if checker.find_browser():
+        assert checker.check_report(out / "report.html", tmp_path / "shot.png")["images"] == total
+
     # adding a judge re-uses every cached image: no pipeline is loaded again
     def no_loading(*args, **kwargs):
         raise AssertionError("images were regenerated")
@@ -184,3 +212,30 @@ def test_hub_prompt_sets_load_offline_from_a_file_in_the_same_schema(tmp_path):
     pd.DataFrame({"text2": ["x"]}).to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(PromptSetError, match="Prompts"):
         load_prompt_set(f"drawbench[source={tmp_path / 'bad.parquet'}]")
+
+
+def _load_script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_judges_gives_every_judge_the_same_trainer_budget(tmp_path):
+    cj = _load_script("compare_judges")
+    (tmp_path / "dpo.yaml").write_text("max_steps: 50\nlearning_rate: 0.001\nfinetune: lora\n")
+    config = cj.CompareConfig(trainer_config=str(tmp_path / "dpo.yaml"), trainer_overrides="lora_rank=2,beta=100", max_steps=7)
+    configs = [cj.trainer_config(config, spec, tmp_path / spec, tmp_path / f"{spec}.parquet")[1] for spec in ("shapes-oracle", "random")]
+    for dpo, spec in zip(configs, ("shapes-oracle", "random")):
+        assert (dpo.max_steps, dpo.learning_rate, dpo.finetune, dpo.lora_rank, dpo.beta) == (7, 0.001, "lora", 2, 100)
+        assert dpo.dataset == str(tmp_path / f"{spec}.parquet") and dpo.reward is None and dpo.report_to == "none"
+    bad = cj.CompareConfig(trainer_overrides="no_such_field=1")
+    with pytest.raises(ConfigError, match="no_such_field"):
+        cj.trainer_config(bad, "random", tmp_path, tmp_path / "x.parquet")
+    with pytest.raises(ConfigError, match="at least two judges"):
+        cj.CompareConfig(judges="random").validate()

@@ -146,6 +146,11 @@ def test_bad_inputs_get_clear_errors(clip_folder, tmp_path):
         rewards.load("clip", model=str(clip_folder), variant="cos")
     with pytest.raises(MissingWeightsError, match="no-such-folder"):
         rewards.load("clip", model=str(tmp_path / "no-such-folder"))
+    with pytest.raises(MissingWeightsError, match="HF_HUB_OFFLINE"):  # conftest: tests never download
+        rewards.load("clip", model="nobody/no-such-clip")
+    with pytest.raises(MissingWeightsError, match="torch hub cache"):
+        rewards.load("aesthetic", model="https://example.invalid/head.pth", filename="no-such-head.pth",
+                      clip_model=str(clip_folder), device="cpu")
     judge = rewards.load("clip", model=str(clip_folder), device="cpu")
     with pytest.raises(ValueError, match="2 prompts for 3 images"):
         judge.score(PROMPTS[:2], random_images(3))

@@ -25,8 +25,8 @@ MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.2757
 def to_open_clip_layout(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers CLIPModel keys -> open_clip's (packed q/k/v, x @ P projections)."""
     out = {}
-    for tower, src, dst in (("text", "text_model.encoder.layers", "transformer.resblocks"),
-                            ("vision", "vision_model.encoder.layers", "visual.transformer.resblocks")):
+    for src, dst in (("text_model.encoder.layers", "transformer.resblocks"),
+                     ("vision_model.encoder.layers", "visual.transformer.resblocks")):
         n = 1 + max(int(k.split(".")[3]) for k in hf if k.startswith(src + "."))
         for i in range(n):
             a, b = f"{src}.{i}.", f"{dst}.{i}."

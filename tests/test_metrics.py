@@ -117,3 +117,12 @@ def test_spearman_and_mean_sem():
     assert metrics.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     mean, sem = metrics.mean_and_sem([1.0, 2.0, 3.0, np.nan])
     assert mean == 2.0 and sem == pytest.approx(1 / math.sqrt(3))
+
+
+def test_pairwise_accuracy_against_an_oracle():
+    oracle = [1, 0, 1, 0.5, 0, np.nan]
+    judge = [1, 1, 0.5, 0, np.nan, 1]
+    # decided oracle pairs: 0 (agree), 1 (disagree), 2 (judge tie 1/2), 4 (judge abstained 1/2)
+    accuracy, used = metrics.pairwise_accuracy(judge, oracle)
+    assert used == 4 and accuracy == pytest.approx((1 + 0 + 0.5 + 0.5) / 4)
+    assert math.isnan(metrics.pairwise_accuracy([1], [0.5])[0])

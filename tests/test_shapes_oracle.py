@@ -114,9 +114,9 @@ def test_registry_builds_the_oracle_with_options():
 
 @pytest.fixture(scope="module")
 def pairs(world):
-    """400 pairs whose exact verdict is A (ground truth first, near miss second)."""
+    """250 pairs whose exact verdict is A (ground truth first, near miss second)."""
     captions, truth, wrong = world
-    return captions[:400], truth[:400], [w[0] for w in wrong[:400]]
+    return captions[:250], truth[:250], [w[0] for w in wrong[:250]]
 
 
 def test_exact_compare_prefers_ground_truth_in_both_orders(pairs):
@@ -136,11 +136,11 @@ def test_noise_flips_the_stated_fraction_of_verdicts(pairs):
     verdicts = ShapesOracle(noise=0.3, seed=0).compare(captions, good, bad)
     flipped = [p.raw["flipped"] for p in verdicts]
     assert [p.winner == 1 for p in verdicts] == flipped  # raw says exactly which were flipped
-    assert 0.22 < np.mean(flipped) < 0.38  # 400 draws: mean 0.3, sd 0.023
+    assert 0.2 < np.mean(flipped) < 0.4  # 250 draws: mean 0.3, sd 0.029
     again = ShapesOracle(noise=0.3, seed=0).compare(captions, good, bad)
     assert [p.winner for p in again] == [p.winner for p in verdicts]  # reproducible for a seed
     scores = ShapesOracle(noise=0.1, seed=0).score(captions, good)
-    assert 0.07 < float((scores - 1.0).std()) < 0.13
+    assert 0.08 < float((scores - 1.0).std()) < 0.12
 
 
 def test_position_bias_prefers_the_first_image(pairs):
@@ -149,5 +149,5 @@ def test_position_bias_prefers_the_first_image(pairs):
     assert all(p.winner == 0 and p.raw["position_bias_applied"] for p in always)
     half = ShapesOracle(position_bias=0.5, seed=1).compare(captions, bad, good)
     first = np.mean([p.winner == 0 for p in half])
-    assert 0.42 < first < 0.58
+    assert 0.4 < first < 0.6  # 250 draws: sd 0.032
     assert all((p.winner == 0) == p.raw["position_bias_applied"] for p in half)

@@ -1,0 +1,225 @@
+"""DDPO throughput and peak memory: align/ddpo.py against TRL 0.23.1's DDPOTrainer, side by side.
+
+    python scripts/bench_ddpo_vs_trl.py                        # CPU, the testbed-architecture pipeline
+    python scripts/bench_ddpo_vs_trl.py --model testbed --epochs 4 --device cuda
+
+Both trainers get the same pipeline folder, reward (JPEG compressibility, a rule judge), prompts,
+sampling settings (DDIM steps, η, guidance), LoRA rank, batch sizes, timestep fraction and
+per-prompt statistics. Each runs in its own process (TRL from its own virtual environment,
+because TRL removed DDPOTrainer in 0.24); the first epoch is a warm-up and is not timed.
+Reported: samples per second (sampling + reward + PPO update, per epoch) and peak memory
+(peak resident set size on CPU, peak allocated CUDA memory on a GPU).
+
+TRL 0.23.1 lives in a separate virtual environment, by default /tmp/trl023-venv:
+
+    python -m venv /tmp/trl023-venv
+    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRL_PYTHON = "/tmp/trl023-venv/bin/python"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="pipeline folder or 'testbed'; default: a random testbed-architecture pipeline")
+    p.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="python of the virtual environment with trl==0.23.1")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per trainer; the first is a warm-up")
+    p.add_argument("--steps", type=int, default=20, help="DDIM steps")
+    p.add_argument("--guidance", type=float, default=4.0)
+    p.add_argument("--eta", type=float, default=1.0)
+    p.add_argument("--sample-batch-size", type=int, default=16)
+    p.add_argument("--batches-per-epoch", type=int, default=2)
+    p.add_argument("--train-batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--timestep-fraction", type=float, default=0.5)
+    p.add_argument("--lora-rank", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--only", choices=("ours", "trl"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def peak_memory_mb(device: str) -> float:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def prompts_for(n: int) -> list[str]:
+    from align.testbed.scene import sample_captions
+
+    return sample_captions(n, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------- children
+
+
+def run_ours(args) -> dict:
+    import torch
+
+    from align import ddpo
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.workdir)
+    prompt_file = work / "prompts.txt"
+    samples_per_epoch = args.sample_batch_size * args.batches_per_epoch
+    config = ddpo.DDPOConfig(
+        model=args.model, reward="jpeg-compressibility", prompts=str(prompt_file), output_dir=str(work / "ours"),
+        overwrite=True, report_to="none", num_inference_steps=args.steps, guidance_scale=args.guidance, eta=args.eta,
+        samples_per_epoch=samples_per_epoch, sample_batch_size=args.sample_batch_size,
+        train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.grad_accum,
+        timestep_fraction=args.timestep_fraction, lora_rank=args.lora_rank, learning_rate=args.lr,
+        num_epochs=args.epochs, checkpointing_epochs=10**6, num_logged_images=0,
+        stat_buffer_size=16, stat_min_count=16,
+    )
+    if args.device != "cpu":
+        os.environ.setdefault("ACCELERATE_USE_CPU", "false")
+    ddpo.train(config)
+    records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
+    timed = [r["samples_per_second"] for r in records[1:]] or [records[0]["samples_per_second"]]
+    # samples/s of each epoch -> seconds per epoch, then the overall rate of the timed epochs
+    seconds = sum(samples_per_epoch / s for s in timed)
+    return {"samples_per_s": samples_per_epoch * len(timed) / seconds, "epochs_timed": len(timed),
+            "peak_memory_mb": peak_memory_mb(args.device)}
+
+
+def run_trl(args) -> dict:
+    import random
+
+    import torch
+    import trl
+    from trl import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
+
+    from rewards.rules import JpegCompressibility
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.workdir)
+    prompts = (work / "prompts.txt").read_text().splitlines()
+    rng = random.Random(0)
+    judge = JpegCompressibility()
+
+    def prompt_fn():
+        return rng.choice(prompts), {}
+
+    def reward_fn(images, batch_prompts, metadata):
+        return judge.score(list(batch_prompts), images.float().cpu()), {}
+
+    config = DDPOConfig(
+        num_epochs=args.epochs, sample_num_steps=args.steps, sample_eta=args.eta, sample_guidance_scale=args.guidance,
+        sample_batch_size=args.sample_batch_size, sample_num_batches_per_epoch=args.batches_per_epoch,
+        train_batch_size=args.train_batch_size, train_gradient_accumulation_steps=args.grad_accum,
+        train_timestep_fraction=args.timestep_fraction, train_learning_rate=args.lr,
+        per_prompt_stat_tracking=True, per_prompt_stat_tracking_buffer_size=16, per_prompt_stat_tracking_min_count=16,
+        mixed_precision="no", log_with=None, save_freq=10**6, project_kwargs={"project_dir": str(work / "trl")},
+    )
+    from accelerate import PartialState
+
+    PartialState()  # TRL's pipeline logs through accelerate before the trainer creates its Accelerator
+    pipeline = DefaultDDPOStableDiffusionPipeline(args.model, use_lora=True)
+    pipeline.sd_pipeline.to(args.device)
+    trainer = DDPOTrainer(config, reward_fn, prompt_fn, pipeline)
+    seconds, global_step = [], 0
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        global_step = trainer.step(epoch, global_step)
+        seconds.append(time.perf_counter() - start)
+    timed = seconds[1:] or seconds
+    samples_per_epoch = args.sample_batch_size * args.batches_per_epoch
+    return {"samples_per_s": samples_per_epoch * len(timed) / sum(timed), "epochs_timed": len(timed),
+            "peak_memory_mb": peak_memory_mb(args.device), "trl_version": trl.__version__}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def build_pipeline_folder(folder: Path) -> str:
+    """The testbed architecture (UNet 64/128 channels on 8x8 latents, 32 px images) with random weights."""
+    import torch
+
+    from align.testbed.models import build_pipeline
+    from align.testbed.tokenizer import testbed_tokenizer
+
+    torch.manual_seed(0)
+    build_pipeline(testbed_tokenizer()).save_pretrained(folder)
+    return str(folder)
+
+
+def child(python: str, which: str, args, workdir: Path) -> dict:
+    argv = [python, str(Path(__file__).resolve()), "--only", which, "--workdir", str(workdir)]
+    for key, value in vars(args).items():
+        if key in ("only", "workdir", "trl_python") or value is None:
+            continue
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("BENCH ")]
+    if result.returncode != 0 or not lines:
+        raise SystemExit(f"{which} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(lines[-1][len("BENCH "):])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.only:
+        sys.path.insert(0, str(REPO))
+        from align.pipeline import resolve_model
+
+        args.model = resolve_model(args.model)
+        result = run_ours(args) if args.only == "ours" else run_trl(args)
+        print("BENCH " + json.dumps(result), flush=True)
+        return
+
+    trl_python = Path(args.trl_python)
+    if not trl_python.is_file():
+        raise SystemExit(
+            f"TRL 0.23.1 virtual environment not found: {trl_python} does not exist.\n"
+            "TRL removed DDPOTrainer in 0.24, so it needs its own environment:\n"
+            "    python -m venv /tmp/trl023-venv\n"
+            "    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft\n"
+            "then rerun, or pass --trl-python /path/to/that/venv/bin/python"
+        )
+    with tempfile.TemporaryDirectory(prefix="bench_ddpo_") as tmp:
+        work = Path(tmp)
+        if args.model is None:
+            args.model = build_pipeline_folder(work / "pipeline")
+        (work / "prompts.txt").write_text("\n".join(prompts_for(args.num_prompts)) + "\n")
+        samples_per_epoch = args.sample_batch_size * args.batches_per_epoch
+        print(
+            f"model: {args.model} | device: {args.device} ({args.threads} thread(s)) | {args.steps} DDIM steps, eta {args.eta}, "
+            f"guidance {args.guidance} | {samples_per_epoch} samples/epoch ({args.sample_batch_size} x {args.batches_per_epoch}) | "
+            f"train batch {args.train_batch_size} x {args.grad_accum} accumulation | timestep fraction {args.timestep_fraction} | "
+            f"LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
+            flush=True,
+        )
+        ours = child(sys.executable, "ours", args, work)
+        theirs = child(str(trl_python), "trl", args, work)
+    print(f"{'trainer':<28}{'samples/s':>12}{'peak memory (MB)':>20}")
+    print(f"{'align/ddpo.py':<28}{ours['samples_per_s']:>12.2f}{ours['peak_memory_mb']:>20.0f}")
+    print(f"{'TRL ' + theirs['trl_version'] + ' DDPOTrainer':<28}{theirs['samples_per_s']:>12.2f}{theirs['peak_memory_mb']:>20.0f}")
+    print(f"speed-up: {ours['samples_per_s'] / theirs['samples_per_s']:.2f}x | memory ratio (ours / TRL): "
+          f"{ours['peak_memory_mb'] / theirs['peak_memory_mb']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
