@@ -29,6 +29,8 @@ import torch
 
 from align.cli import ConfigError
 from align.evaluate import (
+    GenerationCache,
+    ModelEntry,
     compare_shuffled,
     judge_is_pointwise,
     load_judge,
@@ -61,6 +63,7 @@ class BestOfNConfig:
     grid_prompts: int = 8
     device: str = "auto"
     output_dir: str = "runs/best_of_n"
+    cache_dir: str | None = None  # generated candidates (PNG); share it between runs with other judges
 
     def validate(self) -> None:
         if self.n < 1:
@@ -216,10 +219,17 @@ def best_of_n(config: BestOfNConfig) -> dict:
     num_prompts, n = len(prompts), config.n
     print(f"[best_of_n] {num_prompts} prompts x {n} candidates = {num_prompts * n} images; selector {config.reward}", flush=True)
 
-    # 1. N candidates per prompt, from seeded noises (candidate k of prompt i: derive_seed(seed, i, k))
-    noises = torch.stack([seed_noise(candidate_seed(config.seed, i, k), shape) for i in range(num_prompts) for k in range(n)])
-    flat_prompts = [p for p in prompts for _ in range(n)]
-    images = generate_from_noise(pipe, flat_prompts, noises, settings, config.batch_size)
+    # 1. N candidates per prompt, from seeded noises (candidate k of prompt i: derive_seed(seed, i, k)),
+    #    cached as PNG so a run with another selector re-uses them
+    items = [(p, candidate_seed(config.seed, i, k)) for i, p in enumerate(prompts) for k in range(n)]
+    cache = GenerationCache(Path(config.cache_dir or out / "candidates"), ModelEntry(Path(config.model).name or config.model, config.model), settings, config.base_model)
+    todo = cache.missing(items)
+    if todo:
+        noises = torch.stack([seed_noise(s, shape) for _, s in todo])
+        for (prompt, s), image in zip(todo, generate_from_noise(pipe, [p for p, _ in todo], noises, settings, config.batch_size)):
+            cache.save(prompt, s, image)
+    print(f"[best_of_n] {len(todo)} candidates generated, {len(items) - len(todo)} cached", flush=True)
+    images = cache.load(items)
     images = images.view(num_prompts, n, *images.shape[1:])
 
     # 2. the selector picks; every other judge scores the same candidates

@@ -78,6 +78,7 @@ class DDPOConfig:
     lora_alpha: float | None = None  # None = rank
     lora_targets: str = "to_q,to_k,to_v,to_out.0"
     mixed_precision: str = "no"  # no, fp16 (paper), bf16
+    cpu_threads: int | None = None  # torch CPU threads (None = torch's default); 1 is fastest on a busy CPU
     # --- sampling (paper: 50 DDIM steps, η = 1, guidance 5)
     num_inference_steps: int = 50
     guidance_scale: float = 5.0
@@ -95,6 +96,7 @@ class DDPOConfig:
     adv_clip_max: float = 5.0
     kl_coef: float = 0.0  # > 0 adds kl_coef x KL(step ‖ reference step) (Flow-GRPO); reference = adapter off
     timestep_fraction: float = 1.0  # share of the denoising steps trained per sample, in (0, 1]
+    timestep_batch: int = 1  # trained timesteps per UNet call (1 = one at a time; more: faster, more memory, same gradient)
     # --- optimisation (paper: AdamW, lr 3e-4, LoRA)
     num_epochs: int = 100
     num_inner_epochs: int = 1  # passes of PPO over each epoch's samples
@@ -134,12 +136,14 @@ class DDPOConfig:
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
         for name in ("num_inference_steps", "samples_per_epoch", "sample_batch_size", "images_per_prompt",
                      "num_epochs", "num_inner_epochs", "train_batch_size", "gradient_accumulation_steps",
-                     "lora_rank", "checkpointing_epochs", "stat_buffer_size", "stat_min_count"):
+                     "lora_rank", "checkpointing_epochs", "stat_buffer_size", "stat_min_count", "timestep_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "clip_range", "adv_clip_max"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"--cpu_threads must be >= 1, got {self.cpu_threads}")
         if not self.kl_coef >= 0:
             raise ConfigError(f"--kl_coef must be >= 0, got {self.kl_coef}")
         if self.guidance_scale < 1:
@@ -219,7 +223,7 @@ def epoch_generator(seed: int, epoch: int, part: str, index: int, process: int) 
 
 
 def draw_prompts(prompts: list[str], config: DDPOConfig, gen: torch.Generator) -> list[str]:
-    """sample_batch_size prompts: distinct draws, each repeated images_per_prompt times (a group)."""
+    """sample_batch_size prompts: uniform draws (with replacement), each repeated images_per_prompt times (a group)."""
     n = config.sample_batch_size // config.images_per_prompt
     picks = torch.randint(len(prompts), (n,), generator=gen).tolist()
     return [prompts[i] for i in picks for _ in range(config.images_per_prompt)]
@@ -296,6 +300,8 @@ def train(config: DDPOConfig) -> Path:
     )
 
     check_inputs(config)
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator = Accelerator(mixed_precision=config.mixed_precision, log_with=log_with, project_dir=str(run.path))
@@ -393,7 +399,7 @@ def train(config: DDPOConfig) -> Path:
     progress = tqdm(range(start_epoch, config.num_epochs), disable=not accelerator.is_local_main_process, desc="ddpo")
     try:
         for epoch in progress:
-            epoch_start = time.perf_counter()
+            epoch_start, epoch_cpu_start = time.perf_counter(), time.process_time()
             # 1-2. Sample and reward (the judge works on batch b while batch b+1 samples).
             unet.eval()
             with accelerator.autocast():
@@ -442,6 +448,7 @@ def train(config: DDPOConfig) -> Path:
                 "epoch": done, "global_step": global_step, "samples_seen": done * config.samples_per_epoch,
                 "samples_per_second": config.samples_per_epoch / (time.perf_counter() - epoch_start),
                 "sampling_seconds": sample_seconds,
+                "epoch_cpu_seconds": time.process_time() - epoch_cpu_start,  # this process, all threads
             })
             if config.advantage == "per-prompt":
                 logs.update(tracker.stats())
@@ -504,7 +511,6 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
     micro_batches = [order[i : i + config.train_batch_size] for i in range(0, n, config.train_batch_size)]
     for m, idx in enumerate(micro_batches):
         embeds = samples["embeds"][idx]
-        negative = negative_embed.expand(len(idx), -1, -1)
         chosen = time_order[idx]
         latents = samples["all_latents"][rows[idx], chosen]  # [b, k, C, H, W]
         next_latents = samples["all_latents"][rows[idx], chosen + 1]
@@ -512,31 +518,40 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
         old_log_probs = samples["log_probs"][rows[idx], chosen]
         adv = samples["advantages"][idx]
         last_of_update = (m + 1) % config.gradient_accumulation_steps == 0
-        for j in range(k):
-            sync = last_of_update and j == k - 1
+        # Timesteps go through the UNet `timestep_batch` at a time, flattened into the batch
+        # (sample-major): the loss of a chunk is the mean of its per-step losses, so weighting it
+        # by chunk / k gives exactly the gradient of one-step-at-a-time accumulation.
+        for j0 in range(0, k, config.timestep_batch):
+            js = slice(j0, min(j0 + config.timestep_batch, k))
+            c = js.stop - js.start
+            sync = last_of_update and js.stop == k
+            lat = latents[:, js].flatten(0, 1)
+            nxt = next_latents[:, js].flatten(0, 1)
+            ts = timesteps[:, js].flatten()
+            cond = embeds.repeat_interleave(c, dim=0)
+            uncond = negative_embed.expand(len(lat), -1, -1)
             with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
                 with accelerator.autocast():
-                    pred = guided_noise_prediction(train_unet, latents[:, j], timesteps[:, j].to(device),
-                                                   embeds, negative, config.guidance_scale)
-                mean, std = ddim_step_mean_std(scheduler, pred, timesteps[:, j], latents[:, j], config.eta)
-                log_prob = gaussian_log_prob(next_latents[:, j], mean, std)
-                loss, metrics = ddpo_clipped_loss(log_prob, old_log_probs[:, j], adv, config.clip_range, config.adv_clip_max)
+                    pred = guided_noise_prediction(train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, config.eta)
+                log_prob = gaussian_log_prob(nxt, mean, std)
+                loss, metrics = ddpo_clipped_loss(
+                    log_prob, old_log_probs[:, js].flatten(), adv.repeat_interleave(c), config.clip_range, config.adv_clip_max
+                )
                 if config.kl_coef > 0:
                     with torch.no_grad(), accelerator.autocast():
                         if reference is None:
                             with disabled_adapter(unet):
-                                ref_pred = guided_noise_prediction(unet, latents[:, j], timesteps[:, j].to(device),
-                                                                   embeds, negative, config.guidance_scale)
+                                ref_pred = guided_noise_prediction(unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
                         else:
-                            ref_pred = guided_noise_prediction(reference, latents[:, j], timesteps[:, j].to(device),
-                                                               embeds, negative, config.guidance_scale)
-                    ref_mean, _ = ddim_step_mean_std(scheduler, ref_pred, timesteps[:, j], latents[:, j], config.eta)
+                            ref_pred = guided_noise_prediction(reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                    ref_mean, _ = ddim_step_mean_std(scheduler, ref_pred, ts, lat, config.eta)
                     kl = gaussian_mean_kl(mean, ref_mean, std).mean()
                     loss = loss + config.kl_coef * kl
                     metrics["kl_to_reference"] = kl.detach()
                 if not torch.isfinite(loss):
                     raise TrainingStopped("non-finite DDPO loss; stopped before the update (lower --learning_rate)")
-                accelerator.backward(loss / (k * config.gradient_accumulation_steps))
+                accelerator.backward(loss * (c / (k * config.gradient_accumulation_steps)))
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 stats.setdefault(key, []).append(float(value))
         if last_of_update:
@@ -628,7 +643,7 @@ def main(argv: list[str] | None = None) -> None:
         train(config)
     except (ConfigError, RunFolderError) as err:
         die(str(err))
-    except TrainingStopped as err:
+    except (TrainingStopped, RewardError) as err:
         die(str(err), code=3)
     except Exception as err:  # data/model errors with their own clear messages
         from align.data import DataError

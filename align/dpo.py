@@ -166,10 +166,14 @@ def load_judge(spec: str):
     """Load a judge and let it fail fast (missing API key, model id the server rejects)."""
     import rewards
 
-    judge = rewards.load(spec)
-    check_ready = getattr(judge, "check_ready", None)
-    if callable(check_ready):
-        check_ready()
+    try:
+        judge = rewards.load(spec)
+        check_ready = getattr(judge, "check_ready", None)
+        if callable(check_ready):
+            check_ready()
+    except (ValueError, RuntimeError, OSError, ImportError) as err:
+        # Missing key or weights, a model id the server rejects, a missing SDK: one message, no traceback.
+        raise ConfigError(f"judge {spec!r} is not usable: {err}") from None
     return judge
 
 
@@ -253,18 +257,24 @@ def train(config: DPOConfig) -> Path:
         project_dir=str(run.path),
     )
     main = accelerator.is_main_process
-    if main:
-        run.prepare()
-        run.save_config(asdict(config))
-    accelerator.wait_for_everyone()
-    set_seed(config.seed)
 
-    # The judge first: a missing API key must stop us before any generation.
+    # The judges before anything is written or generated: a missing API key stops us here.
     judge = load_judge(config.reward) if config.reward else None
     eval_judge_spec = config.eval_judge or config.reward
     eval_judge = None
     if config.eval_prompts and eval_judge_spec:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
+
+    # Offline pairs are read (every image decoded once) before the model loads: a bad dataset stops here.
+    pairs = pair_stats = None
+    if config.dataset:
+        pairs, pair_stats = load_pairs(config.dataset, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
+
+    if main:
+        run.prepare()
+        run.save_config(asdict(config))
+    accelerator.wait_for_everyone()
+    set_seed(config.seed)
 
     pipe = load_pipeline(config.model, device=accelerator.device)
     defaults = testbed_settings(config.model)
@@ -274,7 +284,7 @@ def train(config: DPOConfig) -> Path:
     for module in (pipe.vae, pipe.text_encoder):
         module.requires_grad_(False)
 
-    # 1. Preference pairs: AI feedback written to the run folder, or an offline dataset.
+    # 1. Preference pairs from AI feedback, written to the run folder (offline pairs were read above).
     if judge is not None:
         feedback_path = run.path / "feedback" / "pairs.parquet"
         prompts = load_prompt_list(config.prompts)
@@ -286,10 +296,7 @@ def train(config: DPOConfig) -> Path:
             )
             print(f"[feedback] {stats.summary()}", flush=True)
         accelerator.wait_for_everyone()
-        source = str(feedback_path)
-    else:
-        source = config.dataset
-    pairs, pair_stats = load_pairs(source, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
+        pairs, pair_stats = load_pairs(str(feedback_path), tie_policy=config.tie_policy, max_pairs=config.max_pairs)
     if main:
         print(f"[data] {pair_stats.summary()}", flush=True)
 
@@ -449,6 +456,8 @@ def train(config: DPOConfig) -> Path:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
         write_model_card(final, config, run)
         write_run_report(run, config)
+    for used in {id(j): j for j in (judge, eval_judge) if j is not None}.values():
+        used.close()  # API judges print their token and cost counts here
     accelerator.end_training()
     return run.path
 

@@ -30,29 +30,27 @@ from align.cli import die, parse_config
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
 
 
+def _opt(default, help_text: str):
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class JudgeBenchConfig:
-    # Comma-separated judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2],random,first-image.
-    judges: str = "shapes-oracle,shapes-clip,jpeg-compressibility,random,first-image"
-    # 'testbed' (generate the shapes benchmark), a local .parquet/.json/.jsonl, or a hub id owner/name@revision.
-    data: str = "testbed"
-    # Comma-separated subsets to evaluate (rows of other subsets are skipped).
-    subsets: str = "alignment,safety,quality,bias"
-    output_dir: str = "outputs/judgebench"
-    # A pointwise judge predicts a tie when |s1 - s0| <= tie_threshold (MJ-Bench default 0).
-    tie_threshold: float = 0.0
-    # Keep only the first N rows of each subset (quick looks; None = all).
-    limit: int | None = None
-    # Images per judge call.
-    batch_size: int = 32
-    # Testbed benchmark size: pairs per alignment subcategory and per quality corruption,
-    # and the number of bias groups (each scored across all colour variants).
-    testbed_pairs: int = 50
-    testbed_bias_groups: int = 24
-    testbed_image_size: int = 32
-    seed: int = 0
-    # Replace the outputs of an earlier benchmark in --output-dir.
-    overwrite: bool = False
+    judges: str = _opt(
+        "shapes-oracle,shapes-clip,jpeg-compressibility,random,first-image",
+        "comma-separated judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2],random,first-image",
+    )
+    data: str = _opt("testbed", "'testbed', a local .parquet/.json/.jsonl, or a hub dataset id owner/name@revision")
+    subsets: str = _opt("alignment,safety,quality,bias", "comma-separated subsets; rows of others are skipped")
+    output_dir: str = _opt("outputs/judgebench", "folder for the leaderboard, plot, report and verdicts")
+    tie_threshold: float = _opt(0.0, "a pointwise judge predicts a tie when |s1 - s0| <= this (MJ-Bench: 0)")
+    limit: int | None = _opt(None, "keep only the first N rows of each subset")
+    batch_size: int = _opt(32, "images per judge call")
+    testbed_pairs: int = _opt(50, "testbed: pairs per alignment subcategory and per quality degradation")
+    testbed_bias_groups: int = _opt(24, "testbed: colourless captions, each scored in all 6 colours")
+    testbed_image_size: int = _opt(32, "testbed: image side in pixels")
+    seed: int = _opt(0, "testbed benchmark seed")
+    overwrite: bool = _opt(False, "replace the outputs of an earlier benchmark in --output-dir")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from align.reward_losses import (  # noqa: E402
 )
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 
-BACKBONES = ("clip", "mllm")
+BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
 TESTBED_SCRATCH = "testbed:scratch"
 TESTBED_ORACLE = "testbed-oracle:"
@@ -52,14 +52,14 @@ class RewardTrainConfig:
     dataset: str | None = None  # parquet/folder/HF id of pairs (e.g. a dpo run's feedback/pairs.parquet),
     # or testbed-oracle:<n>[:<seed>]: n shapes-world pairs (render vs near miss) labelled by shapes-oracle
     dataset_split: str = "train"
-    eval_dataset: str | None = None  # held-out pairs; default: eval_fraction of --dataset
+    eval_dataset: str | None = None  # held-out pairs (same forms as --dataset); default: eval_fraction of --dataset
     eval_fraction: float = 0.1
     max_pairs: int | None = None
     tie_policy: str = "drop"
     unpaired: str | None = None  # parquet with caption, jpg, label (1 good / 0 bad): BCE term
     bce_weight: float = 1.0
     # --- model
-    backbone: str = "clip"  # clip (MLP head, ImageReward/VP-Score style) or mllm (LLaVA-Reward)
+    backbone: str = "clip"  # clip or blip (MLP head, VP-Score / ImageReward style) or mllm (LLaVA-Reward)
     model: str = "openai/clip-vit-large-patch14"  # backbone: hub id, folder, "testbed" (shapes-clip) or testbed:scratch
     trust_remote_code: bool = False  # needed by Phi-3.5-vision (mllm); off unless asked
     skip_cross_attention: bool = True  # mllm: SkipCA before the value head
@@ -129,8 +129,9 @@ class RewardTrainConfig:
             raise ConfigError(f"--head_hidden must be comma-separated integers, got {self.head_hidden!r}") from None
         if any(h < 1 for h in hidden):
             raise ConfigError(f"--head_hidden sizes must be >= 1, got {self.head_hidden!r}")
-        if self.dataset.startswith(TESTBED_ORACLE):
-            parse_testbed_oracle(self.dataset)
+        for spec in filter(None, (self.dataset, self.eval_dataset)):
+            if spec.startswith(TESTBED_ORACLE):
+                parse_testbed_oracle(spec)
         for source in filter(None, (self.dataset, self.eval_dataset, self.unpaired)):
             if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
                 raise ConfigError(f"data source {source!r}: no such file or folder")
@@ -197,6 +198,18 @@ def make_oracle_pairs(spec: str, path: Path, batch: int = 256) -> Path:
     return write_parquet(table, path)
 
 
+def oracle_pairs_file(spec: str, run: RunFolder, accelerator) -> str:
+    """A data source as given, or for testbed-oracle:<n>:<seed> the parquet made (once) in the run folder."""
+    if not spec.startswith(TESTBED_ORACLE):
+        return spec
+    n, seed = parse_testbed_oracle(spec)
+    path = run.path / "feedback" / f"testbed-oracle_{n}_{seed}.parquet"
+    if accelerator.is_main_process and not path.is_file():
+        make_oracle_pairs(spec, path)
+    accelerator.wait_for_everyone()
+    return str(path)
+
+
 def load_unpaired(source: str) -> list[Example]:
     """Unpaired labels for the BCE term: a parquet with caption, jpg (image bytes) and label in [0, 1]."""
     import pyarrow.parquet as pq
@@ -247,30 +260,30 @@ def build_model(config: RewardTrainConfig):
         elif config.finetune == "head":
             model.freeze_backbone()
         return model
-    from rewards.trained import ClipRewardModel
+    from rewards.trained import BlipRewardModel, ClipRewardModel
 
-    clip, processor = load_clip_backbone(config.model)
+    model_class = ClipRewardModel if config.backbone == "clip" else BlipRewardModel
+    backbone, processor = load_embedding_backbone(config.model, model_class)
     hidden = tuple(int(h) for h in config.head_hidden.split(",") if h.strip())
-    model = ClipRewardModel(clip, processor, hidden=hidden, dropout=config.head_dropout)
+    model = model_class(backbone, processor, hidden=hidden, dropout=config.head_dropout)
     if config.finetune == "lora":
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
-        )
-        model.clip = get_peft_model(clip, lora)
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                          target_modules=list(model_class.lora_targets))
+        model.backbone = get_peft_model(backbone, lora)
     elif config.finetune == "head":
-        clip.requires_grad_(False)
+        backbone.requires_grad_(False)
     return model
 
 
-def load_clip_backbone(spec: str):
-    """(CLIPModel, processor) from a hub id / folder, "testbed" (shapes-clip) or testbed:scratch."""
-    from transformers import AutoProcessor, CLIPModel, CLIPProcessor
+def load_embedding_backbone(spec: str, model_class):
+    """(backbone, processor) from a hub id / folder, or for CLIP "testbed" (shapes-clip) / testbed:scratch."""
+    import transformers
+    from transformers import AutoProcessor, CLIPProcessor
 
+    if spec in (TESTBED_SCRATCH, "testbed") and model_class.kind != "clip-mlp":
+        raise ConfigError(f"--model {spec} is a CLIP model; use it with --backbone clip")
     if spec == TESTBED_SCRATCH:
         from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
         from align.testbed.tokenizer import testbed_tokenizer
@@ -287,9 +300,10 @@ def load_clip_backbone(spec: str):
             )
         spec = str(SHAPES_CLIP_FOLDER)
     try:
-        return CLIPModel.from_pretrained(spec), AutoProcessor.from_pretrained(spec)
+        backbone = getattr(transformers, model_class.backbone_class).from_pretrained(spec)
+        return backbone, AutoProcessor.from_pretrained(spec)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"--model {spec!r}: cannot load a CLIP backbone and its processor: {err}") from err
+        raise ConfigError(f"--model {spec!r}: cannot load a {model_class.backbone_class} backbone and its processor: {err}") from err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,17 +390,12 @@ def train(config: RewardTrainConfig) -> Path:
     set_seed(config.seed)
 
     # 1. Data: pairs (winner first), a held-out split, optional unpaired labels.
-    source = config.dataset
-    if source.startswith(TESTBED_ORACLE):
-        n, seed = parse_testbed_oracle(source)
-        source = str(run.path / "feedback" / f"testbed-oracle_{n}_{seed}.parquet")
-        if main and not Path(source).is_file():
-            make_oracle_pairs(config.dataset, Path(source))
-        accelerator.wait_for_everyone()
+    source = oracle_pairs_file(config.dataset, run, accelerator)
     pairs, stats = load_pairs(source, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
     if config.eval_dataset:
         train_pairs = pairs
-        eval_pairs, _ = load_pairs(config.eval_dataset, split=config.dataset_split, tie_policy="drop")
+        eval_source = oracle_pairs_file(config.eval_dataset, run, accelerator)
+        eval_pairs, _ = load_pairs(eval_source, split=config.dataset_split, tie_policy="drop")
     else:
         train_pairs, eval_pairs = split_pairs(pairs, config.eval_fraction, config.seed)
     unpaired = load_unpaired(config.unpaired) if config.unpaired else []
@@ -396,7 +405,7 @@ def train(config: RewardTrainConfig) -> Path:
 
     # 2. Model, optimiser, schedule (sizes printed so they can be checked).
     model = build_model(config)
-    if config.backbone == "clip":
+    if config.backbone in ("clip", "blip"):
         sample = train_pairs[:128]
         model.fit_feature_norm(
             [p.caption for p in sample] * 2,

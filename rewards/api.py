@@ -211,6 +211,8 @@ def _preset(preset: str, **options) -> ApiJudge:
     provider, model = PRESETS[preset]
     options.setdefault("model", model)
     options.setdefault("name", preset)
+    if preset == "gpt4v":
+        options.setdefault("structured", "json_object")  # GPT-4 Turbo predates JSON-schema outputs
     if provider == "google":
         # Gemini 2.5 models think before answering and count it in max_output_tokens.
         options.setdefault("max_tokens", 8192)

@@ -160,7 +160,15 @@ async def gather_bounded(jobs: list[Callable[[], Awaitable[T]]], concurrency: in
         async with semaphore:
             return await job()
 
-    return await asyncio.gather(*(guarded(job) for job in jobs))
+    tasks = [asyncio.ensure_future(guarded(job)) for job in jobs]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        # one job failed the whole run: stop the others before the client is closed under them
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def run_sync(make_coro: Callable[[], Awaitable[Any]]) -> Any:

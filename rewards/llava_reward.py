@@ -464,9 +464,15 @@ class LlavaRewardJudge(TrainedRewardJudge):
             reward_a = self.model(list(prompts), to_pil(images_a)).float().cpu()
             reward_b = self.model(list(prompts), to_pil(images_b)).float().cpu()
         probs = general_preference_probability(reward_a, reward_b, self.tau * self.temperature)
-        return [Preference(float(p), tie=abs(float(p) - 0.5) <= self.tie_margin / 2 and self.tie_margin > 0,
-                           raw={"reward_a": a.tolist(), "reward_b": b.tolist()})
-                for p, a, b in zip(probs, reward_a, reward_b)]
+        out = []
+        for p, a, b in zip(probs.tolist(), reward_a, reward_b):
+            raw = {"reward_a": a.tolist(), "reward_b": b.tolist()}
+            logit = torch.logit(torch.tensor(p), eps=1e-12).item()
+            if abs(logit) <= self.tie_margin:  # the same rule as pointwise: a margin on the logit
+                out.append(Preference(0.5, tie=True, raw=raw))
+            else:
+                out.append(Preference(p, raw=raw))
+        return out
 
 
 def LlavaReward(model: str = DEFAULT_CHECKPOINT, base_model: str | None = None, trust_remote_code: bool = False,

@@ -2,8 +2,9 @@
 
 A trained folder holds ``reward_model.json`` (the marker, written last) plus the weights:
 
-- kind ``clip-mlp`` (ImageReward / VP-Score style): ``backbone/`` (a transformers CLIPModel and
-  its processor, LoRA merged in) and ``head.safetensors`` (an MLP on [img, txt, img*txt, cos]).
+- kind ``clip-mlp`` / ``blip-mlp`` (VP-Score / ImageReward style): ``backbone/`` (a transformers
+  CLIPModel or BlipForImageTextRetrieval and its processor, LoRA merged in) and ``head.safetensors``
+  (the feature standardisation and the MLP).
 - kind ``mllm-skipca`` (LLaVA-Reward style): the authors' layout (``lora/``, the head file,
   ``reward_config.yaml``), loaded by ``rewards.llava_reward``.
 
@@ -26,7 +27,7 @@ from rewards.weights import batched, check_batch_size, check_prompts, resolve_de
 
 MARKER = "reward_model.json"
 FORMAT_VERSION = 1
-KINDS = ("clip-mlp", "mllm-skipca")
+KINDS = ("clip-mlp", "blip-mlp", "mllm-skipca")
 
 
 class TrainedRewardError(ValueError):
@@ -36,52 +37,50 @@ class TrainedRewardError(ValueError):
 # ---------------------------------------------------------------------------------------- model
 
 
-class ClipRewardModel(nn.Module):
-    """CLIP image and text embeddings -> MLP -> one scalar reward per (prompt, image).
+class EmbeddingRewardModel(nn.Module):
+    """A vision-language backbone's (prompt, image) features -> standardise -> MLP -> reward.
 
-    The head sees [img, txt, img * txt, cos(img, txt)] of the unit-norm projected embeddings, so
-    it starts from CLIP's own alignment signal and can learn more (counts, relations, quality).
+    Subclasses give ``feature_size`` and ``features(prompts, images)``, and name the transformers
+    class that saves/loads the backbone. ``self.backbone`` may be wrapped in a peft LoRA model.
     """
 
-    def __init__(self, clip, processor, hidden: tuple[int, ...] = (256, 64), dropout: float = 0.1, max_tokens: int | None = None):
+    kind = ""
+    backbone_class = ""
+
+    def __init__(self, backbone, processor, hidden: tuple[int, ...] = (256, 64), dropout: float = 0.1):
         super().__init__()
-        self.clip = clip
-        self.processor = processor
-        dim = clip.config.projection_dim
-        self.head = MLPHead(3 * dim + 1, tuple(hidden), dropout)
+        self.backbone, self.processor = backbone, processor
+        size = self.feature_size()
+        self.head = MLPHead(size, tuple(hidden), dropout)
         # Per-feature standardisation, fitted on training images before training: embeddings of
         # small or synthetic images can differ by ~1% of their norm, too little for the MLP to see.
-        self.register_buffer("feature_mean", torch.zeros(3 * dim + 1))
-        self.register_buffer("feature_std", torch.ones(3 * dim + 1))
+        self.register_buffer("feature_mean", torch.zeros(size))
+        self.register_buffer("feature_std", torch.ones(size))
         self.hidden, self.dropout = tuple(hidden), dropout
-        limit = getattr(processor.tokenizer, "model_max_length", None) or 77
-        self.max_tokens = int(min(limit, clip.config.text_config.max_position_embeddings, max_tokens or 10**9))
+
+    def feature_size(self) -> int:
+        raise NotImplementedError
+
+    def features(self, prompts: list[str], images: list) -> torch.Tensor:
+        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
         return self.head.layers[0].weight.device
 
     def pixel_values(self, images: list) -> torch.Tensor:
-        return self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        return self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"].to(self.device)
 
-    def features(self, prompts: list[str], images: list) -> torch.Tensor:
-        tokens = self.processor.tokenizer(
-            prompts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
-        )
-        pixels = self.pixel_values(images).to(self.device)
-        # transformers 5 returns output objects; the projected embedding is pooler_output
-        image = self.clip.get_image_features(pixel_values=pixels).pooler_output
-        text = self.clip.get_text_features(
-            input_ids=tokens["input_ids"].to(self.device), attention_mask=tokens["attention_mask"].to(self.device)
-        ).pooler_output
-        image = nn.functional.normalize(image.float(), dim=-1)
-        text = nn.functional.normalize(text.float(), dim=-1)
-        cos = (image * text).sum(-1, keepdim=True)
-        return torch.cat([image, text, image * text, cos], dim=-1)
+    def tokens(self, prompts: list[str], max_tokens: int) -> dict:
+        out = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=max_tokens, return_tensors="pt")
+        return {k: out[k].to(self.device) for k in ("input_ids", "attention_mask")}
 
     def rewards(self, prompts: list[str], images: list) -> torch.Tensor:
         """[N] rewards, differentiable (used for training and scoring)."""
         return self.head((self.features(prompts, images) - self.feature_mean) / self.feature_std)
+
+    def forward(self, prompts: list[str], images: list) -> torch.Tensor:
+        return self.rewards(prompts, images)
 
     @torch.no_grad()
     def fit_feature_norm(self, prompts: list[str], images: list, batch_size: int = 64) -> None:
@@ -94,41 +93,38 @@ class ClipRewardModel(nn.Module):
         self.feature_mean.copy_(feats.mean(0))
         self.feature_std.copy_(feats.std(0).clamp_min(1e-6) if len(feats) > 1 else torch.ones_like(self.feature_std))
 
-    def forward(self, prompts: list[str], images: list) -> torch.Tensor:
-        return self.rewards(prompts, images)
-
     def save(self, folder: str | Path) -> dict:
-        """Write backbone/ and head.safetensors; returns the marker fields describing them."""
+        """Write backbone/ (LoRA merged) and head.safetensors; returns the marker fields describing them."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        clip = self.clip
-        if hasattr(clip, "merge_and_unload"):  # a peft LoRA wrapper: save plain CLIP weights
+        backbone = self.backbone
+        if hasattr(backbone, "merge_and_unload"):  # a peft LoRA wrapper: save plain backbone weights
             import copy
 
-            clip = copy.deepcopy(clip).merge_and_unload()
-        clip.save_pretrained(folder / "backbone")
+            backbone = copy.deepcopy(backbone).merge_and_unload()
+        backbone.save_pretrained(folder / "backbone")
         self.processor.save_pretrained(folder / "backbone")
         state = {f"head.{k}": v for k, v in self.head.state_dict().items()}
         state.update(feature_mean=self.feature_mean, feature_std=self.feature_std)
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(folder / "head.safetensors"))
-        return {"kind": "clip-mlp", "backbone": "backbone", "head": {"hidden": list(self.hidden), "dropout": self.dropout}}
+        return {"kind": self.kind, "backbone": "backbone", "head": {"hidden": list(self.hidden), "dropout": self.dropout}}
 
     @classmethod
-    def from_folder(cls, folder: str | Path, meta: dict, dtype: torch.dtype = torch.float32) -> ClipRewardModel:
+    def from_folder(cls, folder: str | Path, meta: dict, dtype: torch.dtype = torch.float32) -> EmbeddingRewardModel:
+        import transformers
         from safetensors.torch import load_file
-        from transformers import AutoProcessor, CLIPModel
 
         folder = Path(folder)
-        backbone = folder / meta.get("backbone", "backbone")
+        backbone_dir = folder / meta.get("backbone", "backbone")
         head_file = folder / "head.safetensors"
-        for needed in (backbone / "config.json", head_file):
+        for needed in (backbone_dir / "config.json", head_file):
             if not needed.is_file():
                 raise TrainedRewardError(f"trained reward model {str(folder)!r} lacks {needed.relative_to(folder)}")
-        clip = CLIPModel.from_pretrained(str(backbone), dtype=dtype)
-        processor = AutoProcessor.from_pretrained(str(backbone))
+        backbone = getattr(transformers, cls.backbone_class).from_pretrained(str(backbone_dir), dtype=dtype)
+        processor = transformers.AutoProcessor.from_pretrained(str(backbone_dir))
         head = meta.get("head", {})
-        model = cls(clip, processor, hidden=tuple(head.get("hidden", (256, 64))), dropout=float(head.get("dropout", 0.0)))
+        model = cls(backbone, processor, hidden=tuple(head.get("hidden", (256, 64))), dropout=float(head.get("dropout", 0.0)))
         state = load_file(str(head_file))
         try:
             model.feature_mean.copy_(state.pop("feature_mean"))
@@ -137,6 +133,53 @@ class ClipRewardModel(nn.Module):
         except (KeyError, RuntimeError) as err:
             raise TrainedRewardError(f"{head_file} does not match the head described in {MARKER}: {err}") from err
         return model.eval()
+
+
+class ClipRewardModel(EmbeddingRewardModel):
+    """CLIP (VP-Score-like): the MLP sees [img, txt, img * txt, cos(img, txt)] of the unit-norm
+    projected embeddings, so it starts from CLIP's own alignment signal and can learn more."""
+
+    kind = "clip-mlp"
+    backbone_class = "CLIPModel"
+    lora_targets = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+
+    def feature_size(self) -> int:
+        return 3 * self.backbone.config.projection_dim + 1
+
+    def features(self, prompts: list[str], images: list) -> torch.Tensor:
+        config = self.backbone.config.text_config
+        limit = getattr(self.processor.tokenizer, "model_max_length", None) or 77
+        tokens = self.tokens(prompts, int(min(limit, config.max_position_embeddings)))
+        # transformers 5 returns output objects; the projected embedding is pooler_output
+        image = self.backbone.get_image_features(pixel_values=self.pixel_values(images)).pooler_output
+        text = self.backbone.get_text_features(**tokens).pooler_output
+        image = nn.functional.normalize(image.float(), dim=-1)
+        text = nn.functional.normalize(text.float(), dim=-1)
+        return torch.cat([image, text, image * text, (image * text).sum(-1, keepdim=True)], dim=-1)
+
+
+class BlipRewardModel(EmbeddingRewardModel):
+    """BLIP (ImageReward-like): the text encoder cross-attends to the image tokens; the MLP reads
+    its [CLS] state. The backbone is a transformers BlipForImageTextRetrieval (e.g. an ITM checkpoint)."""
+
+    kind = "blip-mlp"
+    backbone_class = "BlipForImageTextRetrieval"
+    lora_targets = ("query", "key", "value", "qkv")
+    max_tokens = 35  # ImageReward's prompt length
+
+    def feature_size(self) -> int:
+        return self.backbone.config.text_config.hidden_size
+
+    def features(self, prompts: list[str], images: list) -> torch.Tensor:
+        image = self.backbone.vision_model(pixel_values=self.pixel_values(images)).last_hidden_state
+        image_mask = torch.ones(image.shape[:2], dtype=torch.long, device=image.device)
+        text = self.backbone.text_encoder(
+            **self.tokens(prompts, self.max_tokens), encoder_hidden_states=image, encoder_attention_mask=image_mask
+        ).last_hidden_state
+        return text[:, 0].float()
+
+
+EMBEDDING_MODELS = {cls.kind: cls for cls in (ClipRewardModel, BlipRewardModel)}
 
 
 # ---------------------------------------------------------------------------------------- judge
@@ -230,11 +273,11 @@ def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float3
     device = resolve_device(device or "cpu")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    if meta["kind"] == "clip-mlp":
+    if meta["kind"] in EMBEDDING_MODELS:
         if options:
-            raise TrainedRewardError(f"unknown option(s) {', '.join(sorted(options))} for a clip-mlp reward model; "
+            raise TrainedRewardError(f"unknown option(s) {', '.join(sorted(options))} for a {meta['kind']} reward model; "
                                      "valid: device, dtype, batch_size, calibrated, tie_margin, name")
-        model = ClipRewardModel.from_folder(folder, meta, dtype=dtype).to(device)
+        model = EMBEDDING_MODELS[meta["kind"]].from_folder(folder, meta, dtype=dtype).to(device)
     else:
         from rewards.llava_reward import load_reward_checkpoint
 

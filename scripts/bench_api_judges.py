@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the package from this checkout, and the fake servers
 from fake_judge_servers import FakeJudgeServer, constant_judge  # noqa: E402
 
 import rewards  # noqa: E402

@@ -83,10 +83,10 @@ def _config(tmp_path, model, **kw):
     return bon.BestOfNConfig(**{**base, **kw})
 
 
-def test_best_of_n_run_shows_selector_gain_and_hacking(tmp_path, tiny_pipeline):
+def test_best_of_n_run_shows_selector_gain_and_hacking(tmp_path, tiny_pipeline, monkeypatch):
     # JPEG size as the selector and its opposite as the second judge: a perfectly "hacked" verifier
     config = _config(tmp_path, tiny_pipeline, reward="jpeg-compressibility", eval_judges="jpeg-incompressibility",
-                     search="zero-order", zo_neighbors=2)
+                     search="zero-order", zo_neighbors=2, cache_dir=str(tmp_path / "candidates"))
     results = bon.best_of_n(config)
     sel, other = results["curves"]["jpeg-compressibility"], results["curves"]["jpeg-incompressibility"]
     assert results["sizes"] == [1, 2, 4]
@@ -101,6 +101,15 @@ def test_best_of_n_run_shows_selector_gain_and_hacking(tmp_path, tiny_pipeline):
     assert saved["chosen"] == scores.argmax(axis=1).tolist()
     assert [t["candidates"] for t in saved["zero_order"]["trace"]] == [2, 4]
     assert "jpeg-incompressibility_final" in saved["zero_order"]
+    # another selector on the same candidates: nothing is generated again, the picks swap roles
+    def no_generation(*args, **kwargs):
+        raise AssertionError("candidates were regenerated")
+
+    monkeypatch.setattr(bon, "generate_from_noise", no_generation)
+    swapped = bon.best_of_n(_config(tmp_path, tiny_pipeline, reward="jpeg-incompressibility", cache_dir=str(tmp_path / "candidates"),
+                                    output_dir=str(tmp_path / "swapped")))
+    assert swapped["curves"]["jpeg-incompressibility"][0] == pytest.approx(other[0])
+    assert swapped["curves"]["jpeg-incompressibility"][-1] == pytest.approx(np.max(-scores, axis=1).mean())
     html = (out / "report.html").read_text()
     assert 'id="curve-table"' in html and html.count("<img") == 3 + 3 * 2  # a plot per judge + zero-order, 3 prompts x 2 images
 

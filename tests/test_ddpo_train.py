@@ -223,7 +223,7 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
         (dict(timestep_fraction=1.5), "--timestep_fraction must be in (0, 1]"),
         (dict(reward="no-such-judge"), "unknown judge 'no-such-judge'"),
         (dict(model="/no/such/folder"), "no such folder"),
-        (dict(prompts="/no/such/prompts.txt"), "not found"),
+        (dict(prompts="/no/such/prompts.txt"), "'/no/such/prompts.txt'"),
         (dict(advantage="median"), "--advantage must be one of"),
         (dict(stat_min_count=8), "--stat_min_count (8) must not exceed"),
         (dict(samples_per_epoch=5), "--samples_per_epoch (5) must be a multiple"),
@@ -314,3 +314,57 @@ def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
     # 4 samples per process, 2 per optimiser step: 2 synchronised updates per epoch
     assert records[-1]["global_step"] == 4
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+class RecordingOptimizer:
+    """Stands in for the optimiser: records the accumulated gradients at each step."""
+
+    def __init__(self, params):
+        self.params, self.steps = params, []
+
+    def step(self):
+        self.steps.append([p.grad.detach().clone() for p in self.params])
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, kl_coef):
+    from accelerate import Accelerator
+    from diffusers import DDIMScheduler, UNet2DConditionModel
+
+    from align.pipeline import add_lora, disabled_adapter
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
+    add_lora(unet, rank=4)
+    for name, p in unet.named_parameters():  # move B off zero so every LoRA weight gets a gradient
+        if "lora_B" in name:
+            p.data.normal_(0, 0.1)
+    params = [p for p in unet.parameters() if p.requires_grad]
+    scheduler = DDIMScheduler.from_pretrained(Path(tiny_model) / "scheduler")
+    scheduler.set_timesteps(4)
+    n, steps = 4, 4
+    samples = {
+        "embeds": torch.randn(n, 6, 16),
+        "all_latents": torch.randn(n, steps + 1, 4, 8, 8),
+        "timesteps": scheduler.timesteps.repeat(n, 1),
+        "log_probs": torch.randn(n, steps) * 0.01 - 1.5,
+        "advantages": torch.tensor([1.0, -0.5, 2.0, -1.0]),
+    }
+    negative = torch.randn(1, 6, 16)
+    grads = {}
+    for timestep_batch in (1, 3):
+        config = DDPOConfig(prompts="x", num_inference_steps=steps, timestep_fraction=1.0, train_batch_size=2,
+                            gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
+                            clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0)
+        optimizer = RecordingOptimizer(params)
+        updates = ddpo.train_inner_epoch(config, Accelerator(cpu=True), unet, unet, None, optimizer, params, scheduler,
+                                         samples, negative, torch.Generator().manual_seed(1), {}, disabled_adapter)
+        assert updates == 1 and len(optimizer.steps) == 1
+        grads[timestep_batch] = optimizer.steps[0]
+    assert any(g.abs().sum() > 0 for g in grads[1])
+    for one, batched in zip(grads[1], grads[3]):
+        torch.testing.assert_close(batched, one, rtol=1e-4, atol=1e-7)

@@ -84,7 +84,7 @@ def small_config(tiny_model, out, **overrides):
         num_inference_steps=2,
         guidance_scale=2.0,
         checkpointing_steps=2,
-        validation_steps=2,
+        validation_steps=0,
         num_validation_images=2,
         report_to="none",
     )
@@ -97,7 +97,9 @@ def _trainable(folder):
 
 
 def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, prompt_file, tmp_path):
-    run = dpo.train(small_config(tiny_model, tmp_path / "run", reward="jpeg-compressibility", prompts=prompt_file))
+    run = dpo.train(
+        small_config(tiny_model, tmp_path / "run", reward="jpeg-compressibility", prompts=prompt_file, validation_steps=2)
+    )
     feedback = pq.read_table(run / "feedback" / "pairs.parquet").to_pylist()
     assert len(feedback) == 3 and {r["judge"] for r in feedback} == {"jpeg-compressibility"}
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -203,6 +205,7 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
     common = ["--model", tiny_model, "--output-dir", out]
     return {
         "unknown judge": (common + ["--reward", "nonexistent-judge", "--prompts", prompt_file], "unknown judge 'nonexistent-judge'; known judges: "),
+        "missing API key": (common + ["--reward", "gpt4o", "--prompts", prompt_file], "OPENAI_API_KEY"),
         "both reward and dataset": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--dataset", pair_parquet], "exactly one of --reward"),
         "neither reward nor dataset": (common, "exactly one of --reward"),
         "missing prompt file": (common + ["--reward", "jpeg-compressibility", "--prompts", str(tmp_path / "nope.txt")], "nope.txt"),
@@ -215,7 +218,8 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
     }
 
 
-def test_bad_inputs_fail_fast_with_one_clear_message(tiny_model, prompt_file, pair_parquet, tmp_path, capsys):
+def test_bad_inputs_fail_fast_with_one_clear_message(tiny_model, prompt_file, pair_parquet, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     for name, (args, expected) in bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path).items():
         with pytest.raises(SystemExit) as exit_info:
             dpo.main(args)
@@ -225,7 +229,7 @@ def test_bad_inputs_fail_fast_with_one_clear_message(tiny_model, prompt_file, pa
         assert err.count("error:") == 1, f"{name}: {err[-800:]}"
     # The refused run folder is untouched; nothing was trained.
     assert (tmp_path / "taken" / "config.yaml").read_text() == "model: x\n"
-    assert not (tmp_path / "out" / "final").exists()
+    assert not (tmp_path / "out").exists()  # nothing was written for any bad input
 
 
 def test_cli_script_reports_bad_input_without_traceback(tiny_model, prompt_file, tmp_path):

@@ -239,3 +239,32 @@ def test_compare_judges_gives_every_judge_the_same_trainer_budget(tmp_path):
         cj.trainer_config(bad, "random", tmp_path, tmp_path / "x.parquet")
     with pytest.raises(ConfigError, match="at least two judges"):
         cj.CompareConfig(judges="random").validate()
+
+
+def test_fid_and_cmmd_with_shapes_clip_features(tmp_path):
+    """The testbed's FID feature network: a CLIP judge's image embeddings (a tiny random CLIP saved
+    in the real layout and loaded through rewards.load, as the bundled shapes-clip is)."""
+    from transformers import CLIPProcessor
+
+    from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
+    from align.testbed.scene import render, sample_captions
+    from align.testbed.tokenizer import testbed_tokenizer
+    from rewards.images import to_tensor
+
+    tokenizer = testbed_tokenizer()
+    torch.manual_seed(0)
+    build_shapes_clip(tokenizer).save_pretrained(tmp_path / "clip")
+    CLIPProcessor(image_processor=shapes_clip_image_processor(), tokenizer=tokenizer).save_pretrained(tmp_path / "clip")
+    spec = f"shapes-clip[model={tmp_path / 'clip'}]"
+    network = ev.feature_network(spec)
+    assert network.num_features == 64
+    captions = sample_captions(24, seed=3)
+    scenes = to_tensor([render(c, seed=i) for i, c in enumerate(captions)])
+    stats = metrics.FeatureStats(network)
+    stats.add_reference(scenes)
+    assert abs(stats.fid(scenes)) < 1e-3
+    assert stats.fid(1 - scenes) > 1e-2  # inverted colours are far from the scenes
+    embed = ev.embedding_function(spec)
+    assert metrics.cmmd(embed(scenes), embed(scenes)) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ConfigError, match="no image embeddings"):
+        ev.feature_network("jpeg-compressibility")

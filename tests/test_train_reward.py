@@ -134,7 +134,7 @@ def test_calibrate_reports_bins_and_temperature():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--backbone", "bogus"], "--backbone must be one of clip, mllm"),
+        (["--backbone", "bogus"], "--backbone must be one of clip, blip, mllm"),
         (["--tau", "0"], "--tau must be a positive number"),
         (["--dataset", "testbed-oracle:x"], "testbed-oracle:<pairs>"),
         (["--backbone", "mllm", "--model", "microsoft/Phi-3.5-vision-instruct"], "trust_remote_code"),
@@ -147,3 +147,52 @@ def test_bad_config_fails_with_one_clear_message(argv, message, tmp_path, capsys
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_blip(tmp_path_factory):
+    """A tiny random BLIP image-text retrieval model + processor (BERT WordPiece tokenizer)."""
+    from transformers import BertTokenizerFast, BlipConfig, BlipForImageTextRetrieval, BlipProcessor
+    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+    from align.testbed.tokenizer import grammar_words
+
+    folder = tmp_path_factory.mktemp("blip")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *grammar_words()]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    images = BlipImageProcessorPil(size={"height": 32, "width": 32})
+    config = BlipConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, encoder_hidden_size=16, max_position_embeddings=40),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        image_text_hidden_size=8,
+    )
+    torch.manual_seed(0)
+    BlipForImageTextRetrieval(config).save_pretrained(folder)
+    BlipProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+def test_blip_backbone_reloads_and_scores_identically(tiny_blip, pairs_file, tmp_path):
+    model = build_model(config(tiny_blip, pairs_file, tmp_path / "unused", backbone="blip"))
+    assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    model.eval()
+    folder = tmp_path / "blip-model"
+    folder.mkdir()
+    write_marker(folder, {**model.save(folder), "tau": 0.1})
+    table = pq.read_table(pairs_file).to_pylist()[:4]
+    images = [decode_image(r["jpg_0"]) for r in table]
+    prompts = [r["caption"] for r in table]
+    with torch.no_grad():
+        expected = model(prompts, images)
+    judge = rewards.load(str(folder), calibrated=False)
+    assert json.loads((folder / "reward_model.json").read_text())["kind"] == "blip-mlp"
+    assert torch.allclose(judge.score(prompts, images), expected, atol=1e-5)
+    assert expected.std() > 0

@@ -95,6 +95,33 @@ def build_idefics2(folder):
                       chat_template=IDEFICS2_TEMPLATE).save_pretrained(folder)
 
 
+def build_instructblip(folder):
+    """InstructBLIP: no chat template; the instruction also goes to the Q-Former."""
+    from transformers import InstructBlipConfig, InstructBlipForConditionalGeneration, InstructBlipProcessor
+    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+    tok, qformer_tok = tiny_tokenizer(["<image>"]), tiny_tokenizer([])
+    config = InstructBlipConfig(
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14},
+        qformer_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                        "vocab_size": len(qformer_tok), "encoder_hidden_size": 16,
+                        "pad_token_id": qformer_tok.pad_token_id},
+        text_config={"model_type": "llama", "vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                     "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+                     "eos_token_id": tok.eos_token_id},
+        num_query_tokens=4, image_token_index=tok.convert_tokens_to_ids("<image>"),
+    )
+    torch.manual_seed(0)
+    model = InstructBlipForConditionalGeneration(config).eval()
+    with torch.no_grad():  # constant greedy answer "7" (see WORDS)
+        model.language_model.model.norm.weight.zero_()
+    model.save_pretrained(folder)
+    InstructBlipProcessor(image_processor=BlipImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tok,
+                          qformer_tokenizer=qformer_tok, num_query_tokens=4).save_pretrained(folder)
+
+
 def record_generate(judge):
     """Wrap the loaded model's generate to see exactly what the judge fed it."""
     seen = []
@@ -148,6 +175,17 @@ def test_llava_random_answers_are_abstentions(tmp_path):
     assert all(a.raw is not None and a.parsed.status == "unparseable" for a in judge.last_answers)
     prefs = judge.compare(["a"], torch.rand(1, 3, 28, 28), torch.rand(1, 3, 28, 28))
     assert prefs[0].abstained and not prefs[0].tie
+
+
+def test_instructblip_without_chat_template(tmp_path):
+    build_instructblip(tmp_path)
+    judge = rewards.load(f"hf-vlm:{tmp_path}", mode="single", scale="0-100", max_tokens=1)
+    assert judge.model_type == "instructblip" and not judge.multi_image
+    seen = record_generate(judge)
+    assert judge.score(["a red cube", "a cat"], torch.rand(2, 3, 30, 30)).tolist() == [7.0, 7.0]
+    assert "qformer_input_ids" in seen[0]  # the instruction reached the Q-Former too
+    with pytest.raises(ValueError, match="one image per question"):
+        rewards.load(f"hf-vlm:{tmp_path}", mode="pair")
 
 
 def test_single_image_models_refuse_pair_mode(llava_dir):
