@@ -11,7 +11,6 @@ import torch
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
-TESTBED_PIPELINE_DIR = Path(__file__).resolve().parent / "testbed" / "weights" / "pipeline"
 
 
 class ModelLoadError(ValueError):
@@ -21,12 +20,12 @@ class ModelLoadError(ValueError):
 def resolve_model(model: str) -> str:
     """'testbed' -> the bundled shapes-testbed pipeline; hub ids and local folders pass through."""
     if model == "testbed":
-        if not (TESTBED_PIPELINE_DIR / "model_index.json").is_file():
-            raise ModelLoadError(
-                f"the bundled testbed pipeline is missing at {TESTBED_PIPELINE_DIR}; "
-                "build it with `python scripts/build_testbed.py`"
-            )
-        return str(TESTBED_PIPELINE_DIR)
+        from align.testbed.weights import MissingTestbedWeightsError, testbed_pipeline_dir
+
+        try:
+            return str(testbed_pipeline_dir())
+        except MissingTestbedWeightsError as err:
+            raise ModelLoadError(str(err)) from None
     return model
 
 

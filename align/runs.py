@@ -87,7 +87,9 @@ class RunFolder:
     def prepare(self) -> None:
         """Create the folder (main process only). With --overwrite, clear old run outputs."""
         if self.overwrite:
-            for name in (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples"):
+            outputs = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
+                       "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png")
+            for name in outputs:
                 target = self.path / name
                 if target.is_dir():
                     shutil.rmtree(target)

@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rewards import TRAINED_MARKER
 from rewards.base import Judge, Preference
 from rewards.images import Images, num_images, to_pil
 from rewards.reward_heads import MLPHead
 from rewards.weights import batched, check_batch_size, check_prompts, resolve_device
 
-MARKER = "reward_model.json"
+MARKER = TRAINED_MARKER  # the file the registry looks for in a folder
 FORMAT_VERSION = 1
 KINDS = ("clip-mlp", "blip-mlp", "mllm-skipca")
 

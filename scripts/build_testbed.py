@@ -1,7 +1,11 @@
 """Train the bundled shapes-testbed base model: a tiny Stable Diffusion pipeline, on CPU.
 
-    python scripts/build_testbed.py                       # ~25 min on 2 cores, writes align/testbed/weights/pipeline
-    python scripts/build_testbed.py --vae-steps 50 --unet-steps 50 --out /tmp/tb   # smoke run
+    python scripts/build_testbed.py                       # writes align/testbed/weights/pipeline
+    python scripts/build_testbed.py --vae-steps 5 --unet-steps 5 --num-scenes 500 --eval-captions 8 --out /tmp/tb/pipeline
+
+The bundled weights came from the defaults: 47 min wall with 1 thread on a 2-core machine shared
+with other jobs (load ~7); 7.5 MB of fp32 safetensors; mean oracle score 0.487 on the 200
+held-out captions (recorded in testbed.json).
 
 Stages (all seeded; torch deterministic algorithms on):
 1. render ``--num-scenes`` captioned scenes of the shapes world (captions of the held-out
@@ -17,7 +21,11 @@ Stages (all seeded; torch deterministic algorithms on):
    per held-out caption and print the mean shapes-oracle score.
 
 The model is meant to be imperfect (mean oracle score 0.3-0.7) so alignment has room to show:
-shorten or lengthen ``--unet-steps`` to move the score.
+shorten or lengthen ``--unet-steps`` to move the score. The learning rate is constant after
+warm-up, so ``--snapshot-steps 1000,2000 --snapshot-dir /tmp/snaps`` scores intermediate models
+that are exactly what ``--unet-steps 1000`` / ``2000`` would produce. Calibration of the
+bundled build (held-out mean oracle score): 800 steps 0.26, 1200 0.28, 1600 0.36, 2000 0.41,
+2500 0.49.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vae-steps", type=int, default=250)
     p.add_argument("--vae-lr", type=float, default=1e-3)
     p.add_argument("--kl-weight", type=float, default=1e-5, help="weight of the KL term (per latent element)")
-    p.add_argument("--unet-steps", type=int, default=2000)
+    p.add_argument("--unet-steps", type=int, default=2500)
     p.add_argument("--unet-lr", type=float, default=6e-4)
     p.add_argument("--ema-decay", type=float, default=0.999, help="EMA of the UNet + text encoder (what is saved)")
     p.add_argument("--warmup-steps", type=int, default=100)

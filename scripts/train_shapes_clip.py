@@ -1,6 +1,12 @@
 """Train shapes-clip: a tiny CLIP learned contrastively on the shapes world, on CPU.
 
-    python scripts/train_shapes_clip.py            # ~10 min on 2 cores, writes rewards/weights/shapes-clip
+    python scripts/train_shapes_clip.py            # writes rewards/weights/shapes-clip
+    python scripts/train_shapes_clip.py --eval-only   # re-score the saved folder (e.g. after a new base model)
+
+The bundled weights came from the defaults: 18 min wall with 1 thread on a 2-core machine shared
+with other jobs; 2.6 MB. Pairwise accuracy against the shapes oracle: 0.968 on 500 held-out
+rendered-vs-near-miss pairs, 0.650 on the 117 (of 200) base-model generation pairs the oracle
+does not tie.
 
 Every training caption comes with a near miss from the world itself (``corrupt_caption``: one
 colour, shape, size, count or relation changed) and the scene that near miss really shows.
