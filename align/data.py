@@ -10,12 +10,9 @@ a long run never dies on a bad image halfway through.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +23,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
+from align.runs import atomic_path
 from rewards.images import UnreadableImageError, decode_image, encode_png
 
 PAIR_COLUMNS = ("caption", "jpg_0", "jpg_1", "label_0", "label_1")
@@ -444,23 +442,6 @@ class PairTransform:
 
 
 # ----------------------------------------------------------------------------------------- writing
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | Path):
-    """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_pairs_parquet(rows: list[dict], path: str | Path, schema: pa.Schema | None = None) -> None:

@@ -80,8 +80,8 @@ class DPOConfig:
     caption_dropout: float = 0.2  # share of captions replaced by "" (keeps CFG working)
     cache_latents: bool = True  # encode each image through the VAE once
     # --- sampling (feedback, validation, before/after evaluation)
-    num_inference_steps: int = 50
-    guidance_scale: float = 7.5
+    num_inference_steps: int | None = None  # None: the model's testbed.json if any, else 50
+    guidance_scale: float | None = None  # None: the model's testbed.json if any, else 7.5
     # --- checkpoints, validation, evaluation
     checkpointing_steps: int = 500
     checkpoints_total_limit: int = 3
@@ -278,8 +278,8 @@ def train(config: DPOConfig) -> Path:
 
     pipe = load_pipeline(config.model, device=accelerator.device)
     defaults = testbed_settings(config.model)
-    steps = defaults.get("num_inference_steps", config.num_inference_steps)
-    guidance = defaults.get("guidance_scale", config.guidance_scale)
+    steps = config.num_inference_steps or defaults.get("num_inference_steps", 50)
+    guidance = config.guidance_scale if config.guidance_scale is not None else defaults.get("guidance_scale", 7.5)
     resolution = config.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
     for module in (pipe.vae, pipe.text_encoder):
         module.requires_grad_(False)

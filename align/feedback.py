@@ -34,7 +34,8 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from align.data import DataError, atomic_path, write_pairs_parquet
+from align.data import DataError, write_pairs_parquet
+from align.runs import atomic_path
 from rewards.base import Judge, Preference, preference_from_scores
 from rewards.images import encode_png, to_pil
 

@@ -3,6 +3,7 @@ checkpoints for exact resume, final weights, samples and the report. Writes are 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,20 +37,28 @@ def scrub_secrets(obj):
     return obj
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` (fsynced, usual
+    permissions), on error it is removed and ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        yield Path(tmp)
+        with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def _umask() -> int:

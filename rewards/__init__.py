@@ -74,8 +74,9 @@ def _resolve(name: str) -> tuple[str, dict]:
     if sep and prefix in _PREFIXES and model:
         return _PREFIXES[prefix], {"model": model}
     path = Path(name).expanduser()
-    if path.is_dir() and (path / TRAINED_MARKER).is_file():
-        return "rewards.trained:load_trained", {"path": str(path)}
+    for folder in (path, path / "final"):  # a trained model's folder, or the run folder holding it
+        if folder.is_dir() and (folder / TRAINED_MARKER).is_file():
+            return "rewards.trained:load_trained", {"path": str(folder)}
     raise UnknownJudgeError(f"unknown judge {name!r}; known judges: {', '.join(available())}")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from align.runs import atomic_path
 from align.testbed.scene import CORRUPTIONS, applicable_corruptions, corrupt_caption, render, sample_caption
 from rewards.base import Judge
 from rewards.images import encode_png, num_images, to_pil
@@ -194,13 +194,6 @@ def write_parquet(table: pd.DataFrame | pa.Table, path: str | os.PathLike) -> Pa
         if missing:
             raise ValueError(f"pairs table lacks the Pick-a-Pic columns {missing}")
         table = pa.Table.from_pandas(table, preserve_index=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
