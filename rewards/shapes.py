@@ -325,6 +325,8 @@ class ShapesOracle(Judge):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"shapes-oracle option {option} must be a number in [0, 1], got {value!r}")
         self._rng = np.random.default_rng(self.seed)
+        # A position bias exists only when two images are shown at once: make the trainers ask compare().
+        self.pairwise_native = bool(self.position_bias)
         if self.name == "shapes-oracle" and (self.noise or self.position_bias):
             opts = [f"{k}={getattr(self, k)}" for k in ("noise", "position_bias") if getattr(self, k)]
             self.name = f"shapes-oracle[{','.join(opts)}]"
