@@ -39,14 +39,6 @@ if __package__ in (None, ""):
 from align.advantages import MODES, PerPromptStatTracker, compute_advantages  # noqa: E402
 from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
-from align.dpo import (  # noqa: E402
-    _tracker_config,
-    evaluate_model,
-    load_prompt_list,
-    register_lora_checkpoint_hooks,
-    save_checkpoint,
-    save_image_row,
-)
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.sampling import (  # noqa: E402
@@ -55,6 +47,14 @@ from align.sampling import (  # noqa: E402
     gaussian_log_prob,
     guided_noise_prediction,
     sample_with_logprob,
+)
+from align.training import (  # noqa: E402
+    evaluate_model,
+    load_prompt_list,
+    register_lora_checkpoint_hooks,
+    save_checkpoint,
+    save_image_row,
+    tracker_config,
 )
 
 STATE_FILE = "ddpo_state.json"
@@ -389,7 +389,7 @@ def train(config: DDPOConfig) -> Path:
     elif config.resume and main:
         print("[ddpo] --resume latest: no checkpoint yet, starting from epoch 0", flush=True)
     if log_with:
-        accelerator.init_trackers("ddpo", config=_tracker_config(config))
+        accelerator.init_trackers("ddpo", config=tracker_config(config))
     if main and eval_judge is not None and start_epoch == 0:
         evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
                        run.path / "eval_before.json", "before")

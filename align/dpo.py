@@ -29,7 +29,16 @@ if __package__ in (None, ""):
 
 from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
-from align.runs import RunFolder, RunFolderError, atomic_write_text, scrub_secrets  # noqa: E402
+from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.training import (  # noqa: E402
+    evaluate_model,
+    load_judge,
+    load_prompt_list,
+    register_lora_checkpoint_hooks,
+    save_checkpoint,
+    save_image_row,
+    tracker_config,
+)
 
 
 @dataclass
@@ -127,19 +136,6 @@ class TrainingStopped(RuntimeError):
 # Prompts and pairs
 
 
-def load_prompt_list(spec: str) -> list[str]:
-    """A prompt set by name (parti, drawbench, testbed:<n>[:<seed>], mjbench, ...) or a prompt file."""
-    from align.prompt_sets import PromptSetError, load_prompt_set
-
-    try:
-        prompts = load_prompt_set(spec).prompts
-    except (PromptSetError, FileNotFoundError) as err:
-        raise ConfigError(str(err)) from None
-    if not prompts:
-        raise ConfigError(f"prompt source {spec!r} holds no prompts")
-    return prompts
-
-
 def check_inputs(config: DPOConfig) -> None:
     """Every bad input that can be found without loading a model or calling a judge."""
     import rewards
@@ -160,21 +156,6 @@ def check_inputs(config: DPOConfig) -> None:
         load_prompt_list(spec)
     if config.dataset and not Path(config.dataset).exists() and config.dataset.startswith((".", "/", "~")):
         raise ConfigError(f"--dataset {config.dataset!r}: no such file or folder")
-
-
-def load_judge(spec: str):
-    """Load a judge and let it fail fast (missing API key, model id the server rejects)."""
-    import rewards
-
-    try:
-        judge = rewards.load(spec)
-        check_ready = getattr(judge, "check_ready", None)
-        if callable(check_ready):
-            check_ready()
-    except (ValueError, RuntimeError, OSError, ImportError) as err:
-        # Missing key or weights, a model id the server rejects, a missing SDK: one message, no traceback.
-        raise ConfigError(f"judge {spec!r} is not usable: {err}") from None
-    return judge
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,7 +347,7 @@ def train(config: DPOConfig) -> Path:
         print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
 
     if log_with:
-        accelerator.init_trackers("dpo", config=_tracker_config(config))
+        accelerator.init_trackers("dpo", config=tracker_config(config))
 
     # 6. Before: score held-out prompts with the starting model (fixed seeds, reused after).
     if main and eval_judge is not None and start_step == 0:
@@ -463,47 +444,6 @@ def train(config: DPOConfig) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def register_lora_checkpoint_hooks(accelerator, lora: bool) -> None:
-    """With LoRA, checkpoints hold only the trainable weights (not the whole frozen UNet)."""
-    if not lora:
-        return
-    from safetensors.torch import load_file, save_file
-
-    def save_hook(models, weights, output_dir):
-        for model in models:
-            state = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-            save_file(state, str(Path(output_dir) / "trainable_weights.safetensors"))
-        weights.clear()  # accelerate must not also write the full model
-
-    def load_hook(models, input_dir):
-        state = load_file(str(Path(input_dir) / "trainable_weights.safetensors"))
-        while models:
-            model = models.pop()
-            missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(state)
-            if missing:
-                raise RuntimeError(f"checkpoint {input_dir} lacks {len(missing)} trainable tensors")
-            model.load_state_dict(state, strict=False)
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-
-
-def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int) -> Path:
-    """Model, optimizer, LR scheduler and RNG states; state.json is written last and marks it complete."""
-    folder = run.checkpoint_dir(step)
-    accelerator.save_state(str(folder))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        atomic_write_text(folder / "state.json", json.dumps({"step": step}))
-        run.prune_checkpoints(keep)
-    accelerator.wait_for_everyone()
-    return folder
-
-
-# ----------------------------------------------------------------------------------------------
 # Validation, evaluation, model card, report
 
 
@@ -523,35 +463,6 @@ def save_validation_grid(pipe, config: DPOConfig, steps: int, guidance: float, p
     seeds = [config.eval_seed + i for i in range(len(prompts))]
     images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
     save_image_row(images, path)
-
-
-def save_image_row(images: torch.Tensor, path: Path) -> None:
-    from rewards.images import to_pil
-
-    tiles = to_pil(images)
-    width, height = tiles[0].size
-    from PIL import Image
-
-    canvas = Image.new("RGB", (width * len(tiles), height), "white")
-    for i, tile in enumerate(tiles):
-        canvas.paste(tile, (i * width, 0))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)
-
-
-def evaluate_model(pipe, judge, config: DPOConfig, steps: int, guidance: float, path: Path, label: str) -> float:
-    """Mean judge score on the held-out prompts with fixed seeds; writes scores and an image row."""
-    from align.pipeline import generate_images
-
-    prompts = load_prompt_list(config.eval_prompts)
-    seeds = [config.eval_seed + i for i in range(len(prompts))]
-    images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
-    scores = judge.score(prompts, images).float()
-    mean = float(scores.nanmean())
-    atomic_write_text(path, json.dumps({"mean": mean, "scores": scores.tolist(), "prompts": prompts, "seeds": seeds}))
-    save_image_row(images[: config.num_validation_images * 4], path.with_suffix(".png"))
-    print(f"[eval] {label}: mean {judge.name} score on {len(prompts)} held-out prompts = {mean:.4f}", flush=True)
-    return mean
 
 
 def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
@@ -589,10 +500,6 @@ def write_run_report(run: RunFolder, config: DPOConfig) -> None:
     from align.run_report import write_training_report
 
     write_training_report(run.path, title=f"Diffusion-DPO: {config.model}", metric_keys=("loss", "implicit_acc", "model_mse", "ref_mse"))
-
-
-def _tracker_config(config: DPOConfig) -> dict:
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in scrub_secrets(asdict(config)).items()}
 
 
 def main(argv: list[str] | None = None) -> None:

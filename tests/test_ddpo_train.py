@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -303,7 +304,11 @@ def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
     argv = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
     # accelerate's --cpu flag runs one process; torchrun processes + ACCELERATE_USE_CPU give gloo DDP.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
+    with socket.socket() as sock:  # a free port: another two-process test may hold accelerate's default 29500
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--main_process_port", str(port),
            "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "align" / "ddpo.py"), *argv]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
