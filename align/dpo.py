@@ -52,7 +52,8 @@ class DPOConfig:
     max_pairs: int | None = None  # cap on the pairs used (None = all)
     tie_policy: str = "drop"  # drop ties (official code) or keep_first (diffusers script)
     # --- AI feedback (used with --reward)
-    images_per_prompt: int = 2  # K generations per prompt; pointwise judges pair best vs worst
+    images_per_prompt: int = 2  # K generations per prompt
+    feedback_pairing: str = "best_worst"  # pointwise judges: best vs worst of K, or "all" K(K-1)/2 pairs
     # --- output
     output_dir: str = "runs/dpo"
     resume: str | None = None  # "latest" or a checkpoint folder
@@ -117,6 +118,8 @@ class DPOConfig:
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
+        if self.feedback_pairing not in ("best_worst", "all"):
+            raise ConfigError(f"--feedback_pairing must be best_worst or all, got {self.feedback_pairing!r}")
         if self.images_per_prompt < 2:
             raise ConfigError(f"--images_per_prompt must be >= 2, got {self.images_per_prompt}")
         if not 0.0 <= self.caption_dropout < 1.0:
@@ -273,7 +276,7 @@ def train(config: DPOConfig) -> Path:
             generate_images = make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance)
             stats = generate_feedback(
                 generate_images, judge, prompts, feedback_path,
-                images_per_prompt=config.images_per_prompt, seed=config.seed,
+                images_per_prompt=config.images_per_prompt, seed=config.seed, pairing=config.feedback_pairing,
             )
             print(f"[feedback] {stats.summary()}", flush=True)
         accelerator.wait_for_everyone()

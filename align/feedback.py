@@ -21,6 +21,7 @@ at the start of the next run if the process was killed. A rerun skips the prompt
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import shutil
@@ -57,6 +58,9 @@ FEEDBACK_SCHEMA = pa.schema(
 
 GenerateImages = Callable[[list[str], list[int]], list[Image.Image]]
 
+
+# Pointwise judges: pair the best with the worst of the K images, or label every pair of them.
+PAIRINGS = ("best_worst", "all")
 
 @dataclass
 class FeedbackStats:
@@ -104,6 +108,7 @@ def generate_feedback(
     seed: int = 0,
     batch_prompts: int = 4,
     progress: bool = True,
+    pairing: str = "best_worst",
 ) -> FeedbackStats:
     """Label ``prompts`` with ``judge`` and write preference pairs to ``out_path`` (see module doc).
 
@@ -111,6 +116,8 @@ def generate_feedback(
     from seeds[i] alone (see ``make_pipeline_generator``).
     """
     _check_arguments(judge, prompts, out_path, images_per_prompt, batch_prompts)
+    if pairing not in PAIRINGS:
+        raise DataError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
     started = time.monotonic()
     out_path = Path(out_path)
     _merge_parts(out_path)  # a killed earlier run may have left shards
@@ -124,7 +131,7 @@ def generate_feedback(
     try:
         for start in range(0, len(todo), batch_prompts):
             indices = todo[start : start + batch_prompts]
-            rows = _label_batch(generate_images, judge, prompts, indices, images_per_prompt, seed, stats)
+            rows = _label_batch(generate_images, judge, prompts, indices, images_per_prompt, seed, stats, pairing)
             _write_part(out_path, rows)
             stats.labelled += len(indices)
             bar.update(len(indices))
@@ -153,7 +160,7 @@ def _check_arguments(judge, prompts, out_path, images_per_prompt, batch_prompts)
         raise DataError(f"feedback out_path {str(out_path)!r} must be a .parquet file")
 
 
-def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, seed, stats) -> list[dict]:
+def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, seed, stats, pairing="best_worst") -> list[dict]:
     """Generate K images for each prompt in ``indices``, judge them and return the parquet rows."""
     k_range = range(images_per_prompt)
     batch_prompts = [prompts[i] for i in indices for _ in k_range]
@@ -191,6 +198,13 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
         for n in range(len(indices)):
             offset = n * images_per_prompt
             own = scores[offset : offset + images_per_prompt]
+            if pairing == "all":
+                # Every pair of the K images: K(K-1)/2 labelled pairs from the same generations.
+                for a, b in itertools.combinations(range(images_per_prompt), 2):
+                    pref = preference_from_scores(own[a], own[b], judge.tie_margin)
+                    raw = {"scores": own, "pair": [a, b], "prob_0": pref.prob_a}
+                    verdicts.append((n, offset + a, offset + b, pref, raw))
+                continue
             a, b, pref = _best_vs_worst(own, judge.tie_margin)
             raw = {"scores": own, "pair": [a, b], "prob_0": pref.prob_a}
             verdicts.append((n, offset + a, offset + b, pref, raw))

@@ -97,6 +97,28 @@ def test_pointwise_judge_best_vs_worst(tmp_path):
     assert "5 prompts labelled" in stats.summary()
 
 
+def test_pointwise_judge_all_pairs(tmp_path):
+    out = tmp_path / "pairs.parquet"
+    judge = rewards.load("jpeg-compressibility")
+    stats = generate_feedback(
+        FakeGenerator(), judge, PROMPTS[:2], out, images_per_prompt=4, seed=3, progress=False, pairing="all"
+    )
+    rows = read(out)
+    assert stats.pairs == len(rows) == 2 * 6  # K(K-1)/2 pairs per prompt
+    for i in range(2):
+        seeds = [derive_seed(3, i, k) for k in range(4)]
+        own = [r for r in rows if r["prompt_index"] == i]
+        assert sorted((seeds.index(r["seed_0"]), seeds.index(r["seed_1"])) for r in own) == [
+            (0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)
+        ]
+        scores = (-jpeg_size_kb([FakeGenerator.draw(s) for s in seeds])).tolist()
+        for r in own:
+            s0, s1 = scores[seeds.index(r["seed_0"])], scores[seeds.index(r["seed_1"])]
+            assert r["label_0"] == (0.5 if s0 == s1 else float(s0 > s1))
+    with pytest.raises(DataError, match="pairing"):
+        generate_feedback(FakeGenerator(), judge, PROMPTS, tmp_path / "x.parquet", pairing="some", progress=False)
+
+
 def test_ties_are_labelled_half(tmp_path):
     class SameImage(FakeGenerator):
         def __call__(self, prompts, seeds):
