@@ -49,6 +49,7 @@ from align.sampling import (  # noqa: E402
     sample_with_logprob,
 )
 from align.training import (  # noqa: E402
+    TrainingStopped,
     evaluate_model,
     load_prompt_list,
     register_lora_checkpoint_hooks,
@@ -163,9 +164,6 @@ class DDPOConfig:
     def num_train_timesteps(self) -> int:
         return max(1, int(self.num_inference_steps * self.timestep_fraction))
 
-
-class TrainingStopped(RuntimeError):
-    """Training stopped on a failed judge or a bad value; the last good checkpoint is kept."""
 
 
 def check_inputs(config: DDPOConfig) -> None:

@@ -31,6 +31,7 @@ from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.training import (  # noqa: E402
+    TrainingStopped,
     evaluate_model,
     load_judge,
     load_prompt_list,
@@ -131,9 +132,6 @@ class DPOConfig:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
 
 
-class TrainingStopped(RuntimeError):
-    """Training stopped on a bad value (NaN loss); the last good checkpoint is kept."""
-
 
 # ----------------------------------------------------------------------------------------------
 # Prompts and pairs
@@ -189,7 +187,6 @@ class LatentStore:
     def __init__(self, pipe, pairs, resolution: int, enabled: bool):
         self.pipe, self.pairs, self.resolution, self.enabled = pipe, pairs, resolution, enabled
         self.cache: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.encoded = 0
 
     def get(self, index: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
         from align.data import pair_pixels
@@ -200,7 +197,6 @@ class LatentStore:
             return self.cache[key]
         pixels_w, pixels_l = pair_pixels(self.pairs[index], self.resolution, flip)
         latents = encode_images(self.pipe, torch.stack([pixels_w, pixels_l]))
-        self.encoded += 2
         result = (latents[0].cpu(), latents[1].cpu())
         if self.enabled:
             self.cache[key] = result

@@ -39,6 +39,7 @@ from align.reward_losses import (  # noqa: E402
     reliability_bins,
 )
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.training import TrainingStopped, save_checkpoint  # noqa: E402
 
 BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
@@ -527,9 +528,6 @@ def train(config: RewardTrainConfig) -> Path:
     return final
 
 
-class TrainingStopped(RuntimeError):
-    """A non-finite loss; the last good checkpoint is kept."""
-
 
 def log_with_enabled(config: RewardTrainConfig) -> bool:
     return config.report_to != "none"
@@ -629,18 +627,6 @@ def add_calibration_to_report(report: Path, meta: dict, plot: Path) -> None:
     )
     page = report.read_text(encoding="utf-8")
     atomic_write_text(report, page.replace("</body>", section + "</body>", 1))
-
-
-def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int) -> Path:
-    """accelerate state (model, optimiser, scheduler, RNG); state.json, written last, marks it complete."""
-    folder = run.checkpoint_dir(step)
-    accelerator.save_state(str(folder))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        atomic_write_text(folder / "state.json", json.dumps({"step": step}))
-        run.prune_checkpoints(keep)
-    accelerator.wait_for_everyone()
-    return folder
 
 
 def write_model_card(folder: Path, config: RewardTrainConfig, meta: dict) -> None:

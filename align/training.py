@@ -12,6 +12,10 @@ from align.cli import ConfigError
 from align.runs import RunFolder, atomic_write_text, scrub_secrets
 
 
+class TrainingStopped(RuntimeError):
+    """Training stopped on a bad value (a NaN loss or reward); the last good checkpoint is kept."""
+
+
 def load_prompt_list(spec: str) -> list[str]:
     """A prompt set by name (parti, drawbench, testbed:<n>[:<seed>], mjbench, ...) or a prompt file."""
     from align.prompt_sets import PromptSetError, load_prompt_set
