@@ -52,7 +52,7 @@ from align.training import (  # noqa: E402
     TrainingStopped,
     evaluate_model,
     load_prompt_list,
-    register_lora_checkpoint_hooks,
+    register_trainable_checkpoint_hooks,
     save_checkpoint,
     save_image_row,
     tracker_config,
@@ -369,7 +369,7 @@ def train(config: DDPOConfig) -> Path:
         weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
     )
     train_unet, optimizer = accelerator.prepare(unet, optimizer)
-    register_lora_checkpoint_hooks(accelerator, config.finetune == "lora")
+    register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     tracker = PerPromptStatTracker(config.stat_buffer_size, config.stat_min_count)
     negative_embed = encode_prompts(pipe, [""])
 

@@ -35,7 +35,7 @@ from align.training import (  # noqa: E402
     evaluate_model,
     load_judge,
     load_prompt_list,
-    register_lora_checkpoint_hooks,
+    register_trainable_checkpoint_hooks,
     save_checkpoint,
     save_image_row,
     tracker_config,
@@ -323,7 +323,7 @@ def train(config: DPOConfig) -> Path:
         num_training_steps=config.max_steps * accelerator.num_processes,
     )
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
-    register_lora_checkpoint_hooks(accelerator, config.finetune == "lora")
+    register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
 
     # 4. Caches: text embeddings of every caption (and ""), VAE latents of every pair image.
     captions = sorted({p.caption for p in pairs} | {""})

@@ -39,7 +39,7 @@ from align.reward_losses import (  # noqa: E402
     reliability_bins,
 )
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
-from align.training import TrainingStopped, save_checkpoint  # noqa: E402
+from align.training import TrainingStopped, register_trainable_checkpoint_hooks, save_checkpoint  # noqa: E402
 
 BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
@@ -427,7 +427,7 @@ def train(config: RewardTrainConfig) -> Path:
         print(f"[reward] backbone {config.backbone} ({config.model}) | finetune {config.finetune} | trainable "
               f"parameters {sum(p.numel() for p in params):,} | pairs per step {per_step} | steps per epoch "
               f"{steps_per_epoch} | steps {max_steps} | tau {config.tau} | lr {config.learning_rate}", flush=True)
-    register_trainable_checkpoint_hooks(accelerator, full=config.finetune == "full")
+    register_trainable_checkpoint_hooks(accelerator, only_trainable=config.finetune != "full")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if accelerator.is_main_process and log_with_enabled(config):
         accelerator.init_trackers("train_reward", config={k: str(v) for k, v in asdict(config).items()})
@@ -584,31 +584,6 @@ def save_reliability_plot(calibration: dict, path: Path) -> None:
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     atomic_write_bytes(path, buffer.getvalue())
-
-
-def register_trainable_checkpoint_hooks(accelerator, full: bool) -> None:
-    """With LoRA or a frozen backbone, checkpoints hold only the trainable tensors, not the backbone."""
-    if full:
-        return
-    from safetensors.torch import load_file, save_file
-
-    def save_hook(models, weights, output_dir):
-        for model in models:
-            state = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-            save_file(state, str(Path(output_dir) / "trainable_weights.safetensors"))
-        weights.clear()
-
-    def load_hook(models, input_dir):
-        state = load_file(str(Path(input_dir) / "trainable_weights.safetensors"))
-        while models:
-            model = models.pop()
-            missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(state)
-            if missing:
-                raise RunFolderError(f"checkpoint {input_dir} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}")
-            model.load_state_dict(state, strict=False)
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
 
 
 def add_calibration_to_report(report: Path, meta: dict, plot: Path) -> None:

@@ -44,9 +44,9 @@ def load_judge(spec: str):
     return judge
 
 
-def register_lora_checkpoint_hooks(accelerator, lora: bool) -> None:
-    """With LoRA, checkpoints hold only the trainable weights (not the whole frozen UNet)."""
-    if not lora:
+def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> None:
+    """With LoRA (or a frozen backbone), checkpoints hold only the trainable tensors, not the frozen model."""
+    if not only_trainable:
         return
     from safetensors.torch import load_file, save_file
 
@@ -62,7 +62,7 @@ def register_lora_checkpoint_hooks(accelerator, lora: bool) -> None:
             model = models.pop()
             missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(state)
             if missing:
-                raise RuntimeError(f"checkpoint {input_dir} lacks {len(missing)} trainable tensors")
+                raise RuntimeError(f"checkpoint {input_dir} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}")
             model.load_state_dict(state, strict=False)
 
     accelerator.register_save_state_pre_hook(save_hook)
