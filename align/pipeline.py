@@ -64,7 +64,9 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | 
 
 def testbed_settings(model: str) -> dict:
     """Inference defaults stored beside a testbed pipeline (steps, guidance, resolution), if any."""
-    path = Path(resolve_model(model)) / "testbed.json"
+    from align.testbed.weights import TESTBED_SETTINGS_FILE
+
+    path = Path(resolve_model(model)) / TESTBED_SETTINGS_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

@@ -229,13 +229,7 @@ def evaluate_near_misses(scorers, oracle, captions: list[str], seed: int) -> dic
 
     right = [Image.fromarray(render_array(c, seed + i)) for i, c in enumerate(captions)]
     wrong = [Image.fromarray(render_array(corrupt_caption(c, seed=seed + i)[0], seed + i)) for i, c in enumerate(captions)]
-    oracle_a, oracle_b = score_in_chunks(oracle, captions, right), score_in_chunks(oracle, captions, wrong)
-    results = {}
-    for name, judge in scorers.items():
-        acc, n = pairwise_accuracy(score_in_chunks(judge, captions, right), score_in_chunks(judge, captions, wrong),
-                                   oracle_a, oracle_b)
-        results[name] = (acc, n)
-    return results
+    return accuracy_against_oracle(scorers, oracle, captions, right, wrong)
 
 
 @torch.no_grad()
@@ -258,14 +252,17 @@ def evaluate_generations(scorers, oracle, pipeline_dir: Path, captions: list[str
                            guidance_scale=settings["guidance_scale"], generator=generators).images
         return images
 
-    first, second = generate(0), generate(100_000)
-    oracle_a, oracle_b = score_in_chunks(oracle, captions, first), score_in_chunks(oracle, captions, second)
-    results = {}
-    for name, judge in scorers.items():
-        acc, n = pairwise_accuracy(score_in_chunks(judge, captions, first), score_in_chunks(judge, captions, second),
-                                   oracle_a, oracle_b)
-        results[name] = (acc, n)
-    return results
+    return accuracy_against_oracle(scorers, oracle, captions, generate(0), generate(100_000))
+
+
+def accuracy_against_oracle(scorers, oracle, captions: list[str], images_a, images_b) -> dict:
+    """{name: (pairwise accuracy, pairs)} of each scorer on (a, b) pairs, against the oracle's verdicts."""
+    oracle_a, oracle_b = score_in_chunks(oracle, captions, images_a), score_in_chunks(oracle, captions, images_b)
+    return {
+        name: pairwise_accuracy(score_in_chunks(judge, captions, images_a), score_in_chunks(judge, captions, images_b),
+                                oracle_a, oracle_b)
+        for name, judge in scorers.items()
+    }
 
 
 def main(argv=None) -> None:

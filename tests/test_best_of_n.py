@@ -11,15 +11,6 @@ from align import best_of_n as bon
 from align.cli import ConfigError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run ~10x faster on one thread than two on this shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_curve_sizes():
     assert bon.curve_sizes(1) == [1]
     assert bon.curve_sizes(16) == [1, 2, 4, 8, 16]

@@ -26,15 +26,6 @@ from tiny_sd import build_tiny_pipeline  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # On a shared, busy CPU two intra-op threads spin against each other: one is ~10x faster here.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))

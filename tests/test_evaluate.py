@@ -16,15 +16,6 @@ from align.prompt_sets import PromptSetError, load_prompt_set
 from align.report import format_value
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run ~10x faster on one thread than two on this shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     """A random testbed-architecture pipeline (the base) and a UNet folder with perturbed weights."""

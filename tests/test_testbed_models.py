@@ -137,7 +137,9 @@ def test_bundled_pipeline_loads_offline_and_generates_32px():
     folder = _bundled_pipeline_or_skip()
     size_mb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
     assert size_mb <= 25
-    settings = weights.testbed_settings()
+    from align.pipeline import testbed_settings
+
+    settings = testbed_settings("testbed")
     assert settings["resolution"] == models.IMAGE_SIZE
     pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, local_files_only=True)
     assert isinstance(pipe.scheduler, DDIMScheduler)

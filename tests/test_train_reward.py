@@ -99,13 +99,18 @@ def test_train_writes_a_calibrated_model_that_loads_by_path_and_resumes_exactly(
     assert (out / "metrics.jsonl").read_text() == logged
 
 
-def test_trained_model_reloads_and_scores_identically(tiny_clip, pairs_file, tmp_path):
-    model = build_model(config(tiny_clip, pairs_file, tmp_path / "unused"))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # make LoRA and head non-trivial, as after training
+def randomise_trainable(model, seed: int) -> None:
+    """Make LoRA and head weights non-trivial, as after training."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def test_trained_model_reloads_and_scores_identically(tiny_clip, pairs_file, tmp_path):
+    model = build_model(config(tiny_clip, pairs_file, tmp_path / "unused"))
+    randomise_trainable(model, seed=1)
     model.eval()
     folder = tmp_path / "model"
     folder.mkdir()
@@ -178,11 +183,7 @@ def tiny_blip(tmp_path_factory):
 def test_blip_backbone_reloads_and_scores_identically(tiny_blip, pairs_file, tmp_path):
     model = build_model(config(tiny_blip, pairs_file, tmp_path / "unused", backbone="blip"))
     assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    randomise_trainable(model, seed=2)
     model.eval()
     folder = tmp_path / "blip-model"
     folder.mkdir()

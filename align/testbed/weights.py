@@ -23,10 +23,3 @@ def testbed_pipeline_dir() -> Path:
             "or pass a hub id / local pipeline folder as --model instead of 'testbed'"
         )
     return TESTBED_PIPELINE_DIR
-
-
-def testbed_settings() -> dict:
-    """The bundled pipeline's default inference settings (num_inference_steps, guidance_scale, resolution)."""
-    import json
-
-    return json.loads((testbed_pipeline_dir() / TESTBED_SETTINGS_FILE).read_text(encoding="utf-8"))
