@@ -12,6 +12,8 @@ Prompts go through the processor's own chat template (images as ``{"type": "imag
 generation is greedy at temperature 0. Default mode: ``likert`` (MJ-Bench found open VLMs more
 accurate with Likert scales). ``mode="pair"`` needs a model that takes several images. A local VLM
 can also run behind vLLM's OpenAI-compatible server and be loaded as ``openai:<model>``.
+Without torchvision the processors use their PIL image processors and leave out video processors
+(see ``load_processor``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,51 @@ def _pick_device(device: str) -> str:
     if device != "auto":
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_processor(model: str, trust_remote_code: bool = False):
+    """The checkpoint's processor; without torchvision, the same processor class minus its video processor.
+
+    transformers builds video processors (Qwen2-VL / 2.5-VL, InternVL, LLaVA-OneVision...) only with
+    torchvision, so ``AutoProcessor`` fails for those models even when only images are needed. Image
+    processors fall back to their PIL implementation by themselves (``backend="pil"``).
+    """
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    try:
+        return AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (ImportError, ValueError) as err:  # ImportError (Qwen2-VL) or ValueError (InternVL) naming torchvision
+        if is_torchvision_available() or "torchvision" not in str(err).lower():
+            raise
+        processor_class = _processor_with_video(model, trust_remote_code)
+        if processor_class is None:
+            raise
+    return _without_video(processor_class).from_pretrained(model)
+
+
+def _processor_with_video(model: str, trust_remote_code: bool) -> type | None:
+    """The processor class transformers maps the checkpoint's config to, if that class holds a video processor."""
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    processor_class = PROCESSOR_MAPPING.get(type(config), None)
+    if processor_class is None or "video_processor" not in processor_class.get_attributes():
+        return None
+    return processor_class
+
+
+def _without_video(processor_class: type) -> type:
+    """A subclass whose sub-processors leave out the video processor: not loaded, not type-checked, not called.
+
+    ``ProcessorMixin`` takes its sub-processors from ``get_attributes()`` and pairs them with the positional
+    arguments in order, so the ``video_processor=None`` that the class hands on after the image processor and
+    the tokenizer is dropped; the other options (``image_seq_length``...) still come from the checkpoint.
+    """
+    attributes = [name for name in processor_class.get_attributes() if name != "video_processor"]
+    return type(processor_class.__name__, (processor_class,),
+                {"get_attributes": classmethod(lambda cls: list(attributes)), "__module__": __name__})
 
 
 @dataclass
@@ -71,10 +118,10 @@ class HfVlmJudge(MllmJudge):
             )
 
     def _load(self) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
         try:
-            self._processor = AutoProcessor.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+            self._processor = load_processor(self.model, self.trust_remote_code)
             self._model = AutoModelForImageTextToText.from_pretrained(
                 self.model, dtype=DTYPES[self.dtype], trust_remote_code=self.trust_remote_code
             )

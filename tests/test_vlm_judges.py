@@ -4,28 +4,11 @@ AutoModelForImageTextToText, then run through the real chat-template + generate 
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_vlms import record_generate, tiny_tokenizer
 
 import rewards
 from rewards import vlm
 from rewards.mllm import JudgeNotReadyError
-
-# Index 0 is what a model with an all-zero final norm emits greedily (all logits equal -> argmax 0).
-WORDS = ["7", "<unk>", "<s>", "</s>", "<pad>", "USER", "ASSISTANT", ":", "Rating", "Good", "User", "Assistant"]
-
-
-def tiny_tokenizer(specials):
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    for token in specials:
-        vocab[token] = len(vocab)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>")
-    tok.add_special_tokens({"additional_special_tokens": list(specials)})
-    return tok
-
 
 LLAVA_TEMPLATE = (
     "{% for m in messages %}USER: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
@@ -120,19 +103,6 @@ def build_instructblip(folder):
     model.save_pretrained(folder)
     InstructBlipProcessor(image_processor=BlipImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tok,
                           qformer_tokenizer=qformer_tok, num_query_tokens=4).save_pretrained(folder)
-
-
-def record_generate(judge):
-    """Wrap the loaded model's generate to see exactly what the judge fed it."""
-    seen = []
-    original = judge._model.generate
-
-    def generate(**inputs):
-        seen.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
-        return original(**inputs)
-
-    judge._model.generate = generate
-    return seen
 
 
 @pytest.fixture(scope="module")
