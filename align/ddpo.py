@@ -59,6 +59,7 @@ from align.training import (  # noqa: E402
 )
 
 STATE_FILE = "ddpo_state.json"
+TIMESTEP_SELECTIONS = ("random", "high_noise")
 
 
 @dataclass
@@ -88,6 +89,9 @@ class DDPOConfig:
     samples_per_epoch: int = 256  # over all processes (paper: 256)
     sample_batch_size: int = 8  # images per process per sampling batch
     images_per_prompt: int = 1  # images drawn per prompt in a batch (>= 2 for group advantages or pairwise judges)
+    # One initial noise per group (DanceGRPO): reward differences within a group then come only from the
+    # sampler's own per-step noise, the actions the policy gradient credits, not from the starting point.
+    shared_group_noise: bool = False
     # --- advantages
     advantage: str = "per-prompt"  # per-prompt (DDPO stat tracking), group (GRPO), or batch
     stat_buffer_size: int = 32  # per-prompt reward buffer (ddpo-pytorch: 16-32)
@@ -97,6 +101,9 @@ class DDPOConfig:
     adv_clip_max: float = 5.0
     kl_coef: float = 0.0  # > 0 adds kl_coef x KL(step ‖ reference step) (Flow-GRPO); reference = adapter off
     timestep_fraction: float = 1.0  # share of the denoising steps trained per sample, in (0, 1]
+    # which steps: "random" (paper: a random subset per sample) or "high_noise" (the first, noisiest
+    # steps, where layout and counts are decided; low-noise steps add large, reward-blind gradient noise)
+    timestep_selection: str = "random"
     timestep_batch: int = 1  # trained timesteps per UNet call (1 = one at a time; more: faster, more memory, same gradient)
     # --- optimisation (paper: AdamW, lr 3e-4, LoRA)
     num_epochs: int = 100
@@ -127,6 +134,10 @@ class DDPOConfig:
             raise ConfigError(f"--eta must be > 0 (DDPO samples stochastically; the paper uses 1.0), got {self.eta}")
         if not 0.0 < self.timestep_fraction <= 1.0:
             raise ConfigError(f"--timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.timestep_selection not in TIMESTEP_SELECTIONS:
+            raise ConfigError(
+                f"--timestep_selection must be one of {', '.join(TIMESTEP_SELECTIONS)}, got {self.timestep_selection!r}"
+            )
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.advantage not in MODES:
@@ -157,6 +168,8 @@ class DDPOConfig:
             raise ConfigError(
                 f"--sample_batch_size ({self.sample_batch_size}) must be a multiple of --images_per_prompt ({self.images_per_prompt})"
             )
+        if self.shared_group_noise and self.images_per_prompt < 2:
+            raise ConfigError("--shared_group_noise needs --images_per_prompt >= 2 (a group shares one starting noise)")
         if self.advantage == "group" and self.images_per_prompt < 2:
             raise ConfigError("--advantage group needs --images_per_prompt >= 2 (a group per prompt)")
 
@@ -237,6 +250,14 @@ class SampleBatch:
     images: torch.Tensor  # [B, 3, H, W] in [0, 1], CPU
 
 
+def initial_noise(batch: int, latent_shape, config: DDPOConfig, gen: torch.Generator) -> torch.Tensor:
+    """Starting latents x_T of a sampling batch; with shared_group_noise, one draw per prompt group."""
+    if not config.shared_group_noise:
+        return torch.randn((batch, *latent_shape), generator=gen)
+    groups = torch.randn((batch // config.images_per_prompt, *latent_shape), generator=gen)
+    return groups.repeat_interleave(config.images_per_prompt, dim=0)
+
+
 def collect_samples(pipe, unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
     """Sample num_batches batches; rewards are computed in the background as each batch finishes."""
     from align.pipeline import decode_latents, encode_prompts
@@ -246,7 +267,7 @@ def collect_samples(pipe, unet, config, prompts, negative_embed, epoch, process,
         gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
         batch_prompts = draw_prompts(prompts, config, gen)
         embeds = encode_prompts(pipe, batch_prompts)
-        noise = torch.randn((len(batch_prompts), *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
+        noise = initial_noise(len(batch_prompts), latent_shape, config, gen).to(embeds.device, embeds.dtype)
         trajectory = sample_with_logprob(
             unet, pipe.scheduler, embeds, negative_embed.expand(len(batch_prompts), -1, -1),
             num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
@@ -495,13 +516,20 @@ def check_weights_in_sync(accelerator, params) -> None:
         print(f"[ddpo] trained weights identical on all {accelerator.num_processes} processes", flush=True)
 
 
+def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen: torch.Generator) -> torch.Tensor:
+    """[n, k] indices into each sample's chain: a random subset per sample, or the k noisiest steps."""
+    if selection == "high_noise":
+        # Sampling runs from high to low noise: the first k steps of the chain, in random order.
+        return torch.stack([torch.randperm(k, generator=gen) for _ in range(n)])
+    return torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, :k]
+
+
 def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
                       samples, negative_embed, gen, stats, disabled_adapter) -> int:
     """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
     n, steps_total = samples["timesteps"].shape
     order = torch.randperm(n, generator=gen)
-    # Each sample trains on its own random subset of timesteps (a per-sample shuffle, then the first k).
-    time_order = torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, : config.num_train_timesteps]
+    time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
     rows = torch.arange(n)[:, None]
     device = accelerator.device
     k = config.num_train_timesteps

@@ -142,11 +142,13 @@ class LlavaRewardModel(nn.Module):
         """``processor``: an already built processor (default: the backbone folder's own)."""
         from transformers import AutoModelForCausalLM, AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+        from rewards.vlm import load_processor
+
         kind = check_backbone(model, trust_remote_code)
         try:
             if kind == "qwen2.5-vl":
                 mllm = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=dtype)
-                processor = processor or AutoProcessor.from_pretrained(model)
+                processor = processor or load_processor(model)  # works without torchvision too
             else:
                 mllm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=True, _attn_implementation="eager")
                 # num_crops=4: the processor setting Phi-3.5-vision recommends for single images

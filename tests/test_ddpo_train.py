@@ -200,6 +200,33 @@ def test_lora_kl_uses_the_adapter_free_reference(tiny_model, prompt_file, tmp_pa
     assert record["kl_to_reference"] > 0.0
 
 
+def test_high_noise_selection_trains_the_first_steps_of_the_chain():
+    gen = torch.Generator().manual_seed(0)
+    chosen = ddpo.train_timestep_indices(5, 20, 10, "high_noise", gen)
+    assert chosen.shape == (5, 10)
+    for row in chosen:  # every sample: exactly the 10 noisiest steps (indices 0-9), shuffled
+        assert sorted(row.tolist()) == list(range(10))
+    assert len({tuple(r.tolist()) for r in chosen}) > 1
+    random_rows = ddpo.train_timestep_indices(50, 20, 10, "random", gen)
+    assert random_rows.max() >= 10 and all(len(set(r.tolist())) == 10 for r in random_rows)
+
+
+def test_shared_group_noise_gives_each_group_one_starting_point(tiny_model, prompt_file, tmp_path):
+    config = small_config(tiny_model, prompt_file, tmp_path / "x", images_per_prompt=2, sample_batch_size=4,
+                          samples_per_epoch=4, shared_group_noise=True)
+    noise = ddpo.initial_noise(4, (4, 8, 8), config, torch.Generator().manual_seed(0))
+    assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])
+    assert not torch.equal(noise[0], noise[2])
+    config.shared_group_noise = False
+    independent = ddpo.initial_noise(4, (4, 8, 8), config, torch.Generator().manual_seed(0))
+    assert not torch.equal(independent[0], independent[1])
+    # end to end: the two images of a group start from the same x_T and still differ (eta > 0)
+    run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "shared", images_per_prompt=2,
+                                  advantage="group", shared_group_noise=True, timestep_selection="high_noise",
+                                  num_epochs=1))
+    assert (run / "final").is_dir()
+
+
 def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
     run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "pair", reward="first-image",
                                   images_per_prompt=2, num_epochs=1))
@@ -224,6 +251,8 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
         (dict(reward="first-image"), "pairwise-only"),
         (dict(clip_range=0.0), "--clip_range must be > 0"),
         (dict(finetune="half"), "--finetune must be full or lora"),
+        (dict(timestep_selection="late"), "--timestep_selection must be one of random, high_noise"),
+        (dict(shared_group_noise=True), "--shared_group_noise needs --images_per_prompt >= 2"),
     ],
 )
 def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_path, capsys, overrides, message):
