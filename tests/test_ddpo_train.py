@@ -393,3 +393,17 @@ def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, k
     assert any(g.abs().sum() > 0 for g in grads[1])
     for one, batched in zip(grads[1], grads[3]):
         torch.testing.assert_close(batched, one, rtol=1e-4, atol=1e-7)
+
+
+def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import ddpo_gradient_snr
+
+    ddpo_gradient_snr.main(["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", prompt_file,
+                            "--samples", "4", "--images-per-prompt", "2", "--estimates", "2", "--steps", "4",
+                            "--guidance", "2.0"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("random", "high_noise"))]
+    assert [(r[0], r[1]) for r in rows] == [("random", "independent"), ("random", "shared"),
+                                            ("high_noise", "independent"), ("high_noise", "shared")]
+    for row in rows:
+        assert -1.0 <= float(row[2]) <= 1.0  # a cosine between two real gradients
