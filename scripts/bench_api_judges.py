@@ -33,28 +33,39 @@ KEY_VARS = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY", "gemin
 
 
 class ServerProcess:
-    """The fake server in its own process, as a real API is: its work must not compete for our GIL."""
+    """The fake server in separate processes, as a real API is: its work must not compete for our GIL.
 
-    def __init__(self, kind: str, latency: float):
-        self.kind, self.latency = kind, latency
+    ``workers`` processes listen on one port (SO_REUSEPORT); the kernel spreads connections over them,
+    so the server's own JSON handling (a few ms of Python per request) does not queue behind one GIL.
+    """
+
+    def __init__(self, kind: str, latency: float, workers: int = 4):
+        self.kind, self.latency, self.workers = kind, latency, workers
 
     @staticmethod
-    def _serve(kind, latency, port_queue, stop_event):
-        with FakeJudgeServer(kind, latency=latency, answer=constant_judge, decode_images=False) as server:
+    def _serve(kind, latency, port, port_queue, stop_event):
+        with FakeJudgeServer(kind, latency=latency, answer=constant_judge, decode_images=False,
+                             port=port, reuse_port=True) as server:
             port_queue.put((server.base_url, server.port))
             stop_event.wait()
 
     def __enter__(self):
         ctx = multiprocessing.get_context("fork")
         queue, self._stop = ctx.Queue(), ctx.Event()
-        self._proc = ctx.Process(target=self._serve, args=(self.kind, self.latency, queue, self._stop), daemon=True)
-        self._proc.start()
-        self.base_url, self.port = queue.get(timeout=60)
+        self._procs = []
+        port = 0  # the first worker picks a free port; the others join it
+        for _ in range(self.workers):
+            proc = ctx.Process(target=self._serve, args=(self.kind, self.latency, port, queue, self._stop), daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self.base_url, port = queue.get(timeout=60)
+        self.port = port
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._proc.join(timeout=10)
+        for proc in self._procs:
+            proc.join(timeout=10)
 
 
 def reference_loop(server, captions, images_a, images_b) -> float:
@@ -91,6 +102,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--kind", choices=sorted(PREFIX), default="openai")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--server-workers", type=int, default=4, help="fake server processes sharing the port")
     parser.add_argument("--in-process-server", action="store_true",
                         help="run the fake server in this process (its threads then share our GIL)")
     args = parser.parse_args(argv)
@@ -102,11 +114,11 @@ def main(argv=None) -> dict:
     captions = [f"caption {i}" for i in range(args.pairs)]
     requests = 2 * args.pairs
     results: dict = {"pairs": args.pairs, "requests": requests, "latency_s": args.latency, "kind": args.kind}
-    results["server"] = "in-process threads" if args.in_process_server else "separate process"
+    results["server"] = "in-process threads" if args.in_process_server else f"{args.server_workers} separate processes"
     if args.in_process_server:
         server_cm = FakeJudgeServer(args.kind, latency=args.latency, answer=constant_judge, decode_images=False)
     else:
-        server_cm = ServerProcess(args.kind, args.latency)
+        server_cm = ServerProcess(args.kind, args.latency, args.server_workers)
     with server_cm as server:
         ours(server, args.kind, args.concurrency, captions[:2], images_a[:2], images_b[:2])  # warm-up (imports)
         if args.kind == "openai":

@@ -63,7 +63,8 @@ class FakeJudgeServer:
 
     def __init__(self, kind: str, answer=brightness_judge, latency: float = 0.0,
                  models: tuple[str, ...] = ("fake-model",), api_key: str | None = None,
-                 timeout_sleep: float = 2.0, decode_images: bool = True, retrieve_endpoint: bool = True):
+                 timeout_sleep: float = 2.0, decode_images: bool = True, retrieve_endpoint: bool = True,
+                 port: int = 0, reuse_port: bool = False):
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} not in {KINDS}")
         self.kind, self.answer, self.latency, self.models = kind, answer, latency, set(models)
@@ -77,6 +78,9 @@ class FakeJudgeServer:
         self.model_checks: list[str] = []
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
+        # reuse_port: several server processes listen on one port and the kernel spreads the
+        # connections over them (SO_REUSEPORT), like the many servers behind a real API
+        self.bind_port, self.reuse_port = port, reuse_port
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def __enter__(self):
@@ -88,7 +92,8 @@ class FakeJudgeServer:
 
     def start(self) -> None:
         handler = type("Handler", (_Handler,), {"server_state": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server_class = type("Server", (ThreadingHTTPServer,), {"allow_reuse_port": self.reuse_port})
+        self._httpd = server_class(("127.0.0.1", self.bind_port), handler)
         self._httpd.daemon_threads = True
         self._httpd.block_on_close = False
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()

@@ -312,12 +312,13 @@ def test_pointwise_compare_asks_all_images_in_one_round(monkeypatch, capsys):
     assert "6 requests" in capsys.readouterr().err  # usage printed at the end of the run
 
 
-def test_benchmark_script_smoke(tmp_path):
+@pytest.mark.parametrize("server", [["--in-process-server"], ["--server-workers", "2"]], ids=["threads", "two-processes"])
+def test_benchmark_script_smoke(tmp_path, server):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_api_judges
 
     results = bench_api_judges.main(["--pairs", "6", "--latency", "0.05", "--concurrency", "6", "--size", "16",
-                                     "--in-process-server", "--json", str(tmp_path / "bench.json")])
+                                     *server, "--json", str(tmp_path / "bench.json")])
     assert results["labelled_pairs"] == 6 and results["requests"] == 12
     assert results["reference_loop_s"] >= 12 * 0.05
     assert results["ours_c6_s"] < results["reference_loop_s"]
