@@ -200,3 +200,17 @@ def test_bundled_shapes_clip_loads_through_rewards():
     assert scores.shape == (16,)
     assert torch.isfinite(scores).all()
     assert json.loads((folder / "config.json").read_text())["vision_config"]["image_size"] == 32
+
+
+def test_headroom_script_scores_renders_perfectly_and_the_vae_round_trip_lower(capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import testbed_headroom
+
+    testbed_headroom.main(["--captions", "testbed:6:777"])
+    rows = {line[:26].strip(): line[26:].split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {"true renders", "renders through the VAE", "model generations"}
+    assert all(float(v) == 1.0 for v in rows["true renders"])
+    assert 0.0 <= float(rows["renders through the VAE"][0]) < 1.0
+    assert 0.0 <= float(rows["model generations"][0]) <= 1.0
