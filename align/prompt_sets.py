@@ -3,6 +3,7 @@
     testbed | testbed:<n>[:<seed>]  captions of the shapes world (align.testbed.scene.sample_captions)
     mjbench                     our bundled probes for MJ-Bench's categories (all four files)
     mjbench-alignment|-safety|-quality|-bias
+    animals                     45 common animal names (DDPO's aesthetic-score recipe prompts)
     parti                       PartiPrompts (nateraw/parti-prompts, column Prompt, 1,632 prompts)
     drawbench                   DrawBench (sayakpaul/drawbench, column Prompts, 200 prompts)
     pickapic-val                Pick-a-Pic v2 validation_unique captions (500)
@@ -70,7 +71,7 @@ class PromptSet:
 
 
 def known_sets() -> list[str]:
-    names = ["testbed", "mjbench", *[f"mjbench-{p}" for p in MJBENCH_PARTS], *HUB_SETS, "hpsv2"]
+    names = ["testbed", "mjbench", *[f"mjbench-{p}" for p in MJBENCH_PARTS], "animals", *HUB_SETS, "hpsv2"]
     return names + [f"hpsv2-{s}" for s in HPSV2_STYLES]
 
 
@@ -97,6 +98,8 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
             raise PromptSetError(f"unknown prompt set {name!r}; known sets: {', '.join(known_sets())}")
         merged = [read_text_prompts(PROMPTS_DIR / f"mjbench_{p}.txt") for p in parts]
         return PromptSet(name, sum((m.prompts for m in merged), []), sum((m.categories for m in merged), [])).head(num_prompts)
+    if name == "animals":
+        return read_text_prompts(PROMPTS_DIR / "animals.txt").head(num_prompts)
     if name in HUB_SETS:
         return _hub_set(name, HUB_SETS[name], options).head(num_prompts)
     if name == "hpsv2" or name.startswith("hpsv2-"):

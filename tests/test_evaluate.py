@@ -181,6 +181,8 @@ def test_bundled_prompt_sets_cover_mjbench_categories():
     assert len(load_prompt_set("mjbench", num_prompts=5)) == 5
     testbed = load_prompt_set("testbed", num_prompts=8)
     assert len(testbed) == 8 and set(testbed.categories) <= {"object", "attribute", "count", "spatial"}
+    animals = load_prompt_set("animals")
+    assert len(animals) == 45 and len(set(animals.prompts)) == 45 and "cat" in animals.prompts
     with pytest.raises(PromptSetError, match="known sets"):
         load_prompt_set("no-such-set")
 
