@@ -106,6 +106,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--in-process-server", action="store_true",
                         help="run the fake server in this process (its threads then share our GIL)")
     args = parser.parse_args(argv)
+    if args.server_workers < 1:
+        parser.error("--server-workers must be >= 1")
 
     os.environ.setdefault(KEY_VARS[args.kind], "bench-key")
     g = torch.Generator().manual_seed(0)
