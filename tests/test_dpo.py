@@ -189,6 +189,67 @@ def run_cli(args, cwd=ROOT):
     return subprocess.run([sys.executable, "align/dpo.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _round_images_match_base(run, round_dir, base):
+    """Whether the round's pair images are exactly what the base model draws for their (prompt, seed)."""
+    rows = pq.read_table(run / "feedback" / round_dir / "pairs.parquet").to_pylist()
+    prompts = [r["caption"] for r in rows for _ in (0, 1)]
+    seeds = [r[key] for r in rows for key in ("seed_0", "seed_1")]
+    stored = torch.stack([
+        torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(r[key])).convert("RGB"))).permute(2, 0, 1)
+        for r in rows for key in ("jpg_0", "jpg_1")
+    ]).float()
+    redrawn = (generate_images(base, prompts, seeds, num_inference_steps=2, guidance_scale=2.0) * 255).round()
+    return bool((stored - redrawn).abs().max() <= 1), rows
+
+
+def online_config(tiny_model, prompts4, out, **overrides):
+    return small_config(tiny_model, out, reward="jpeg-compressibility", prompts=prompts4, feedback_rounds=2,
+                        learning_rate=3e-2, checkpointing_steps=100, **overrides)
+
+
+@pytest.fixture(scope="module")
+def prompts4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts4") / "prompts.txt"
+    path.write_text("a red circle\na blue square\na green triangle\na yellow circle\n")
+    return str(path)
+
+
+def test_online_rounds_label_the_model_trained_so_far(tiny_model, prompts4, tmp_path):
+    run = dpo.train(online_config(tiny_model, prompts4, tmp_path / "online"))
+    base = load_pipeline(tiny_model)
+    base.set_progress_bar_config(disable=True)
+    first_is_base, first = _round_images_match_base(run, "round_1", base)
+    second_is_base, second = _round_images_match_base(run, "round_2", base)
+    assert [r["caption"] for r in first] == ["a red circle", "a blue square"]
+    assert [r["caption"] for r in second] == ["a green triangle", "a yellow circle"]
+    assert first_is_base  # round 1: the base model's own images
+    assert not second_is_base  # round 2: drawn by the model after round 1's two steps
+    # each round ends with a checkpoint (checkpointing_steps=100 would give none before the end)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-2:] == ["step_0000002", "step_0000004"]
+    assert "2 online rounds" in (run / "final" / "README.md").read_text()
+
+
+def test_online_rounds_resume_exactly_after_a_crash_in_round_two(tiny_model, prompts4, tmp_path, monkeypatch):
+    straight = dpo.train(online_config(tiny_model, prompts4, tmp_path / "straight"))
+    real = dpo.label_round
+
+    def crash_on_round_two(*args, **kwargs):
+        if args[5] == 1:  # round_index
+            raise RuntimeError("simulated crash while labelling round 2")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dpo, "label_round", crash_on_round_two)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        dpo.train(online_config(tiny_model, prompts4, tmp_path / "crashed"))
+    monkeypatch.setattr(dpo, "label_round", real)
+    resumed = dpo.train(online_config(tiny_model, prompts4, tmp_path / "crashed", resume="latest"))
+    a, b = _trainable(straight), _trainable(resumed)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    assert (pq.read_table(straight / "feedback" / "round_2" / "pairs.parquet").to_pylist()
+            == pq.read_table(resumed / "feedback" / "round_2" / "pairs.parquet").to_pylist())
+
+
 def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n# nothing\n")
@@ -213,6 +274,9 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
         "unreadable dataset": (common + ["--dataset", str(garbage)], "garbage.parquet"),
         "unknown config key": (["--config", str(bad_yaml)] + common + ["--dataset", pair_parquet], "unknown key(s) learning_rat"),
         "beta not positive": (common + ["--dataset", pair_parquet, "--beta", "0"], "--beta must be a positive number"),
+        "rounds with a dataset": (common + ["--dataset", pair_parquet, "--feedback_rounds", "2"], "--feedback_rounds > 1 needs --reward"),
+        "steps not a multiple of rounds": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "3", "--max_steps", "4"], "must be a multiple of --feedback_rounds"),
+        "more rounds than prompts": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "4", "--max_steps", "4"], "fewer prompts than --feedback_rounds"),
         "not a pipeline": (["--model", str(not_pipeline), "--output-dir", out, "--dataset", pair_parquet], "is not a diffusers pipeline folder"),
         "folder holds a run": (["--model", tiny_model, "--output-dir", str(taken), "--dataset", pair_parquet], "already holds a run"),
     }
@@ -239,14 +303,17 @@ def test_cli_script_reports_bad_input_without_traceback(tiny_model, prompt_file,
     assert "unknown judge 'nonexistent-judge'" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_two_process_cpu_run(tiny_model, pair_parquet, tmp_path):
+@pytest.mark.parametrize("feedback", ["dataset", "online-rounds"])
+def test_two_process_cpu_run(tiny_model, pair_parquet, prompts4, tmp_path, feedback):
     out = tmp_path / "ddp"
+    source = (["--dataset", pair_parquet] if feedback == "dataset" else
+              ["--reward", "jpeg-compressibility", "--prompts", prompts4, "--feedback_rounds", "2"])
     # accelerate's --cpu flag runs one process; torchrun processes + ACCELERATE_USE_CPU give gloo DDP.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     args = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "align/dpo.py",
-        "--model", tiny_model, "--dataset", pair_parquet, "--output-dir", str(out), "--finetune", "lora",
+        "--model", tiny_model, *source, "--output-dir", str(out), "--finetune", "lora",
         "--resolution", "16", "--train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_steps", "2",
         "--learning_rate", "1e-3", "--scale_lr", "false", "--lr_warmup_steps", "0", "--beta", "100",
         "--num_inference_steps", "2", "--checkpointing_steps", "2", "--validation_steps", "0", "--report_to", "none",
@@ -257,6 +324,8 @@ def test_two_process_cpu_run(tiny_model, pair_parquet, tmp_path):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2  # one set of outputs, written by the main process only
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+    if feedback == "online-rounds":  # the main process labelled round 2 while the other waited
+        assert len(pq.read_table(out / "feedback" / "round_2" / "pairs.parquet")) == 2
 
 
 def test_testbed_config_runs_on_the_bundled_model(tmp_path):
