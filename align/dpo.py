@@ -321,13 +321,11 @@ def train(config: DPOConfig) -> Path:
     for module in (pipe.vae, pipe.text_encoder):
         module.requires_grad_(False)
 
-    # 1. Preference pairs from AI feedback on the base model, written to the run folder (offline pairs
-    #    were read above). With online rounds this is round 1; later rounds are labelled in the loop.
+    # 1. The prompts of AI feedback (labelled in step 5), or the offline pairs read above.
     rounds = config.feedback_rounds if judge is not None else 1
     steps_per_round = config.max_steps // rounds
     if judge is not None:
         prompts = load_prompt_list(config.prompts)
-        pairs = label_round(accelerator, pipe, judge, config, prompts, 0, run.path, steps, guidance)
     elif main:
         print(f"[data] {pair_stats.summary()}", flush=True)
 
@@ -344,19 +342,9 @@ def train(config: DPOConfig) -> Path:
     unet.train()
     params = [p for p in unet.parameters() if p.requires_grad]
 
-    # 3. Derived batch sizes (printed so they can be checked against the paper's 2048).
+    # 3. Optimiser (the derived batch sizes are printed in step 5).
     pairs_per_step = config.train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
     lr = config.learning_rate * pairs_per_step if config.scale_lr else config.learning_rate
-    if main:
-        print(
-            f"[dpo] pairs: {len(pairs)} | per process per micro-step: {config.train_batch_size} | processes: "
-            f"{accelerator.num_processes} | accumulation: {config.gradient_accumulation_steps} | pairs per step: "
-            f"{pairs_per_step} | steps: {config.max_steps} | learning rate: {lr:.3g}"
-            f"{' (scaled by pairs per step)' if config.scale_lr else ''} | beta: {config.beta} | finetune: "
-            f"{config.finetune} ({sum(p.numel() for p in params):,} trainable parameters)",
-            flush=True,
-        )
-
     optimizer_class = torch.optim.AdamW
     if config.use_8bit_adam:
         try:
@@ -375,13 +363,10 @@ def train(config: DPOConfig) -> Path:
     )
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
-
-    # 4. Caches: text embeddings of every caption (and ""), VAE latents of every pair image.
-    text_cache, latents, order = training_caches(pipe, pairs, resolution, config)
     noise_scheduler = pipe.scheduler
     prediction_type = noise_scheduler.config.prediction_type
 
-    # 5. Resume.
+    # 4. Resume.
     start_step = 0
     checkpoint = run.resume_checkpoint()
     if checkpoint is not None:
@@ -392,9 +377,22 @@ def train(config: DPOConfig) -> Path:
             print(f"[dpo] resumed from {checkpoint} at step {start_step}", flush=True)
     elif config.resume and main:
         print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
-    if start_step // steps_per_round > 0:  # resumed in a later online round: its pairs, from the resumed model
+
+    # 5. The pairs of the current round: AI feedback from the model as it stands (the base model, or the
+    #    resumed one; later online rounds are labelled in the loop), then the caches: text embeddings of
+    #    every caption (and ""), VAE latents of every pair image.
+    if judge is not None:
         pairs = label_round(accelerator, pipe, judge, config, prompts, start_step // steps_per_round, run.path, steps, guidance)
-        text_cache, latents, order = training_caches(pipe, pairs, resolution, config)
+    text_cache, latents, order = training_caches(pipe, pairs, resolution, config)
+    if main:  # derived batch sizes, printed so they can be checked against the paper's 2048
+        print(
+            f"[dpo] pairs: {len(pairs)} | per process per micro-step: {config.train_batch_size} | processes: "
+            f"{accelerator.num_processes} | accumulation: {config.gradient_accumulation_steps} | pairs per step: "
+            f"{pairs_per_step} | steps: {config.max_steps} | learning rate: {lr:.3g}"
+            f"{' (scaled by pairs per step)' if config.scale_lr else ''} | beta: {config.beta} | finetune: "
+            f"{config.finetune} ({sum(p.numel() for p in params):,} trainable parameters)",
+            flush=True,
+        )
 
     if log_with:
         accelerator.init_trackers("dpo", config=tracker_config(config))

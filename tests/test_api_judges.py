@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from fake_judge_servers import FakeJudgeServer, position_biased_judge
+from script_loader import load_script
 
 import rewards
 from rewards.cache import JudgeCache
@@ -314,9 +315,7 @@ def test_pointwise_compare_asks_all_images_in_one_round(monkeypatch, capsys):
 
 @pytest.mark.parametrize("server", [["--in-process-server"], ["--server-workers", "2"]], ids=["threads", "two-processes"])
 def test_benchmark_script_smoke(tmp_path, server):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench_api_judges
-
+    bench_api_judges = load_script("bench_api_judges")
     results = bench_api_judges.main(["--pairs", "6", "--latency", "0.05", "--concurrency", "6", "--size", "16",
                                      *server, "--json", str(tmp_path / "bench.json")])
     assert results["labelled_pairs"] == 6 and results["requests"] == 12

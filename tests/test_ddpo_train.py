@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from script_loader import load_script
 
 from align import ddpo
 from align.ddpo import DDPOConfig
@@ -22,6 +20,7 @@ from rewards.base import Judge, Preference
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_sd import build_tiny_pipeline  # noqa: E402
+from two_processes import launch_two_cpu_processes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,7 +183,7 @@ def test_resume_gives_identical_weights(tiny_model, prompt_file, tmp_path):
 def test_full_finetune_with_kl_and_group_advantages(tiny_model, prompt_file, tmp_path):
     config = small_config(
         tiny_model, prompt_file, tmp_path / "full", finetune="full", kl_coef=0.1, advantage="group",
-        images_per_prompt=2, num_epochs=1,
+        images_per_prompt=2, num_epochs=1, shared_group_noise=True, timestep_selection="high_noise",
     )
     run = ddpo.train(config)
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
@@ -212,6 +211,7 @@ def test_high_noise_selection_trains_the_first_steps_of_the_chain():
 
 
 def test_shared_group_noise_gives_each_group_one_starting_point(tiny_model, prompt_file, tmp_path):
+    # (a run with shared noise and high-noise timesteps: test_full_finetune_with_kl_and_group_advantages)
     config = small_config(tiny_model, prompt_file, tmp_path / "x", images_per_prompt=2, sample_batch_size=4,
                           samples_per_epoch=4, shared_group_noise=True)
     noise = ddpo.initial_noise(4, (4, 8, 8), config, torch.Generator().manual_seed(0))
@@ -220,11 +220,6 @@ def test_shared_group_noise_gives_each_group_one_starting_point(tiny_model, prom
     config.shared_group_noise = False
     independent = ddpo.initial_noise(4, (4, 8, 8), config, torch.Generator().manual_seed(0))
     assert not torch.equal(independent[0], independent[1])
-    # end to end: the two images of a group start from the same x_T and still differ (eta > 0)
-    run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "shared", images_per_prompt=2,
-                                  advantage="group", shared_group_noise=True, timestep_selection="high_noise",
-                                  num_epochs=1))
-    assert (run / "final").is_dir()
 
 
 def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
@@ -322,15 +317,7 @@ def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
         stat_buffer_size=4, stat_min_count=2, learning_rate=1e-2, clip_range=0.2,
     )
     argv = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
-    # accelerate's --cpu flag runs one process; torchrun processes + ACCELERATE_USE_CPU give gloo DDP.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
-    with socket.socket() as sock:  # a free port: another two-process test may hold accelerate's default 29500
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--main_process_port", str(port),
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "align" / "ddpo.py"), *argv]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = launch_two_cpu_processes("align/ddpo.py", argv, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "x 2 processes" in result.stdout
     assert "trained weights identical on all 2 processes" in result.stdout  # LoRA gradients were synchronised
@@ -396,9 +383,7 @@ def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, k
 
 
 def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ddpo_gradient_snr
-
+    ddpo_gradient_snr = load_script("ddpo_gradient_snr")
     ddpo_gradient_snr.main(["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", prompt_file,
                             "--samples", "4", "--images-per-prompt", "2", "--estimates", "2", "--steps", "4",
                             "--guidance", "2.0"])

@@ -17,9 +17,11 @@ from safetensors.torch import load_file
 from align import dpo
 from align.dpo import DPOConfig, TrainingStopped
 from align.pipeline import generate_images, load_pipeline
+from rewards.images import decode_image, to_tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_sd import build_tiny_pipeline  # noqa: E402
+from two_processes import launch_two_cpu_processes  # noqa: E402
 from wandb_records import history_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,10 +196,7 @@ def _round_images_match_base(run, round_dir, base):
     rows = pq.read_table(run / "feedback" / round_dir / "pairs.parquet").to_pylist()
     prompts = [r["caption"] for r in rows for _ in (0, 1)]
     seeds = [r[key] for r in rows for key in ("seed_0", "seed_1")]
-    stored = torch.stack([
-        torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(r[key])).convert("RGB"))).permute(2, 0, 1)
-        for r in rows for key in ("jpg_0", "jpg_1")
-    ]).float()
+    stored = (to_tensor([decode_image(r[key]) for r in rows for key in ("jpg_0", "jpg_1")]) * 255).round()
     redrawn = (generate_images(base, prompts, seeds, num_inference_steps=2, guidance_scale=2.0) * 255).round()
     return bool((stored - redrawn).abs().max() <= 1), rows
 
@@ -214,8 +213,13 @@ def prompts4(tmp_path_factory):
     return str(path)
 
 
-def test_online_rounds_label_the_model_trained_so_far(tiny_model, prompts4, tmp_path):
-    run = dpo.train(online_config(tiny_model, prompts4, tmp_path / "online"))
+@pytest.fixture(scope="module")
+def online_run(tiny_model, prompts4, tmp_path_factory):
+    return dpo.train(online_config(tiny_model, prompts4, tmp_path_factory.mktemp("online") / "run"))
+
+
+def test_online_rounds_label_the_model_trained_so_far(tiny_model, online_run):
+    run = online_run
     base = load_pipeline(tiny_model)
     base.set_progress_bar_config(disable=True)
     first_is_base, first = _round_images_match_base(run, "round_1", base)
@@ -229,8 +233,8 @@ def test_online_rounds_label_the_model_trained_so_far(tiny_model, prompts4, tmp_
     assert "2 online rounds" in (run / "final" / "README.md").read_text()
 
 
-def test_online_rounds_resume_exactly_after_a_crash_in_round_two(tiny_model, prompts4, tmp_path, monkeypatch):
-    straight = dpo.train(online_config(tiny_model, prompts4, tmp_path / "straight"))
+def test_online_rounds_resume_exactly_after_a_crash_in_round_two(tiny_model, prompts4, online_run, tmp_path, monkeypatch):
+    straight = online_run
     real = dpo.label_round
 
     def crash_on_round_two(*args, **kwargs):
@@ -308,17 +312,12 @@ def test_two_process_cpu_run(tiny_model, pair_parquet, prompts4, tmp_path, feedb
     out = tmp_path / "ddp"
     source = (["--dataset", pair_parquet] if feedback == "dataset" else
               ["--reward", "jpeg-compressibility", "--prompts", prompts4, "--feedback_rounds", "2"])
-    # accelerate's --cpu flag runs one process; torchrun processes + ACCELERATE_USE_CPU give gloo DDP.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    args = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "align/dpo.py",
+    result = launch_two_cpu_processes("align/dpo.py", [
         "--model", tiny_model, *source, "--output-dir", str(out), "--finetune", "lora",
         "--resolution", "16", "--train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_steps", "2",
         "--learning_rate", "1e-3", "--scale_lr", "false", "--lr_warmup_steps", "0", "--beta", "100",
         "--num_inference_steps", "2", "--checkpointing_steps", "2", "--validation_steps", "0", "--report_to", "none",
-    ]
-    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    ])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "processes: 2" in result.stdout
     lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -1,13 +1,13 @@
 """align.evaluate end to end on two tiny models, plus prompt sets."""
 
 import json
-import sys
 from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from script_loader import load_script
 
 from align import evaluate as ev
 from align import metrics
@@ -31,17 +31,6 @@ def two_models(tmp_path_factory):
         pipe.unet.conv_out.bias.add_(0.5)
     save_full_unet(pipe.unet, root / "tuned")
     return root / "base", root / "tuned"
-
-
-def _load_checker():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "check_report_in_browser.py"
-    spec = importlib.util.spec_from_file_location("check_report_in_browser", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class TableParser(HTMLParser):
@@ -137,7 +126,7 @@ def test_evaluate_two_tiny_models_report_matches_results(tmp_path, two_models, m
     assert np.isfinite(saved["fid"]["base"]) and saved["fid"]["base"] != saved["fid"]["tuned"]
 
     # every image of the report is embedded and decodes; in headless Chromium none is broken
-    checker = _load_checker()
+    checker = load_script("check_report_in_browser")
     total, problems = checker.static_problems(out / "report.html")
     assert problems == [] and total == 3 + 3 * 2  # plots (2 win rates, avg rank) + the 3 x 2 image grid
     if checker.find_browser():
@@ -207,20 +196,8 @@ def test_hub_prompt_sets_load_offline_from_a_file_in_the_same_schema(tmp_path):
         load_prompt_set(f"drawbench[source={tmp_path / 'bad.parquet'}]")
 
 
-def _load_script(name):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compare_judges_gives_every_judge_the_same_trainer_budget(tmp_path):
-    cj = _load_script("compare_judges")
+    cj = load_script("compare_judges")
     (tmp_path / "dpo.yaml").write_text("max_steps: 50\nlearning_rate: 0.001\nfinetune: lora\n")
     config = cj.CompareConfig(trainer_config=str(tmp_path / "dpo.yaml"), trainer_overrides="lora_rank=2,beta=100", max_steps=7)
     configs = [cj.trainer_config(config, spec, tmp_path / spec, tmp_path / f"{spec}.parquet")[1] for spec in ("shapes-oracle", "random")]

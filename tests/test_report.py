@@ -1,26 +1,16 @@
 """Report helpers: embedded images, tables, plots; the page opens in headless Chromium."""
 
 import base64
-import importlib.util
 import io
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from script_loader import load_script
 
 from align import report
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_checker():
-    spec = importlib.util.spec_from_file_location("check_report_in_browser", ROOT / "scripts" / "check_report_in_browser.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _decode_data_uris(text):
@@ -68,7 +58,7 @@ def test_grid_html_and_plots_embed_decodable_pngs(tmp_path):
 
 
 def test_static_check_finds_broken_and_missing_images(tmp_path):
-    checker = _load_checker()
+    checker = load_script("check_report_in_browser")
     good = report.img_tag(Image.new("RGB", (4, 4)))
     Image.new("RGB", (4, 4)).save(tmp_path / "ok.png")
     page = tmp_path / "p.html"
@@ -84,7 +74,7 @@ def test_static_check_finds_broken_and_missing_images(tmp_path):
 @pytest.mark.skipif(shutil.which("chromium") is None and shutil.which("chromium-browser") is None,
                     reason="headless Chromium is not installed (apt-get install chromium)")
 def test_report_opens_in_headless_chromium(tmp_path):
-    checker = _load_checker()
+    checker = load_script("check_report_in_browser")
     plot = report.line_plot({"s": ([1, 2], [1, 2])})
     sections = [report.Section("Plot", report.img_tag(plot)), report.Section("Table", report.table_html([{"a": 1.0}]))]
     page = report.write_report(tmp_path / "report.html", sections, title="browser check")

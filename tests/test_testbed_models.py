@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from script_loader import load_script
 
 from align.testbed import models, weights
 from align.testbed.scene import corrupt_caption, render, sample_captions
@@ -203,11 +204,7 @@ def test_bundled_shapes_clip_loads_through_rewards():
 
 
 def test_headroom_script_scores_renders_perfectly_and_the_vae_round_trip_lower(capsys):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import testbed_headroom
-
+    testbed_headroom = load_script("testbed_headroom")
     testbed_headroom.main(["--captions", "testbed:6:777"])
     rows = {line[:26].strip(): line[26:].split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert set(rows) == {"true renders", "renders through the VAE", "model generations"}
