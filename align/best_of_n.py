@@ -38,6 +38,7 @@ from align.evaluate import (
     sampling_settings,
     split_list,
 )
+from align.metrics import mean_and_sem
 
 SEARCHES = ("random", "zero-order")
 
@@ -212,10 +213,7 @@ def best_of_n(config: BestOfNConfig) -> dict:
     out = Path(config.output_dir)
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
-    device = resolve_device(config.device)
-    pipe = load_trained(config.model, device=device, base=config.base_model)
     settings = sampling_settings(config, config.base_model or config.model)
-    shape = latent_shape(pipe, settings["resolution"])
     num_prompts, n = len(prompts), config.n
     print(f"[best_of_n] {num_prompts} prompts x {n} candidates = {num_prompts * n} images; selector {config.reward}", flush=True)
 
@@ -224,6 +222,11 @@ def best_of_n(config: BestOfNConfig) -> dict:
     items = [(p, candidate_seed(config.seed, i, k)) for i, p in enumerate(prompts) for k in range(n)]
     cache = GenerationCache(Path(config.cache_dir or out / "candidates"), ModelEntry(Path(config.model).name or config.model, config.model), settings, config.base_model)
     todo = cache.missing(items)
+    # The model loads only when something is generated: a rerun with another selector finds every candidate cached.
+    pipe = shape = None
+    if todo or config.search == "zero-order":
+        pipe = load_trained(config.model, device=resolve_device(config.device), base=config.base_model)
+        shape = latent_shape(pipe, settings["resolution"])
     if todo:
         noises = torch.stack([seed_noise(s, shape) for _, s in todo])
         for (prompt, s), image in zip(todo, generate_from_noise(pipe, [p for p, _ in todo], noises, settings, config.batch_size)):
@@ -245,7 +248,7 @@ def best_of_n(config: BestOfNConfig) -> dict:
             per_size = [expected_best_of_n(sel, values, k) for k in sizes]
             curves[spec], errors[spec] = _mean_sem(per_size)
         # the pick among the first k candidates, for judges that can only compare
-        picks = [{k: int(np.nanargmax(np.nan_to_num(sel[i, :k], nan=-np.inf))) for k in sizes} for i in range(num_prompts)]
+        picks = [{k: int(np.argmax(np.nan_to_num(sel[i, :k], nan=-np.inf))) for k in sizes} for i in range(num_prompts)]
     else:
         picks = [knockout_winners(_pairwise_compare(selector, prompts[i], images[i]), n) for i in range(num_prompts)]
         chosen = np.array([p[n] for p in picks])
@@ -256,8 +259,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
         if spec in eval_scores:
             continue
         per_size = []
+        first = torch.stack([images[i, picks[i][1]] for i in range(num_prompts)])
         for k in sizes:
-            first = torch.stack([images[i, picks[i][1]] for i in range(num_prompts)])
             pick = torch.stack([images[i, picks[i][k]] for i in range(num_prompts)])
             per_size.append(compare_shuffled(judge, prompts, pick, first, np.random.default_rng(config.seed)))
         curves[f"{spec} (win rate vs N=1)"], errors[f"{spec} (win rate vs N=1)"] = _mean_sem(per_size)
@@ -298,10 +301,9 @@ def _mean_sem(per_size: list) -> tuple[list[float], list[float]]:
     """Mean over prompts and its standard error, per curve point (NaN = no answer, left out)."""
     means, sems = [], []
     for values in per_size:
-        v = np.asarray(values, dtype=float)
-        v = v[~np.isnan(v)]
-        means.append(float(v.mean()) if v.size else float("nan"))
-        sems.append(float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0)
+        mean, sem = mean_and_sem(values)
+        means.append(mean)
+        sems.append(0.0 if math.isnan(sem) else sem)  # one answer: no spread to show
     return means, sems
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import rewards
 from align import judgebench_metrics as M
 from align.cli import die, parse_config
+from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
 
 
@@ -300,9 +301,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
     summaries, runs, failed = [], [], []
     for spec in judge_specs:
         try:
-            judge = rewards.load(spec)
-            if hasattr(judge, "check_ready"):
-                judge.check_ready()  # API key and model id, before any paid call
+            judge = load_judge(spec)  # API key and model id checked before any paid call
         except Exception as err:  # missing weights, key or SDK: skip this judge, keep the others
             print(f"error: judge {spec!r} could not be loaded: {err}")
             failed.append(spec)

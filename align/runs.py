@@ -13,6 +13,10 @@ from pathlib import Path
 
 import yaml
 
+# The process umask, read once (os.umask can only be read by setting it, which races with other threads).
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -49,7 +53,7 @@ def atomic_path(path: str | Path):
         yield Path(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -59,12 +63,6 @@ def atomic_path(path: str | Path):
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from align.cli import ConfigError
-from align.runs import RunFolder, atomic_write_text, scrub_secrets
+from align.runs import RunFolder, RunFolderError, atomic_write_text, scrub_secrets
 
 
 class TrainingStopped(RuntimeError):
@@ -30,14 +30,11 @@ def load_prompt_list(spec: str) -> list[str]:
 
 
 def load_judge(spec: str):
-    """Load a judge and let it fail fast (missing API key, model id the server rejects)."""
-    import rewards
+    """evaluate.load_judge (load, then fail fast on a missing API key or a rejected model id) with one message."""
+    from align.evaluate import load_judge as load_ready_judge
 
     try:
-        judge = rewards.load(spec)
-        check_ready = getattr(judge, "check_ready", None)
-        if callable(check_ready):
-            check_ready()
+        judge = load_ready_judge(spec)
     except (ValueError, RuntimeError, OSError, ImportError) as err:
         # Missing key or weights, a model id the server rejects, a missing SDK: one message, no traceback.
         raise ConfigError(f"judge {spec!r} is not usable: {err}") from None
@@ -62,7 +59,7 @@ def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> No
             model = models.pop()
             missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(state)
             if missing:
-                raise RuntimeError(f"checkpoint {input_dir} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}")
+                raise RunFolderError(f"checkpoint {input_dir} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[0]}")
             model.load_state_dict(state, strict=False)
 
     accelerator.register_save_state_pre_hook(save_hook)
@@ -82,17 +79,10 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int) -> Path:
 
 
 def save_image_row(images: torch.Tensor, path: Path) -> None:
-    from rewards.images import to_pil
+    from align.report import image_grid
 
-    tiles = to_pil(images)
-    width, height = tiles[0].size
-    from PIL import Image
-
-    canvas = Image.new("RGB", (width * len(tiles), height), "white")
-    for i, tile in enumerate(tiles):
-        canvas.paste(tile, (i * width, 0))
     path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)
+    image_grid(images, ncols=len(images), pad=0).save(path)
 
 
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
