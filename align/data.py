@@ -459,7 +459,6 @@ __all__ = [
     "PairStats",
     "PairTransform",
     "PreferencePair",
-    "atomic_path",
     "load_pairs",
     "load_prompts",
     "pair_pixels",

@@ -122,8 +122,10 @@ class DPOConfig:
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
-        if self.feedback_pairing not in ("best_worst", "all"):
-            raise ConfigError(f"--feedback_pairing must be best_worst or all, got {self.feedback_pairing!r}")
+        from align.feedback import PAIRINGS
+
+        if self.feedback_pairing not in PAIRINGS:
+            raise ConfigError(f"--feedback_pairing must be {' or '.join(PAIRINGS)}, got {self.feedback_pairing!r}")
         if self.images_per_prompt < 2:
             raise ConfigError(f"--images_per_prompt must be >= 2, got {self.images_per_prompt}")
         if self.feedback_rounds < 1:

@@ -198,16 +198,14 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
         for n in range(len(indices)):
             offset = n * images_per_prompt
             own = scores[offset : offset + images_per_prompt]
-            if pairing == "all":
-                # Every pair of the K images: K(K-1)/2 labelled pairs from the same generations.
-                for a, b in itertools.combinations(range(images_per_prompt), 2):
-                    pref = preference_from_scores(own[a], own[b], judge.tie_margin)
-                    raw = {"scores": own, "pair": [a, b], "prob_0": pref.prob_a}
-                    verdicts.append((n, offset + a, offset + b, pref, raw))
-                continue
-            a, b, pref = _best_vs_worst(own, judge.tie_margin)
-            raw = {"scores": own, "pair": [a, b], "prob_0": pref.prob_a}
-            verdicts.append((n, offset + a, offset + b, pref, raw))
+            if pairing == "all":  # every pair of the K images: K(K-1)/2 labelled pairs from the same generations
+                labelled = [(a, b, preference_from_scores(own[a], own[b], judge.tie_margin))
+                            for a, b in itertools.combinations(range(images_per_prompt), 2)]
+            else:
+                labelled = [_best_vs_worst(own, judge.tie_margin)]
+            for a, b, pref in labelled:
+                raw = {"scores": own, "pair": [a, b], "prob_0": pref.prob_a}
+                verdicts.append((n, offset + a, offset + b, pref, raw))
 
     rows = []
     for n, a, b, pref, raw in verdicts:

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import html
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
-from align.report import Section, data_uri, line_plot, paragraph, table_html, write_report
+from align.report import Section, data_uri, img_tag, line_plot, paragraph, table_html, write_report
+from align.runs import read_metrics
 
 
 def _image(path: Path, alt: str) -> str:
+    alt = html.escape(alt)
     return f'<p class="note">{alt}</p><img alt="{alt}" src="{data_uri(path.read_bytes())}" style="image-rendering:pixelated">'
 
 
-def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[str, ...]) -> Path:
+def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[str, ...],
+                          extra_sections: Sequence[Section] = ()) -> Path:
+    """report.html of a run folder; ``extra_sections`` (a trainer's own results) come last."""
     run_dir = Path(run_dir)
-    metrics_file = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] if metrics_file.is_file() else []
+    records = read_metrics(run_dir)
     sections = [Section("Run", paragraph(f"Run folder: {run_dir}"))]
 
     before, after = run_dir / "eval_before.json", run_dir / "eval_after.json"
@@ -28,7 +33,8 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
         sections.append(Section("Held-out evaluation", body))
 
     curves = "".join(
-        f'<img alt="{key}" src="{data_uri(line_plot({key: ([r["step"] for r in records if key in r], [r[key] for r in records if key in r])}, title=key, xlabel="step", size=(4.0, 3.0)))}">'
+        img_tag(line_plot({key: ([r["step"] for r in records if key in r], [r[key] for r in records if key in r])},
+                          title=key, xlabel="step", size=(4.0, 3.0)), alt=key)
         for key in metric_keys
         if any(key in r for r in records)
     )
@@ -37,4 +43,5 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
     samples = sorted((run_dir / "samples").glob("*.png")) if (run_dir / "samples").is_dir() else []
     if samples:
         sections.append(Section("Validation samples", "".join(_image(p, p.stem) for p in samples[-4:])))
+    sections.extend(extra_sections)
     return write_report(run_dir / "report.html", sections, title=title)

@@ -69,6 +69,14 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of a run folder's metrics.jsonl (none if it has no such file)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class RunFolder:
     """The output folder of one run.
 
@@ -113,10 +121,7 @@ class RunFolder:
             handle.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict]:
-        path = self.path / METRICS_FILE
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path)
 
     def truncate_metrics(self, after_step: int) -> None:
         """On resume, drop metric lines logged after the checkpoint (they will be redone)."""

@@ -522,8 +522,9 @@ def train(config: RewardTrainConfig) -> Path:
               f"load it with rewards.load({str(final)!r})", flush=True)
         from align.run_report import write_training_report
 
-        report = write_training_report(run.path, title=f"Reward model: {config.model}", metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"))
-        add_calibration_to_report(report, meta, final / "reliability.png")
+        write_training_report(run.path, title=f"Reward model: {config.model}",
+                              metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"),
+                              extra_sections=[calibration_section(meta, final / "reliability.png")])
     accelerator.end_training()
     return final
 
@@ -586,22 +587,18 @@ def save_reliability_plot(calibration: dict, path: Path) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def add_calibration_to_report(report: Path, meta: dict, plot: Path) -> None:
-    """Append the held-out accuracy and the reliability diagram to the run's report.html."""
-    import base64
+def calibration_section(meta: dict, plot: Path):
+    """The report section with the held-out accuracy, the calibration and the reliability diagram."""
+    from align.report import Section, img_tag, table_html
 
     cal = meta["calibration"]
-    uri = "data:image/png;base64," + base64.b64encode(plot.read_bytes()).decode("ascii")
-    section = (
-        "<h2>Held-out pairs and calibration</h2><table>"
-        f"<tr><td>pairwise accuracy</td><td>{meta['eval_accuracy']:.4f} ({meta['eval_pairs']} pairs)</td></tr>"
-        f"<tr><td>temperature T</td><td>{cal['temperature']:.4g}</td></tr>"
-        f"<tr><td>ECE before / after</td><td>{cal['ece_before']:.4f} / {cal['ece_after']:.4f}</td></tr>"
-        f"<tr><td>NLL before / after</td><td>{cal['nll_before']:.4f} / {cal['nll_after']:.4f}</td></tr>"
-        f"</table><img alt='reliability diagram' src='{uri}'>"
-    )
-    page = report.read_text(encoding="utf-8")
-    atomic_write_text(report, page.replace("</body>", section + "</body>", 1))
+    rows = [
+        {"": "pairwise accuracy", "value": f"{meta['eval_accuracy']:.4f} ({meta['eval_pairs']} pairs)"},
+        {"": "temperature T", "value": f"{cal['temperature']:.4g}"},
+        {"": "ECE before / after", "value": f"{cal['ece_before']:.4f} / {cal['ece_after']:.4f}"},
+        {"": "NLL before / after", "value": f"{cal['nll_before']:.4f} / {cal['nll_after']:.4f}"},
+    ]
+    return Section("Held-out pairs and calibration", table_html(rows) + img_tag(plot.read_bytes(), alt="reliability diagram"))
 
 
 def write_model_card(folder: Path, config: RewardTrainConfig, meta: dict) -> None:
