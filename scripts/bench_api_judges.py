@@ -59,7 +59,6 @@ class ServerProcess:
             proc.start()
             self._procs.append(proc)
             self.base_url, port = queue.get(timeout=60)
-        self.port = port
         return self
 
     def __exit__(self, *exc):

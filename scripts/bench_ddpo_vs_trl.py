@@ -76,11 +76,9 @@ def prompts_for(n: int) -> list[str]:
 
 
 def run_ours(args) -> dict:
-    import torch
 
     from align import ddpo
 
-    torch.set_num_threads(args.threads)
     work = Path(args.workdir)
     prompt_file = work / "prompts.txt"
     samples_per_epoch = args.sample_batch_size * args.batches_per_epoch
@@ -91,10 +89,8 @@ def run_ours(args) -> dict:
         train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.grad_accum,
         timestep_fraction=args.timestep_fraction, lora_rank=args.lora_rank, learning_rate=args.lr,
         num_epochs=args.epochs, checkpointing_epochs=10**6, num_logged_images=0,
-        stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch,
+        stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch, cpu_threads=args.threads,
     )
-    if args.device != "cpu":
-        os.environ.setdefault("ACCELERATE_USE_CPU", "false")
     ddpo.train(config)
     records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
     timed = records[1:] or records

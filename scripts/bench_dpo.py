@@ -15,8 +15,6 @@ Target (issue 2): adapter-disabled reference peak <= 60% of the frozen-copy peak
 from __future__ import annotations
 
 import argparse
-import copy
-import io
 import json
 import resource
 import subprocess
@@ -56,7 +54,7 @@ def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.dev
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
     from align.losses import diffusion_dpo_loss, per_sample_mse
-    from align.pipeline import add_lora, disabled_adapter
+    from align.pipeline import add_lora, disabled_adapter, frozen_copy
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**SD15_UNET).to(device)
@@ -64,7 +62,7 @@ def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.dev
     reference = None
     if reference_kind == "frozen":
         # What a trainer without the adapter trick keeps: a second full UNet.
-        reference = copy.deepcopy(unet).requires_grad_(False)
+        reference = frozen_copy(unet)
         reference.disable_adapters()
     params = [p for p in unet.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -98,21 +96,18 @@ def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.dev
 
 
 def make_pairs(path: Path, count: int, size: int) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from PIL import Image
+
+    from align.data import write_pairs_parquet
+    from rewards.images import encode_png
 
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(count):
-        images = []
-        for _ in range(2):
-            arr = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()
-            buf = io.BytesIO()
-            Image.fromarray(arr).save(buf, format="PNG")
-            images.append(buf.getvalue())
+        images = [encode_png(Image.fromarray((torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()))
+                  for _ in range(2)]
         rows.append({"caption": f"pair {i}", "jpg_0": images[0], "jpg_1": images[1], "label_0": 1.0, "label_1": 0.0})
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    write_pairs_parquet(rows, path)
 
 
 def run_tiny(cache: bool, steps: int) -> dict:

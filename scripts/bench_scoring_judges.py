@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -212,10 +211,9 @@ def main() -> None:
         print(f"{row['judge']:<12} {row['tiny_images_per_s']:>10.1f} {real}")
     print("vpscore: same adapter as imagereward (throughput copied; size assumes ImageReward's layout, unverified)")
     if args.json:  # atomically: a reader never sees half a file
-        out = Path(args.json)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=2))
-        os.replace(tmp, out)
+        from align.runs import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ For every judge in --judges (same base, prompts, seeds and budget; only the judg
   2. its quality: agreement of those labels with --oracle's verdicts on the same pairs (pairs the
      oracle calls a tie are left out; a judge's tie or abstention counts 1/2);
   3. fine-tuning: Diffusion-DPO on that feedback (the trainer's YAML plus --max_steps); with
-     --trainer ddpo (where align/ddpo.py exists) the judge is the online reward instead.
+     --trainer ddpo the judge is the online reward instead.
 Then every resulting model and the base are evaluated by every judge, the oracle and FID
 (align.evaluate), and judge quality is set against downstream quality: the table, and the
 Spearman correlation between label accuracy and the oracle's score of each judge's model.
@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 
 from align.cli import ConfigError, die, parse_config  # noqa: E402
 
-TRAINERS = ("dpo", "ddpo")
+TRAINERS = {"dpo": "DPOConfig", "ddpo": "DDPOConfig"}  # align.<trainer> and its config class
 
 
 @dataclass
@@ -79,6 +79,8 @@ class CompareConfig:
             raise ConfigError(f"--trainer_config {self.trainer_config!r}: no such file")
         if self.images_per_prompt < 2:
             raise ConfigError(f"--images_per_prompt must be >= 2, got {self.images_per_prompt}")
+        if self.trainer == "ddpo" and self.max_steps is not None:
+            raise ConfigError("--max_steps is Diffusion-DPO's budget; give DDPO's as --trainer_overrides num_epochs=N")
 
 
 # ------------------------------------------------------------------------ feedback and quality
@@ -87,11 +89,11 @@ class CompareConfig:
 def shared_generator(config: CompareConfig):
     """generate_images(prompts, seeds) over the base model, memoised: every judge labels the same
     images (same prompts and seeds), so they are generated once for all judges."""
-    from align.evaluate import sampling_settings
+    from align.evaluate import EvalConfig, sampling_settings
     from align.feedback import make_pipeline_generator
     from align.pipeline import load_pipeline
 
-    settings = sampling_settings(_SamplingDefaults(), config.model)
+    settings = sampling_settings(EvalConfig(), config.model)  # no flags: the base model's own settings
     pipe = load_pipeline(config.model, device=config.device)
     generate = make_pipeline_generator(
         pipe, num_inference_steps=settings["num_inference_steps"], guidance_scale=settings["guidance_scale"],
@@ -107,13 +109,6 @@ def shared_generator(config: CompareConfig):
         return [memory[(p, s)] for p, s in zip(prompts, seeds)]
 
     return generate_images
-
-
-@dataclass
-class _SamplingDefaults:
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    resolution: int | None = None
 
 
 def label_outcomes(path: Path) -> tuple[list[str], list, list, np.ndarray]:
@@ -162,24 +157,17 @@ def feedback_for_all(config: CompareConfig, judges: list[str], out: Path) -> tup
 # ------------------------------------------------------------------------------------- training
 
 
-def trainer_module(name: str):
-    import importlib
-
-    try:
-        return importlib.import_module(f"align.{name}")
-    except ModuleNotFoundError as err:
-        raise ConfigError(f"--trainer {name}: align/{name}.py is not available ({err})") from None
-
-
 def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: Path | None):
     """The trainer's config: its YAML, then what the experiment fixes (model, feedback, seed, budget).
 
     Diffusion-DPO trains on the judge's feedback file; DDPO (online) asks the judge itself.
     """
+    import importlib
+
     import yaml
 
-    module = trainer_module(config.trainer)
-    config_class = next(v for k, v in vars(module).items() if k.endswith("Config") and isinstance(v, type) and k.upper().startswith(config.trainer.upper()))
+    module = importlib.import_module(f"align.{config.trainer}")
+    config_class = getattr(module, TRAINERS[config.trainer])
     values = yaml.safe_load(Path(config.trainer_config).read_text()) if config.trainer_config else {}
     values.update(parse_overrides(config.trainer_overrides))
     names = {f.name for f in fields(config_class)}
@@ -194,14 +182,9 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
         values.update(dataset=str(feedback), reward=None, prompts=None)
     else:
         values.update(reward=judge, prompts=config.train_prompts)
-    if "report_to" in names:
-        values["report_to"] = "none"
-    if config.max_steps is not None:
+    if config.max_steps is not None:  # Diffusion-DPO only (validate)
         values["max_steps"] = config.max_steps
-    for key in ("eval_prompts", "eval_judge", "resume"):
-        if key in names:
-            values[key] = None
-    values = {k: v for k, v in values.items() if k in names}
+    values.update(report_to="none", eval_prompts=None, eval_judge=None, resume=None)
     return module, config_class(**values)
 
 
@@ -227,8 +210,7 @@ def train_all(config: CompareConfig, judges: list[str], feedback: dict, out: Pat
         if (run_dir / "final").is_dir():
             print(f"[compare] {spec}: reusing the finished run {run_dir}", flush=True)
         else:
-            if hasattr(trainer_cfg, "overwrite"):
-                trainer_cfg.overwrite = True  # an unfinished earlier attempt is replaced
+            trainer_cfg.overwrite = True  # an unfinished earlier attempt is replaced
             start = time.time()
             print(f"[compare] {spec}: training ({config.trainer}) into {run_dir}", flush=True)
             module.train(trainer_cfg)
@@ -329,8 +311,7 @@ def slug_name(spec: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(CompareConfig, argv)
     try:
-        config.validate()
-        payload = compare(config)
+        payload = compare(config)  # validates first
     except ConfigError as err:
         die(str(err))
     print(json.dumps(payload["summary"], indent=1))

@@ -42,10 +42,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def gradient_estimate(pipe, judge, prompts, args, steps, guidance, seed, shared_noise, selection):
+def gradient_estimate(pipe, judge, prompts, negative, args, steps, guidance, seed, shared_noise, selection):
     """One flattened gradient of the PPO objective at ratio 1 (i.e. the policy gradient), and the mean reward."""
     from align.advantages import group_advantages
-    from align.ddpo import train_timestep_indices
+    from align.ddpo import DDPOConfig, draw_prompts, initial_noise, train_timestep_indices
     from align.pipeline import decode_latents, encode_prompts
     from align.sampling import (
         ddim_step_mean_std,
@@ -55,16 +55,13 @@ def gradient_estimate(pipe, judge, prompts, args, steps, guidance, seed, shared_
     )
 
     unet, g = pipe.unet, torch.Generator().manual_seed(seed)
-    groups = args.samples // args.images_per_prompt
-    picks = torch.randint(len(prompts), (groups,), generator=g).tolist()
-    batch = [prompts[i] for i in picks for _ in range(args.images_per_prompt)]
+    # The trainer's own draws: one sampling batch of the whole estimate
+    sampling = DDPOConfig(prompts="-", sample_batch_size=args.samples, images_per_prompt=args.images_per_prompt,
+                          shared_group_noise=shared_noise)
+    batch = draw_prompts(prompts, sampling, g)
     shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
-    if shared_noise:
-        x_T = torch.randn((groups, *shape), generator=g).repeat_interleave(args.images_per_prompt, dim=0)
-    else:
-        x_T = torch.randn((len(batch), *shape), generator=g)
+    x_T = initial_noise(len(batch), shape, sampling, g)
     embeds = encode_prompts(pipe, batch)
-    negative = encode_prompts(pipe, [""])
     with torch.no_grad():
         chain = sample_with_logprob(unet, pipe.scheduler, embeds, negative.expand(len(batch), -1, -1),
                                     num_inference_steps=steps, guidance_scale=guidance, eta=args.eta, latents=x_T, generator=g)
@@ -92,7 +89,7 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     import rewards
-    from align.pipeline import load_pipeline, testbed_settings
+    from align.pipeline import encode_prompts, load_pipeline, testbed_settings
     from align.training import load_prompt_list
 
     if args.samples % args.images_per_prompt or args.images_per_prompt < 2:
@@ -105,12 +102,13 @@ def main(argv=None):
     guidance = args.guidance if args.guidance is not None else defaults.get("guidance_scale", 5.0)
     judge = rewards.load(args.reward)
     prompts = load_prompt_list(args.prompts)
+    negative = encode_prompts(pipe, [""])
     print(f"model {args.model} | reward {args.reward} | {args.samples} samples per estimate "
           f"({args.images_per_prompt} per prompt) | {steps} steps, eta {args.eta}, guidance {guidance} | "
           f"{args.estimates} estimates per row")
     print(f"{'timesteps':<11} {'x_T':<12} {'cos(g_i, g_j)':>14} {'± s.e.':>8} {'mean reward':>12}")
     for selection, shared in itertools.product(("random", "high_noise"), (False, True)):
-        estimates = [gradient_estimate(pipe, judge, prompts, args, steps, guidance, args.seed * 1000 + i, shared, selection)
+        estimates = [gradient_estimate(pipe, judge, prompts, negative, args, steps, guidance, args.seed * 1000 + i, shared, selection)
                      for i in range(args.estimates)]
         cos = torch.tensor([torch.nn.functional.cosine_similarity(a, b, dim=0).item()
                             for (a, _), (b, _) in itertools.combinations(estimates, 2)])

@@ -16,7 +16,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,9 +42,11 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
 
     import rewards
-    from align.pipeline import decode_latents, encode_images, generate_images, load_trained, testbed_settings
+    from align.evaluate import EvalConfig, sampling_settings
+    from align.pipeline import decode_latents, encode_images, generate_images, load_trained
     from align.testbed.scene import render
     from align.training import load_prompt_list
+    from rewards.images import to_tensor
 
     pipe = load_trained(args.model)
     pipe.set_progress_bar_config(disable=True)
@@ -53,13 +54,11 @@ def main(argv=None):
     captions = load_prompt_list(args.captions)
     seeds = list(range(len(captions)))
     size = pipe.unet.config.sample_size * pipe.vae_scale_factor
-    renders = torch.stack([
-        torch.from_numpy(np.array(render(c, s, size=size))).permute(2, 0, 1).float() / 255 for c, s in zip(captions, seeds)
-    ])
+    renders = to_tensor([render(c, s, size=size) for c, s in zip(captions, seeds)])
     round_trip = decode_latents(pipe, encode_images(pipe, renders * 2 - 1))
-    settings = testbed_settings("testbed")
-    generated = generate_images(pipe, captions, seeds, num_inference_steps=settings.get("num_inference_steps", 20),
-                                guidance_scale=settings.get("guidance_scale", 4.0), batch_size=50)
+    settings = sampling_settings(EvalConfig(), args.model)  # the (base) model's testbed.json
+    generated = generate_images(pipe, captions, seeds, num_inference_steps=settings["num_inference_steps"],
+                                guidance_scale=settings["guidance_scale"], batch_size=50)
 
     rows = [("true renders", renders), ("renders through the VAE", round_trip), ("model generations", generated)]
     categories = None

@@ -205,19 +205,6 @@ def load_scorers(folder: Path) -> dict:
     return scorers
 
 
-def pairwise_accuracy(judge_a, judge_b, oracle_a, oracle_b) -> tuple[float, int]:
-    """Agreement with the oracle on pairs the oracle does not tie; judge ties count as half."""
-    judge_a, judge_b = torch.as_tensor(judge_a).float(), torch.as_tensor(judge_b).float()
-    oracle_a, oracle_b = torch.as_tensor(oracle_a).float(), torch.as_tensor(oracle_b).float()
-    decided = oracle_a != oracle_b
-    if not decided.any():
-        return float("nan"), 0
-    oracle_sign = torch.sign(oracle_a - oracle_b)[decided]
-    judge_sign = torch.sign(judge_a - judge_b)[decided]
-    agree = (judge_sign == oracle_sign).float() + 0.5 * (judge_sign == 0).float()
-    return agree.mean().item(), int(decided.sum())
-
-
 def score_in_chunks(judge, prompts, images, chunk: int = 100) -> torch.Tensor:
     return torch.cat([torch.as_tensor(judge.score(prompts[i : i + chunk], images[i : i + chunk])).float()
                       for i in range(0, len(prompts), chunk)])
@@ -235,32 +222,26 @@ def evaluate_near_misses(scorers, oracle, captions: list[str], seed: int) -> dic
 @torch.no_grad()
 def evaluate_generations(scorers, oracle, pipeline_dir: Path, captions: list[str], seed: int) -> dict:
     """Two base-model generations per held-out caption (default testbed settings)."""
-    import json
+    from align.feedback import make_pipeline_generator
+    from align.pipeline import load_pipeline, testbed_settings
 
-    from diffusers import StableDiffusionPipeline
-
-    settings = json.loads((pipeline_dir / "testbed.json").read_text())
-    pipe = StableDiffusionPipeline.from_pretrained(pipeline_dir, torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-
-    def generate(offset: int):
-        images = []
-        for i in range(0, len(captions), 50):
-            chunk = captions[i : i + 50]
-            generators = [torch.Generator().manual_seed(seed + offset + i + j) for j in range(len(chunk))]
-            images += pipe(chunk, num_inference_steps=settings["num_inference_steps"],
-                           guidance_scale=settings["guidance_scale"], generator=generators).images
-        return images
-
-    return accuracy_against_oracle(scorers, oracle, captions, generate(0), generate(100_000))
+    settings = testbed_settings(str(pipeline_dir))
+    generate = make_pipeline_generator(load_pipeline(str(pipeline_dir)), settings["num_inference_steps"],
+                                       settings["guidance_scale"], batch_size=50)
+    seeds = [seed + i for i in range(len(captions))]
+    return accuracy_against_oracle(scorers, oracle, captions, generate(captions, seeds),
+                                   generate(captions, [s + 100_000 for s in seeds]))
 
 
 def accuracy_against_oracle(scorers, oracle, captions: list[str], images_a, images_b) -> dict:
     """{name: (pairwise accuracy, pairs)} of each scorer on (a, b) pairs, against the oracle's verdicts."""
-    oracle_a, oracle_b = score_in_chunks(oracle, captions, images_a), score_in_chunks(oracle, captions, images_b)
+    from align.metrics import outcomes_from_scores, pairwise_accuracy
+
+    oracle = outcomes_from_scores(score_in_chunks(oracle, captions, images_a), score_in_chunks(oracle, captions, images_b))
     return {
-        name: pairwise_accuracy(score_in_chunks(judge, captions, images_a), score_in_chunks(judge, captions, images_b),
-                                oracle_a, oracle_b)
+        name: pairwise_accuracy(
+            outcomes_from_scores(score_in_chunks(judge, captions, images_a), score_in_chunks(judge, captions, images_b)), oracle
+        )
         for name, judge in scorers.items()
     }
 
