@@ -46,6 +46,13 @@ def pairwise_accuracy(reward_chosen: torch.Tensor, reward_rejected: torch.Tensor
     return float(((diff > 0).float() + 0.5 * (diff == 0).float()).mean())
 
 
+def logit_nll(logits: torch.Tensor, temperature: float) -> float:
+    """Mean -log sigmoid(logit / T) in float64: the NLL of winner-first pairs (NaN without pairs)."""
+    if logits.numel() == 0:
+        return float("nan")
+    return float(-F.logsigmoid(logits.double() / temperature).mean())
+
+
 def fit_temperature(logits: torch.Tensor, steps: int = 200, bounds: tuple[float, float] = (1e-2, 1e2)) -> float:
     """The temperature T minimising the held-out NLL of P(winner first) = sigmoid(logit / T).
 
@@ -58,7 +65,7 @@ def fit_temperature(logits: torch.Tensor, steps: int = 200, bounds: tuple[float,
         return 1.0
 
     def nll(log_t: float) -> float:
-        return float(-F.logsigmoid(logits / math.exp(log_t)).mean())
+        return logit_nll(logits, math.exp(log_t))
 
     lo, hi = math.log(bounds[0]), math.log(bounds[1])
     ratio = (math.sqrt(5) - 1) / 2

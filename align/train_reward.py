@@ -35,6 +35,7 @@ from align.reward_losses import (  # noqa: E402
     bradley_terry_loss,
     expected_calibration_error,
     fit_temperature,
+    logit_nll,
     pairwise_accuracy,
     reliability_bins,
 )
@@ -545,7 +546,6 @@ def calibrate(r_w: torch.Tensor, r_l: torch.Tensor, tau: float, fit: bool = True
     sign = torch.ones_like(logits)
     sign[1::2] = -1.0
     first_wins = (sign > 0).double()
-    nll = lambda t: float(-torch.nn.functional.logsigmoid(logits.double() / t).mean()) if logits.numel() else float("nan")  # noqa: E731
     before = reliability_bins(torch.sigmoid(sign * logits), first_wins, num_bins)
     after = reliability_bins(torch.sigmoid(sign * logits / temperature), first_wins, num_bins)
     return {
@@ -553,8 +553,8 @@ def calibrate(r_w: torch.Tensor, r_l: torch.Tensor, tau: float, fit: bool = True
         "fitted": fit,
         "ece_before": expected_calibration_error(before),
         "ece_after": expected_calibration_error(after),
-        "nll_before": nll(1.0),
-        "nll_after": nll(temperature),
+        "nll_before": logit_nll(logits, 1.0),
+        "nll_after": logit_nll(logits, temperature),
         "bins_before": before,
         "bins_after": after,
         "pairs": int(logits.numel()),

@@ -130,7 +130,7 @@ def detect_objects(image: np.ndarray) -> list[Detected]:
         mask = assigned & (nearest == k)
         if not mask.any():
             continue
-        mask = _fill_holes(mask)
+        mask = ndimage.binary_fill_holes(mask)
         labels, _ = ndimage.label(mask, structure=eight)
         for index, slices in enumerate(ndimage.find_objects(labels), start=1):
             component = labels[slices] == index
@@ -138,8 +138,7 @@ def detect_objects(image: np.ndarray) -> list[Detected]:
                 continue
             ys, xs = slices
             box = (xs.start, ys.start, xs.stop, ys.stop)
-            coverage = _coverage(pixels, labels, index, box, k, assigned & (nearest != k))
-            area = float(coverage.sum())
+            area = _coverage_area(pixels, labels, index, box, k, assigned & (nearest != k))
             shape = classify_shape(component)
             found.append(
                 Detected(shape, colour, size_class(shape, area, min(height, width)), box, int(round(area)))
@@ -147,15 +146,8 @@ def detect_objects(image: np.ndarray) -> list[Detected]:
     return found
 
 
-def _fill_holes(mask: np.ndarray) -> np.ndarray:
-    """The mask with enclosed holes (background not connected to the image border) filled."""
-    outside, _ = ndimage.label(~mask)
-    border = np.unique(np.concatenate([outside[0], outside[-1], outside[:, 0], outside[:, -1]]))
-    return mask | ~np.isin(outside, border[border > 0]) & ~mask
-
-
-def _coverage(pixels, labels, index, box, k, other_colours) -> np.ndarray:
-    """How much of the object's colour each pixel around it holds (0..1), over a padded window.
+def _coverage_area(pixels, labels, index, box, k, other_colours) -> float:
+    """The object's area as the sum of how much of its colour each pixel around it holds (0..1).
 
     Blur and anti-aliasing spread an object's colour over unassigned edge pixels but keep its
     total, so the summed coverage (unlike the mask's area) barely changes with blur; dividing by
@@ -173,8 +165,8 @@ def _coverage(pixels, labels, index, box, k, other_colours) -> np.ndarray:
     strength = (pixels[y0:y1, x0:x1] - _BG) @ direction / float(direction @ direction)
     core = float(np.median(strength[component]))
     if core <= 0:
-        return component.astype(np.float32)
-    return np.where(region, np.clip(strength / core, 0.0, 1.0), 0.0).astype(np.float32)
+        return float(component.sum())
+    return float(np.where(region, np.clip(strength / core, 0.0, 1.0), 0.0).astype(np.float32).sum())
 
 
 def classify_shape(component: np.ndarray) -> str:
