@@ -20,6 +20,20 @@ BLIP_ITM = "Salesforce/blip-itm-base-coco"
 BLIP_ITM_MAX_TOKENS = 35  # BLIP's blip_itm.py tokenizes with max_length=35
 
 
+def blip_text_cls(model, pixel_values, input_ids, attention_mask) -> torch.Tensor:
+    """[N, D] [CLS] state of BLIP's text encoder cross-attending to the image tokens.
+
+    The steps of BlipForImageTextRetrieval.forward(use_itm_head=True) before the ITM head, with the
+    image attention mask made on the image tokens' device.
+    """
+    image = model.vision_model(pixel_values=pixel_values).last_hidden_state
+    image_mask = torch.ones(image.shape[:-1], dtype=torch.long, device=image.device)
+    text = model.text_encoder(
+        input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image, encoder_attention_mask=image_mask
+    ).last_hidden_state
+    return text[:, 0]
+
+
 class BlipItm(Judge):
     """P(match) from BLIP's image-text matching head."""
 
@@ -77,18 +91,8 @@ class BlipItm(Judge):
         return torch.cat(out) if out else torch.empty(0, 2)
 
     def _itm(self, pixels, input_ids, attention_mask) -> torch.Tensor:
-        # the same steps as BlipForImageTextRetrieval.forward(use_itm_head=True), with the image
-        # attention mask created on the model's device
-        model = self.model
-        image_embeds = model.vision_model(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state
-        image_mask = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=self.device)
-        text = model.text_encoder(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            encoder_hidden_states=image_embeds,
-            encoder_attention_mask=image_mask,
-        ).last_hidden_state
-        return model.itm_head(text[:, 0, :])
+        cls = blip_text_cls(self.model, pixels.to(self.device, self.dtype), input_ids.to(self.device), attention_mask.to(self.device))
+        return self.model.itm_head(cls)
 
     def score(self, prompts: list[str], images: Images) -> torch.Tensor:
         return torch.softmax(self.match_logits(prompts, images), dim=-1)[:, 1]

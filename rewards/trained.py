@@ -22,6 +22,7 @@ from torch import nn
 
 from rewards import TRAINED_MARKER
 from rewards.base import Judge, Preference
+from rewards.blip import BLIP_ITM_MAX_TOKENS, blip_text_cls
 from rewards.images import Images, num_images, to_pil
 from rewards.reward_heads import MLPHead
 from rewards.weights import batched, check_batch_size, check_prompts, resolve_device
@@ -166,18 +167,14 @@ class BlipRewardModel(EmbeddingRewardModel):
     kind = "blip-mlp"
     backbone_class = "BlipForImageTextRetrieval"
     lora_targets = ("query", "key", "value", "qkv")
-    max_tokens = 35  # ImageReward's prompt length
+    max_tokens = BLIP_ITM_MAX_TOKENS  # ImageReward's prompt length, as BLIP's ITM
 
     def feature_size(self) -> int:
         return self.backbone.config.text_config.hidden_size
 
     def features(self, prompts: list[str], images: list) -> torch.Tensor:
-        image = self.backbone.vision_model(pixel_values=self.pixel_values(images)).last_hidden_state
-        image_mask = torch.ones(image.shape[:2], dtype=torch.long, device=image.device)
-        text = self.backbone.text_encoder(
-            **self.tokens(prompts, self.max_tokens), encoder_hidden_states=image, encoder_attention_mask=image_mask
-        ).last_hidden_state
-        return text[:, 0].float()
+        tokens = self.tokens(prompts, self.max_tokens)
+        return blip_text_cls(self.backbone, self.pixel_values(images), tokens["input_ids"], tokens["attention_mask"]).float()
 
 
 EMBEDDING_MODELS = {cls.kind: cls for cls in (ClipRewardModel, BlipRewardModel)}
