@@ -190,11 +190,9 @@ class LlavaRewardModel(nn.Module):
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """Adapter tensors under PEFT's saved names (no adapter name), as in adapter_model.safetensors."""
-        return {
-            name.replace(".default.", "."): p.detach().cpu().contiguous()
-            for name, p in self.mllm.named_parameters()
-            if "lora_" in name
-        }
+        from peft import get_peft_model_state_dict
+
+        return {name: t.detach().cpu().contiguous() for name, t in get_peft_model_state_dict(self.mllm).items()}
 
     def save_lora(self, folder: str | Path) -> None:
         from safetensors.torch import save_file
@@ -206,18 +204,14 @@ class LlavaRewardModel(nn.Module):
 
     def load_lora(self, folder: str | Path) -> None:
         """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors/.bin) onto the backbone."""
-        from peft import LoraConfig
+        from peft import LoraConfig, set_peft_model_state_dict
+        from peft.utils import load_peft_weights
 
         folder = Path(folder)
         config = LoraConfig.from_pretrained(str(folder))
-        if (folder / "adapter_model.safetensors").is_file():
-            from safetensors.torch import load_file
-
-            state = load_file(str(folder / "adapter_model.safetensors"))
-        elif (folder / "adapter_model.bin").is_file():
-            state = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
-        else:
+        if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
             raise LlavaRewardError(f"LoRA folder {str(folder)!r} has no adapter_model.safetensors or adapter_model.bin")
+        state = load_peft_weights(str(folder), device="cpu")
         self._inject_lora(config)
         renamed = {}
         for key, tensor in state.items():
@@ -227,12 +221,9 @@ class LlavaRewardModel(nn.Module):
                     key = "model.language_model." + key.removeprefix("model.")
                 elif key.startswith("visual."):
                     key = "model." + key
-            for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"):
-                key = key.replace(f".{part}.", f".{part}.default.")
             renamed[key] = tensor
-        result = self.mllm.load_state_dict(renamed, strict=False)
-        expected = {n for n, _ in self.mllm.named_parameters() if "lora_" in n}
-        missing = expected - set(renamed)
+        result = set_peft_model_state_dict(self.mllm, renamed)  # adds the adapter name to the keys
+        missing = [k for k in result.missing_keys if "lora_" in k]
         if result.unexpected_keys or missing:
             raise LlavaRewardError(
                 f"LoRA adapter {str(folder)!r} does not fit the {self.kind} backbone: "
