@@ -182,25 +182,13 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
-def base_of(path: str) -> str:
-    """The pipeline a run folder was trained from (its config.yaml), else ``path`` itself."""
-    import yaml
-
-    config_file = Path(path).expanduser() / "config.yaml"
-    if config_file.is_file():
-        model = (yaml.safe_load(config_file.read_text()) or {}).get("model")
-        if isinstance(model, str):
-            return model
-    return path
-
-
 def sampling_settings(config, model_path: str) -> dict:
     """Steps, guidance and resolution: flags first, then the (base) model's testbed.json, then SD's defaults."""
-    from align.pipeline import ModelLoadError, testbed_settings
+    from align.pipeline import base_of, testbed_settings
 
     try:
         stored = testbed_settings(base_of(model_path))
-    except (ModelLoadError, OSError, ValueError):  # a hub id, or a folder without testbed.json
+    except (OSError, ValueError):  # ModelLoadError is a ValueError  # a hub id, or a folder without testbed.json
         stored = {}
     return {
         "num_inference_steps": config.num_inference_steps or stored.get("num_inference_steps", 50),

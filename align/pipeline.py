@@ -134,17 +134,36 @@ def save_full_unet(unet, folder: str | Path) -> Path:
     return target
 
 
+def run_base_model(path: str) -> str | None:
+    """The pipeline a run folder was trained from (``model`` in its config.yaml), if it names one."""
+    import yaml
+
+    from align.runs import CONFIG_FILE
+
+    config_file = Path(path).expanduser() / CONFIG_FILE
+    if not config_file.is_file():
+        return None
+    model = (yaml.safe_load(config_file.read_text()) or {}).get("model")
+    return model if isinstance(model, str) else None
+
+
+def base_of(path: str) -> str:
+    """The pipeline a run folder was trained from, else ``path`` itself."""
+    return run_base_model(path) or path
+
+
 def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", base: str | None = None):
     """A pipeline from a run folder, a LoRA folder, a full-UNet folder, or a pipeline/hub id.
 
     A run folder's config.yaml names its base model; ``base`` overrides it (needed for bare LoRA folders).
     """
-    import yaml
     from diffusers import UNet2DConditionModel
 
+    from align.runs import CONFIG_FILE
+
     p = Path(path).expanduser()
-    if p.is_dir() and (p / "config.yaml").is_file() and (p / "final").is_dir():
-        base = base or yaml.safe_load((p / "config.yaml").read_text()).get("model")
+    if p.is_dir() and (p / CONFIG_FILE).is_file() and (p / "final").is_dir():  # a run folder
+        base = base or run_base_model(path)
         p = p / "final"
     if p.is_dir() and (p / LORA_WEIGHTS).is_file():
         if not base:
