@@ -281,8 +281,7 @@ def build_model(config: RewardTrainConfig):
 
 def load_embedding_backbone(spec: str, model_class):
     """(backbone, processor) from a hub id / folder, or for CLIP "testbed" (shapes-clip) / testbed:scratch."""
-    import transformers
-    from transformers import AutoProcessor, CLIPProcessor
+    from transformers import CLIPProcessor
 
     if spec in (TESTBED_SCRATCH, "testbed") and model_class.kind != "clip-mlp":
         raise ConfigError(f"--model {spec} is a CLIP model; use it with --backbone clip")
@@ -302,8 +301,7 @@ def load_embedding_backbone(spec: str, model_class):
             )
         spec = str(SHAPES_CLIP_FOLDER)
     try:
-        backbone = getattr(transformers, model_class.backbone_class).from_pretrained(spec)
-        return backbone, AutoProcessor.from_pretrained(spec)
+        return model_class.load_backbone(spec)
     except (OSError, ValueError) as err:
         raise ConfigError(f"--model {spec!r}: cannot load a {model_class.backbone_class} backbone and its processor: {err}") from err
 

@@ -49,6 +49,14 @@ class EmbeddingRewardModel(nn.Module):
     kind = ""
     backbone_class = ""
 
+    @classmethod
+    def load_backbone(cls, folder: str, dtype: torch.dtype = torch.float32):
+        """The transformers backbone (``backbone_class``) and its processor from a folder or hub id."""
+        import transformers
+
+        backbone = getattr(transformers, cls.backbone_class).from_pretrained(str(folder), dtype=dtype)
+        return backbone, transformers.AutoProcessor.from_pretrained(str(folder))
+
     def __init__(self, backbone, processor, hidden: tuple[int, ...] = (256, 64), dropout: float = 0.1):
         super().__init__()
         self.backbone, self.processor = backbone, processor
@@ -114,7 +122,6 @@ class EmbeddingRewardModel(nn.Module):
 
     @classmethod
     def from_folder(cls, folder: str | Path, meta: dict, dtype: torch.dtype = torch.float32) -> EmbeddingRewardModel:
-        import transformers
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -123,8 +130,7 @@ class EmbeddingRewardModel(nn.Module):
         for needed in (backbone_dir / "config.json", head_file):
             if not needed.is_file():
                 raise TrainedRewardError(f"trained reward model {str(folder)!r} lacks {needed.relative_to(folder)}")
-        backbone = getattr(transformers, cls.backbone_class).from_pretrained(str(backbone_dir), dtype=dtype)
-        processor = transformers.AutoProcessor.from_pretrained(str(backbone_dir))
+        backbone, processor = cls.load_backbone(str(backbone_dir), dtype=dtype)
         head = meta.get("head", {})
         model = cls(backbone, processor, hidden=tuple(head.get("hidden", (256, 64))), dropout=float(head.get("dropout", 0.0)))
         state = load_file(str(head_file))
