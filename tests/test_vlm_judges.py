@@ -4,7 +4,7 @@ AutoModelForImageTextToText, then run through the real chat-template + generate 
 
 import pytest
 import torch
-from tiny_vlms import record_generate, tiny_tokenizer
+from tiny_vlms import record_generate, text_config, tiny_tokenizer
 
 import rewards
 from rewards import vlm
@@ -24,7 +24,6 @@ IDEFICS2_TEMPLATE = (
 def build_llava(folder, constant_answer=False):
     from transformers import (
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -35,9 +34,7 @@ def build_llava(folder, constant_answer=False):
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                        image_size=28, patch_size=14, projection_dim=16),
-        text_config=LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
-                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        text_config=text_config(tok, "llama"),
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
         vision_feature_select_strategy="default",
     )
@@ -90,10 +87,7 @@ def build_instructblip(folder):
         qformer_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                         "vocab_size": len(qformer_tok), "encoder_hidden_size": 16,
                         "pad_token_id": qformer_tok.pad_token_id},
-        text_config={"model_type": "llama", "vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-                     "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
-                     "eos_token_id": tok.eos_token_id},
+        text_config=text_config(tok, "llama"),
         num_query_tokens=4, image_token_index=tok.convert_tokens_to_ids("<image>"),
     )
     torch.manual_seed(0)
