@@ -188,7 +188,7 @@ def sampling_settings(config, model_path: str) -> dict:
 
     try:
         stored = testbed_settings(base_of(model_path))
-    except (OSError, ValueError):  # ModelLoadError is a ValueError  # a hub id, or a folder without testbed.json
+    except (OSError, ValueError):  # a hub id, or a folder without testbed.json (ModelLoadError is a ValueError)
         stored = {}
     return {
         "num_inference_steps": config.num_inference_steps or stored.get("num_inference_steps", 50),

@@ -379,8 +379,9 @@ def main(argv=None) -> None:
     captions = [c for c in pool if c not in held_out][: args.num_scenes]
     log(f"rendering {len(captions)} scenes ({len(set(captions))} distinct captions, {len(held_out)} held out)")
     images = render_scenes(captions, seed=args.seed)
-    training_captions = swap_captions(captions, args.caption_noise, generator) if args.caption_noise else captions
-    if args.caption_noise:
+    training_captions = captions
+    if args.caption_noise:  # no draw at 0, so the generator's stream matches builds made before this option
+        training_captions = swap_captions(captions, args.caption_noise, generator)
         mismatched = sum(a != b for a, b in zip(captions, training_captions))
         log(f"caption noise: {mismatched} of {len(captions)} scenes carry another scene's caption")
 
