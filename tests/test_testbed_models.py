@@ -229,3 +229,28 @@ def test_caption_noise_swaps_the_requested_share_of_captions_among_themselves():
     assert build.swap_captions(captions, 0.0, torch.Generator().manual_seed(0)) == captions
     with pytest.raises(SystemExit):
         build.parse_args(["--caption-noise", "1.0"])
+
+
+def test_build_script_is_deterministic_and_writes_a_loadable_pipeline(tmp_path):
+    """Two tiny builds with the same seed write byte-identical weights (caption noise included)."""
+    build = load_script("build_testbed")
+    tiny = ["--vae-steps", "2", "--unet-steps", "3", "--num-scenes", "64", "--batch-size", "8",
+            "--eval-captions", "0", "--caption-noise", "0.5", "--warmup-steps", "1"]
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        for name in ("a", "b"):
+            build.main([*tiny, "--out", str(tmp_path / name / "pipeline")])
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.set_num_threads(1)
+    weights_a = sorted((tmp_path / "a" / "pipeline").rglob("*.safetensors"))
+    assert [p.relative_to(tmp_path / "a") for p in weights_a] == [
+        p.relative_to(tmp_path / "b") for p in sorted((tmp_path / "b" / "pipeline").rglob("*.safetensors"))]
+    assert len(weights_a) == 3  # vae, unet, text encoder
+    for path in weights_a:
+        assert path.read_bytes() == (tmp_path / "b" / path.relative_to(tmp_path / "a")).read_bytes(), path
+    settings = json.loads((tmp_path / "a" / "pipeline" / weights.TESTBED_SETTINGS_FILE).read_text())
+    assert settings["build"]["caption_noise"] == 0.5
+    from diffusers import StableDiffusionPipeline
+
+    StableDiffusionPipeline.from_pretrained(tmp_path / "a" / "pipeline", local_files_only=True)
