@@ -3,7 +3,7 @@
     python scripts/build_testbed.py                       # writes align/testbed/weights/pipeline
     python scripts/build_testbed.py --vae-steps 5 --unet-steps 5 --num-scenes 500 --eval-captions 8 --out /tmp/tb/pipeline
 
-The bundled weights came from the defaults: 36 min wall with 1 thread on an otherwise idle 2-core
+The bundled weights came from the defaults (a rerun reproduced them byte for byte): 36-38 min wall with 1 thread on a 2-core
 machine; 7.5 MB of fp32 safetensors; the held-out mean oracle score is recorded in testbed.json.
 
 Stages (all seeded; torch deterministic algorithms on):
