@@ -81,6 +81,10 @@ class DDPOConfig:
     lora_targets: str = "to_q,to_k,to_v,to_out.0"
     mixed_precision: str = "no"  # no, fp16 (paper), bf16
     cpu_threads: int | None = None  # torch CPU threads (None = torch's default); 1 is fastest on a busy CPU
+    # torch.compile the UNet for the no-grad sampling chain (fixed shapes: one compilation, about a
+    # minute on a CPU, then ~1.6x faster sampling on the testbed). Not the training step: with torch
+    # 2.13 the compiled backward gave wrong LoRA gradients on a CPU (README, DDPO notes).
+    compile_sampling: bool = False
     # --- sampling (paper: 50 DDIM steps, η = 1, guidance 5)
     num_inference_steps: int = 50
     guidance_scale: float = 5.0
@@ -203,6 +207,15 @@ def check_inputs(config: DDPOConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
+def check_compile_toolchain(device: torch.device) -> None:
+    """torch.compile builds C++ kernels on a CPU: without a compiler it would fail at the first sampling step."""
+    import os
+    import shutil
+
+    if device.type == "cpu" and not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++")):
+        raise ConfigError("--compile_sampling on a CPU needs a C++ compiler (g++ or clang++, or set CXX) and none was found")
+
+
 def check_batch_sizes(config: DDPOConfig, num_processes: int) -> int:
     """Sampling batches per process per epoch; the epoch must split into whole batches and optimiser steps."""
     per_round = config.sample_batch_size * num_processes
@@ -258,9 +271,12 @@ def initial_noise(batch: int, latent_shape, config: DDPOConfig, gen: torch.Gener
     return groups.repeat_interleave(config.images_per_prompt, dim=0)
 
 
-def collect_samples(pipe, unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
-    """Sample num_batches batches; rewards are computed in the background as each batch finishes."""
-    from align.pipeline import decode_latents, encode_prompts
+def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
+    """Sample num_batches batches; rewards are computed in the background as each batch finishes.
+
+    ``sampler`` is pipe.unet or a compiled wrapper of it.
+    """
+    from align.pipeline import decode_latents, encode_prompts, merged_adapter
 
     batches, futures = [], []
     for b in range(num_batches):
@@ -268,11 +284,12 @@ def collect_samples(pipe, unet, config, prompts, negative_embed, epoch, process,
         batch_prompts = draw_prompts(prompts, config, gen)
         embeds = encode_prompts(pipe, batch_prompts)
         noise = initial_noise(len(batch_prompts), latent_shape, config, gen).to(embeds.device, embeds.dtype)
-        trajectory = sample_with_logprob(
-            unet, pipe.scheduler, embeds, negative_embed.expand(len(batch_prompts), -1, -1),
-            num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
-            eta=config.eta, latents=noise, generator=gen,
-        )
+        with merged_adapter(pipe.unet):  # a LoRA folded into the weights samples ~12% faster on the testbed
+            trajectory = sample_with_logprob(
+                sampler, pipe.scheduler, embeds, negative_embed.expand(len(batch_prompts), -1, -1),
+                num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
+                eta=config.eta, latents=noise, generator=gen,
+            )
         images = decode_latents(pipe, trajectory.final_latents).cpu()
         futures.append(background.submit(batch_prompts, images))
         batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
@@ -326,6 +343,8 @@ def train(config: DDPOConfig) -> Path:
     accelerator = Accelerator(mixed_precision=config.mixed_precision, log_with=log_with, project_dir=str(run.path))
     main, process = accelerator.is_main_process, accelerator.process_index
     num_batches = check_batch_sizes(config, accelerator.num_processes)
+    if config.compile_sampling:
+        check_compile_toolchain(accelerator.device)
     if main:
         run.prepare()
         run.save_config(asdict(config))
@@ -370,6 +389,7 @@ def train(config: DDPOConfig) -> Path:
         unet.requires_grad_(True)
         reference = frozen_copy(unet) if config.kl_coef > 0 else None
     params = [p for p in unet.parameters() if p.requires_grad]
+    sampling_unet = torch.compile(unet) if config.compile_sampling else unet
 
     samples_per_process = config.samples_per_epoch // accelerator.num_processes
     updates_per_epoch = samples_per_process // (config.train_batch_size * config.gradient_accumulation_steps)
@@ -423,7 +443,7 @@ def train(config: DDPOConfig) -> Path:
             unet.eval()
             with accelerator.autocast():
                 batches, futures = collect_samples(
-                    pipe, unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape
+                    pipe, sampling_unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape
                 )
             local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
             if error:

@@ -7,8 +7,9 @@ Both trainers get the same pipeline folder, reward (JPEG compressibility, a rule
 sampling settings (DDIM steps, η, guidance), LoRA rank, batch sizes, timestep fraction and
 per-prompt statistics. Each runs in its own process (TRL from its own virtual environment,
 because TRL removed DDPOTrainer in 0.24); the first epoch is a warm-up and is not timed.
-Reported: samples per second (sampling + reward + PPO update, per epoch) and peak memory
-(peak resident set size on CPU, peak allocated CUDA memory on a GPU).
+Reported: samples per second (sampling + reward + PPO update, per epoch), peak memory
+(peak resident set size on CPU, peak allocated CUDA memory on a GPU) and the untimed first epoch
+(with --compile-sampling it holds the compilation).
 
 TRL 0.23.1 lives in a separate virtual environment, by default /tmp/trl023-venv:
 
@@ -50,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--timestep-batch", type=int, default=None,
                    help="ours only: trained timesteps per UNet call (default: all of them; 1 = one at a time like TRL). "
                         "The gradient is the same either way")
+    p.add_argument("--compile-sampling", action="store_true",
+                   help="ours only: torch.compile the sampling UNet (compiled during the untimed first epoch, shown beside)")
     p.add_argument("--lora-rank", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -90,6 +93,7 @@ def run_ours(args) -> dict:
         timestep_fraction=args.timestep_fraction, lora_rank=args.lora_rank, learning_rate=args.lr,
         num_epochs=args.epochs, checkpointing_epochs=10**6, num_logged_images=0,
         stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch, cpu_threads=args.threads,
+        compile_sampling=args.compile_sampling,
     )
     ddpo.train(config)
     records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
@@ -97,7 +101,8 @@ def run_ours(args) -> dict:
     wall = sum(samples_per_epoch / r["samples_per_second"] for r in timed)
     cpu = sum(r["epoch_cpu_seconds"] for r in timed)
     return {"samples_per_s": samples_per_epoch * len(timed) / wall, "samples_per_cpu_s": samples_per_epoch * len(timed) / cpu,
-            "epochs_timed": len(timed), "peak_memory_mb": peak_memory_mb(args.device)}
+            "epochs_timed": len(timed), "peak_memory_mb": peak_memory_mb(args.device),
+            "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"]}
 
 
 def run_trl(args) -> dict:
@@ -144,7 +149,8 @@ def run_trl(args) -> dict:
     first = 1 if args.epochs > 1 else 0
     samples = args.sample_batch_size * args.batches_per_epoch * (args.epochs - first)
     return {"samples_per_s": samples / sum(seconds[first:]), "samples_per_cpu_s": samples / sum(cpu_seconds[first:]),
-            "epochs_timed": args.epochs - first, "peak_memory_mb": peak_memory_mb(args.device), "trl_version": trl.__version__}
+            "epochs_timed": args.epochs - first, "peak_memory_mb": peak_memory_mb(args.device), "trl_version": trl.__version__,
+            "first_epoch_s": seconds[0]}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -165,7 +171,10 @@ def build_pipeline_folder(folder: Path) -> str:
 def child(python: str, which: str, args, workdir: Path) -> dict:
     argv = [python, str(Path(__file__).resolve()), "--only", which, "--workdir", str(workdir)]
     for key, value in vars(args).items():
-        if key in ("only", "workdir", "trl_python") or value is None:
+        if key in ("only", "workdir", "trl_python") or value is None or value is False:
+            continue
+        if value is True:
+            argv.append(f"--{key.replace('_', '-')}")
             continue
         argv += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
@@ -211,15 +220,15 @@ def main(argv=None) -> None:
             f"model: {args.model} | device: {args.device} ({args.threads} thread(s)) | {args.steps} DDIM steps, eta {args.eta}, "
             f"guidance {args.guidance} | {samples_per_epoch} samples/epoch ({args.sample_batch_size} x {args.batches_per_epoch}) | "
             f"train batch {args.train_batch_size} x {args.grad_accum} accumulation | timestep fraction {args.timestep_fraction} | "
-            f"ours: {args.timestep_batch} timestep(s) per UNet call | LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
+            f"ours: {args.timestep_batch} timestep(s) per UNet call{', compiled sampling' if args.compile_sampling else ''} | LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
             flush=True,
         )
         ours = child(sys.executable, "ours", args, work)
         theirs = child(str(trl_python), "trl", args, work)
     rows = [("align/ddpo.py", ours), (f"TRL {theirs['trl_version']} DDPOTrainer", theirs)]
-    print(f"{'trainer':<28}{'samples/s':>11}{'samples/CPU-s':>15}{'peak memory (MB)':>18}")
+    print(f"{'trainer':<28}{'samples/s':>11}{'samples/CPU-s':>15}{'peak memory (MB)':>18}{'first epoch (s)':>17}")
     for name, r in rows:
-        print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}")
+        print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}{r['first_epoch_s']:>17.1f}")
     print(f"ours / TRL: throughput {ours['samples_per_s'] / theirs['samples_per_s']:.2f}x (wall), "
           f"{ours['samples_per_cpu_s'] / theirs['samples_per_cpu_s']:.2f}x (per CPU-second); "
           f"peak memory {ours['peak_memory_mb'] / theirs['peak_memory_mb']:.2f}x")

@@ -260,6 +260,32 @@ def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_pat
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
+def test_compile_without_a_cpu_compiler_stops_before_sampling(tiny_model, prompt_file, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as exit_:
+        _main_with(small_config(tiny_model, prompt_file, tmp_path / "nocc", compile_sampling=True))
+    assert exit_.value.code == 2
+    assert "needs a C++ compiler" in capsys.readouterr().err
+    assert not (tmp_path / "nocc" / "metrics.jsonl").exists()
+
+
+def test_compiled_sampling_run_matches_the_eager_run(tiny_model, prompt_file, tmp_path):
+    # torch.compile changes float rounding only. One optimiser step per epoch, so every logged loss
+    # is computed before the update: rewards and losses must agree with the eager run. (Weights
+    # after Adam's first step would not: it divides each gradient by its own size, so rounding noise
+    # on a near-zero gradient becomes a step of size lr.)
+    settings = dict(num_epochs=1, checkpointing_epochs=5, gradient_accumulation_steps=2)
+    eager = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "eager", **settings))
+    compiled = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "compiled", compile_sampling=True, **settings))
+    ra, rb = (json.loads((run / "metrics.jsonl").read_text()) for run in (eager, compiled))
+    for key in ("reward_mean", "reward_std", "policy_loss", "approx_kl", "loss"):
+        assert rb[key] == pytest.approx(ra[key], rel=1e-3, abs=1e-6), key
+    assert load_file(compiled / "final" / "pytorch_lora_weights.safetensors").keys() == \
+        load_file(eager / "final" / "pytorch_lora_weights.safetensors").keys()
+
+
 def test_existing_run_folder_is_refused(tiny_model, prompt_file, tmp_path, capsys):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "config.yaml").write_text("model: x\n")
@@ -342,12 +368,11 @@ class RecordingOptimizer:
             p.grad = None
 
 
-@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
-def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, kl_coef):
-    from accelerate import Accelerator
+def _lora_unet_and_samples(tiny_model):
+    """A LoRA UNet with B moved off zero and a stored batch of 4 trajectories of 4 steps."""
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
-    from align.pipeline import add_lora, disabled_adapter
+    from align.pipeline import add_lora
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
@@ -367,19 +392,33 @@ def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, k
         "advantages": torch.tensor([1.0, -0.5, 2.0, -1.0]),
     }
     negative = torch.randn(1, 6, 16)
-    grads = {}
-    for timestep_batch in (1, 3):
-        config = DDPOConfig(prompts="x", num_inference_steps=steps, timestep_fraction=1.0, train_batch_size=2,
-                            gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
-                            clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0)
-        optimizer = RecordingOptimizer(params)
-        updates = ddpo.train_inner_epoch(config, Accelerator(cpu=True), unet, unet, None, optimizer, params, scheduler,
-                                         samples, negative, torch.Generator().manual_seed(1), {}, disabled_adapter)
-        assert updates == 1 and len(optimizer.steps) == 1
-        grads[timestep_batch] = optimizer.steps[0]
-    assert any(g.abs().sum() > 0 for g in grads[1])
-    for one, batched in zip(grads[1], grads[3]):
-        torch.testing.assert_close(batched, one, rtol=1e-4, atol=1e-7)
+    return unet, params, scheduler, samples, negative
+
+
+def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef):
+    """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, all 4 timesteps)."""
+    from accelerate import Accelerator
+
+    from align.pipeline import disabled_adapter
+
+    config = DDPOConfig(prompts="x", num_inference_steps=4, timestep_fraction=1.0, train_batch_size=2,
+                        gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
+                        clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0)
+    optimizer = RecordingOptimizer(params)
+    updates = ddpo.train_inner_epoch(config, Accelerator(cpu=True), unet, unet, None, optimizer, params, scheduler,
+                                     samples, negative, torch.Generator().manual_seed(1), {}, disabled_adapter)
+    assert updates == 1 and len(optimizer.steps) == 1
+    return optimizer.steps[0]
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, kl_coef):
+    unet, params, scheduler, samples, negative = _lora_unet_and_samples(tiny_model)
+    one = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 1, kl_coef)
+    batched = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 3, kl_coef)
+    assert any(g.abs().sum() > 0 for g in one)
+    for a, b in zip(one, batched):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
 
 
 def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file, capsys):

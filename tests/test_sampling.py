@@ -173,3 +173,44 @@ def test_trajectory_matches_diffusers_chain_and_rescoring(tiny_unet):
             pred = guided_noise_prediction(tiny_unet, lat, ts, cond, uncond, guidance)
             _, logp = ddim_step_with_logprob(scheduler, pred, ts, lat, eta, prev_sample=nxt)
             torch.testing.assert_close(logp, traj.log_probs[rows, perm][:, j], atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_with_the_lora_merged_matches_the_adapter_and_restores_the_weights(tiny_unet):
+    import copy
+
+    from align.pipeline import add_lora, merged_adapter
+
+    unet = copy.deepcopy(tiny_unet)
+    add_lora(unet, rank=4, target_modules=("to_q", "to_k", "to_v", "to_out.0"))
+    torch.manual_seed(3)
+    for name, p in unet.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.3)  # B starts at zero: give the adapter a real update to merge
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    cond, uncond = torch.randn(2, 2, 5, 16).unbind(0)
+    noise = torch.randn(2, 4, 8, 8)
+
+    def chain():
+        return sample_with_logprob(
+            unet, DDIMScheduler(**SD_SCHEDULER), cond, uncond, num_inference_steps=5, guidance_scale=3.0,
+            eta=1.0, latents=noise, generator=torch.Generator().manual_seed(11),
+        )
+
+    with merged_adapter(unet):
+        merged = chain()
+        # Inside, the LoRA branch is off and the base weights carry the update.
+        assert any(not torch.equal(v, before[k]) for k, v in unet.state_dict().items() if "base_layer.weight" in k)
+    unmerged = chain()
+    with torch.no_grad(), merged_adapter(unet):
+        no_lora_effect = unet(noise, 500, encoder_hidden_states=cond).sample
+    with torch.no_grad():
+        plain = unet(noise, 500, encoder_hidden_states=cond).sample
+        with merged_adapter(copy.deepcopy(tiny_unet)) as base_only:  # no adapter: a no-op
+            base = base_only(noise, 500, encoder_hidden_states=cond).sample
+    torch.testing.assert_close(merged.all_latents, unmerged.all_latents, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(merged.log_probs, unmerged.log_probs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(no_lora_effect, plain, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(plain, base, atol=1e-3)  # the adapter does change the output
+    after = unet.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # restored bit for bit
+    assert all(p.requires_grad for n, p in unet.named_parameters() if "lora_" in n)
