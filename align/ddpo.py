@@ -207,13 +207,19 @@ def check_inputs(config: DDPOConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
-def check_compile_toolchain(device: torch.device) -> None:
-    """torch.compile builds C++ kernels on a CPU: without a compiler it would fail at the first sampling step."""
+def compile_toolchain_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot build its C++ kernels on this CPU (compiler, Python headers), or None."""
     import os
     import shutil
+    import sysconfig
 
-    if device.type == "cpu" and not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++")):
-        raise ConfigError("--compile_sampling on a CPU needs a C++ compiler (g++ or clang++, or set CXX) and none was found")
+    if device.type != "cpu":
+        return None
+    if not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++")):
+        return "--compile_sampling on a CPU needs a C++ compiler (g++ or clang++, or set CXX) and none was found"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        return f"--compile_sampling on a CPU needs the Python headers (Python.h), not found in {sysconfig.get_paths()['include']}"
+    return None
 
 
 def check_batch_sizes(config: DDPOConfig, num_processes: int) -> int:
@@ -343,8 +349,8 @@ def train(config: DDPOConfig) -> Path:
     accelerator = Accelerator(mixed_precision=config.mixed_precision, log_with=log_with, project_dir=str(run.path))
     main, process = accelerator.is_main_process, accelerator.process_index
     num_batches = check_batch_sizes(config, accelerator.num_processes)
-    if config.compile_sampling:
-        check_compile_toolchain(accelerator.device)
+    if config.compile_sampling and (problem := compile_toolchain_problem(accelerator.device)):
+        raise ConfigError(problem)  # else it would fail at the first sampling step
     if main:
         run.prepare()
         run.save_config(asdict(config))
