@@ -217,8 +217,9 @@ def compile_toolchain_problem(device: torch.device) -> str | None:
         return None
     if not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++")):
         return "--compile_sampling on a CPU needs a C++ compiler (g++ or clang++, or set CXX) and none was found"
-    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
-        return f"--compile_sampling on a CPU needs the Python headers (Python.h), not found in {sysconfig.get_paths()['include']}"
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").is_file():
+        return f"--compile_sampling on a CPU needs the Python headers (Python.h), not found in {include}"
     return None
 
 
@@ -285,20 +286,20 @@ def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, proce
     from align.pipeline import decode_latents, encode_prompts, merged_adapter
 
     batches, futures = [], []
-    for b in range(num_batches):
-        gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
-        batch_prompts = draw_prompts(prompts, config, gen)
-        embeds = encode_prompts(pipe, batch_prompts)
-        noise = initial_noise(len(batch_prompts), latent_shape, config, gen).to(embeds.device, embeds.dtype)
-        with merged_adapter(pipe.unet):  # a LoRA folded into the weights samples ~12% faster on the testbed
+    with merged_adapter(pipe.unet):  # a LoRA folded into the weights samples ~12% faster on the testbed
+        for b in range(num_batches):
+            gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
+            batch_prompts = draw_prompts(prompts, config, gen)
+            embeds = encode_prompts(pipe, batch_prompts)
+            noise = initial_noise(len(batch_prompts), latent_shape, config, gen).to(embeds.device, embeds.dtype)
             trajectory = sample_with_logprob(
                 sampler, pipe.scheduler, embeds, negative_embed.expand(len(batch_prompts), -1, -1),
                 num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
                 eta=config.eta, latents=noise, generator=gen,
             )
-        images = decode_latents(pipe, trajectory.final_latents).cpu()
-        futures.append(background.submit(batch_prompts, images))
-        batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
+            images = decode_latents(pipe, trajectory.final_latents).cpu()
+            futures.append(background.submit(batch_prompts, images))
+            batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
     return batches, futures
 
 

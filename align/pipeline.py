@@ -86,10 +86,6 @@ def add_lora(unet, rank: int = 4, alpha: float | None = None, target_modules=DEF
     return unet
 
 
-def has_lora(unet) -> bool:
-    return bool(getattr(unet, "peft_config", None))
-
-
 @contextlib.contextmanager
 def disabled_adapter(unet):
     """The LoRA reference model: the same UNet with its adapter switched off (one UNet in memory)."""
@@ -108,22 +104,21 @@ def merged_adapter(unet):
     un-merged by subtraction, which would drift over many merges)."""
     from peft.tuners.lora import LoraLayer
 
-    layers = [m for m in unet.modules() if isinstance(m, LoraLayer)] if has_lora(unet) else []
+    layers = [m for m in unet.modules() if isinstance(m, LoraLayer)]
     if not layers or any(any(m.use_dora.get(a, False) for a in m.active_adapters) for m in layers):
         yield unet  # nothing to merge, or DoRA (its update is not a plain additive delta)
         return
     originals = []
-    with torch.no_grad():
-        for layer in layers:
-            base = layer.get_base_layer()
-            delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
-            originals.append((base, base.weight.data))
-            base.weight.data = base.weight.data + delta.to(base.weight.dtype)
-    unet.disable_adapters()
     try:
-        yield unet
+        with torch.no_grad():
+            for layer in layers:
+                base = layer.get_base_layer()
+                delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+                originals.append((base, base.weight.data))
+                base.weight.data = base.weight.data + delta.to(base.weight.dtype)
+        with disabled_adapter(unet):
+            yield unet
     finally:
-        unet.enable_adapters()
         for base, weight in originals:
             base.weight.data = weight
 

@@ -397,12 +397,12 @@ def _lora_unet_and_samples(tiny_model):
 
 
 def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef):
-    """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, all 4 timesteps)."""
+    """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, every timestep)."""
     from accelerate import Accelerator
 
     from align.pipeline import disabled_adapter
 
-    config = DDPOConfig(prompts="x", num_inference_steps=4, timestep_fraction=1.0, train_batch_size=2,
+    config = DDPOConfig(prompts="x", num_inference_steps=samples["timesteps"].shape[1], timestep_fraction=1.0, train_batch_size=2,
                         gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
                         clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0)
     optimizer = RecordingOptimizer(params)
