@@ -128,6 +128,7 @@ class DDPOConfig:
     eval_prompts: str | None = None  # held-out prompts scored before and after training
     eval_judge: str | None = None  # defaults to --reward
     eval_seed: int = 1234
+    eval_images_per_prompt: int = 1  # seeds per held-out prompt (more: a smaller standard error)
     num_validation_images: int = 4  # images per row of the before/after grids
 
     def validate(self) -> None:
@@ -152,7 +153,8 @@ class DDPOConfig:
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
         for name in ("num_inference_steps", "samples_per_epoch", "sample_batch_size", "images_per_prompt",
                      "num_epochs", "num_inner_epochs", "train_batch_size", "gradient_accumulation_steps",
-                     "lora_rank", "checkpointing_epochs", "stat_buffer_size", "stat_min_count", "timestep_batch"):
+                     "lora_rank", "checkpointing_epochs", "stat_buffer_size", "stat_min_count", "timestep_batch",
+                     "eval_images_per_prompt"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "clip_range", "adv_clip_max"):

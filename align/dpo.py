@@ -105,6 +105,7 @@ class DPOConfig:
     eval_prompts: str | None = None  # held-out prompts scored before and after training
     eval_judge: str | None = None  # defaults to --reward
     eval_seed: int = 1234
+    eval_images_per_prompt: int = 1  # seeds per held-out prompt (more: a smaller standard error)
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
@@ -138,7 +139,7 @@ class DPOConfig:
             )
         if not 0.0 <= self.caption_dropout < 1.0:
             raise ConfigError(f"--caption_dropout must be in [0, 1), got {self.caption_dropout}")
-        for name in ("max_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank"):
+        for name in ("max_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank", "eval_images_per_prompt"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:

@@ -25,8 +25,11 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
 
     before, after = run_dir / "eval_before.json", run_dir / "eval_after.json"
     if before.is_file() and after.is_file():
-        b, a = json.loads(before.read_text())["mean"], json.loads(after.read_text())["mean"]
-        body = table_html([{"model": "before", "mean score": b}, {"model": "after", "mean score": a}, {"model": "change", "mean score": a - b}], digits=4)
+        b, a = json.loads(before.read_text()), json.loads(after.read_text())
+        rows = [{"model": "before", "mean score": b["mean"], "standard error": b.get("sem")},
+                {"model": "after", "mean score": a["mean"], "standard error": a.get("sem")},
+                {"model": "change", "mean score": a["mean"] - b["mean"], "standard error": None}]
+        body = table_html(rows, digits=4)
         for label, path in (("before", before.with_suffix(".png")), ("after", after.with_suffix(".png"))):
             if path.is_file():
                 body += _image(path, f"{label}: the same prompts and seeds")

@@ -86,17 +86,23 @@ def save_image_row(images: torch.Tensor, path: Path) -> None:
 
 
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
-    """Mean judge score on the held-out prompts with fixed seeds; writes scores and an image row."""
+    """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
+    ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
+    from align.metrics import mean_and_sem
     from align.pipeline import generate_images
 
-    prompts = load_prompt_list(config.eval_prompts)
+    held_out = load_prompt_list(config.eval_prompts)
+    repeats = config.eval_images_per_prompt
+    prompts = held_out * repeats
+    # Seed eval_seed + i for the first image of prompt i, as with one image per prompt; further rounds follow on.
     seeds = [config.eval_seed + i for i in range(len(prompts))]
     images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
     scores = judge.score(prompts, images).float()
-    mean = float(scores.nanmean())
-    atomic_write_text(path, json.dumps({"mean": mean, "scores": scores.tolist(), "prompts": prompts, "seeds": seeds}))
+    mean, sem = mean_and_sem(scores.tolist())
+    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores.tolist(), "prompts": prompts, "seeds": seeds}))
     save_image_row(images[: config.num_validation_images * 4], path.with_suffix(".png"))
-    print(f"[eval] {label}: mean {judge.name} score on {len(prompts)} held-out prompts = {mean:.4f}", flush=True)
+    print(f"[eval] {label}: mean {judge.name} score on {len(held_out)} held-out prompts x {repeats} seed(s) = "
+          f"{mean:.4f} (standard error {sem:.4f})", flush=True)
     return mean
 
 

@@ -248,6 +248,7 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
         (dict(finetune="half"), "--finetune must be full or lora"),
         (dict(timestep_selection="late"), "--timestep_selection must be one of random, high_noise"),
         (dict(shared_group_noise=True), "--shared_group_noise needs --images_per_prompt >= 2"),
+        (dict(eval_images_per_prompt=0), "--eval_images_per_prompt must be >= 1"),
     ],
 )
 def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_path, capsys, overrides, message):

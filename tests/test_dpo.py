@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -278,6 +279,7 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
         "unreadable dataset": (common + ["--dataset", str(garbage)], "garbage.parquet"),
         "unknown config key": (["--config", str(bad_yaml)] + common + ["--dataset", pair_parquet], "unknown key(s) learning_rat"),
         "beta not positive": (common + ["--dataset", pair_parquet, "--beta", "0"], "--beta must be a positive number"),
+        "no held-out seeds": (common + ["--dataset", pair_parquet, "--eval_images_per_prompt", "0"], "--eval_images_per_prompt must be >= 1"),
         "rounds with a dataset": (common + ["--dataset", pair_parquet, "--feedback_rounds", "2"], "--feedback_rounds > 1 needs --reward"),
         "steps not a multiple of rounds": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "3", "--max_steps", "4"], "must be a multiple of --feedback_rounds"),
         "more rounds than prompts": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "4", "--max_steps", "4"], "fewer prompts than --feedback_rounds"),
@@ -335,12 +337,17 @@ def test_testbed_config_runs_on_the_bundled_model(tmp_path):
         DPOConfig,
         ["--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:4:2",
          "--max_steps", "2", "--checkpointing_steps", "2", "--validation_steps", "0", "--report_to", "none",
-         "--output-dir", str(tmp_path / "run")],
+         "--eval_images_per_prompt", "2", "--output-dir", str(tmp_path / "run")],
     )
     assert config.model == "testbed" and config.reward == "shapes-oracle" and config.random_flip is False
     run = dpo.train(config)
     before = json.loads((run / "eval_before.json").read_text())
     after = json.loads((run / "eval_after.json").read_text())
-    assert len(before["scores"]) == len(after["scores"]) == 4
+    # 4 held-out prompts x 2 seeds; the first round keeps the one-seed-per-prompt seeds
+    assert len(before["scores"]) == len(after["scores"]) == 8
+    assert before["prompts"] == before["prompts"][:4] * 2 and before["seeds"] == list(range(1234, 1242))
+    scores = np.array(before["scores"])
     assert 0.0 <= before["mean"] <= 1.0 and 0.0 <= after["mean"] <= 1.0
+    assert before["mean"] == pytest.approx(scores.mean()) and before["sem"] == pytest.approx(scores.std(ddof=1) / np.sqrt(8))
+    assert "standard error" in (run / "report.html").read_text()
     assert (run / "eval_before.png").is_file() and (run / "final" / "pytorch_lora_weights.safetensors").is_file()
