@@ -25,10 +25,9 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
 
     before, after = run_dir / "eval_before.json", run_dir / "eval_after.json"
     if before.is_file() and after.is_file():
-        b, a = json.loads(before.read_text()), json.loads(after.read_text())
-        rows = [{"model": "before", "mean score": b["mean"], "standard error": b.get("sem")},
-                {"model": "after", "mean score": a["mean"], "standard error": a.get("sem")},
-                {"model": "change", "mean score": a["mean"] - b["mean"], "standard error": None}]
+        results = {"before": json.loads(before.read_text()), "after": json.loads(after.read_text())}
+        rows = [{"model": label, "mean score": r["mean"], "standard error": r.get("sem")} for label, r in results.items()]
+        rows.append({"model": "change", "mean score": results["after"]["mean"] - results["before"]["mean"], "standard error": None})
         body = table_html(rows, digits=4)
         for label, path in (("before", before.with_suffix(".png")), ("after", after.with_suffix(".png"))):
             if path.is_file():

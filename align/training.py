@@ -97,9 +97,9 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     # Seed eval_seed + i for the first image of prompt i, as with one image per prompt; further rounds follow on.
     seeds = [config.eval_seed + i for i in range(len(prompts))]
     images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
-    scores = judge.score(prompts, images).float()
-    mean, sem = mean_and_sem(scores.tolist())
-    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores.tolist(), "prompts": prompts, "seeds": seeds}))
+    scores = judge.score(prompts, images).float().tolist()
+    mean, sem = mean_and_sem(scores)
+    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds}))
     save_image_row(images[: config.num_validation_images * 4], path.with_suffix(".png"))
     print(f"[eval] {label}: mean {judge.name} score on {len(held_out)} held-out prompts x {repeats} seed(s) = "
           f"{mean:.4f} (standard error {sem:.4f})", flush=True)
