@@ -108,6 +108,12 @@ class DDPOConfig:
     # which steps: "random" (paper: a random subset per sample) or "high_noise" (the first, noisiest
     # steps, where layout and counts are decided; low-noise steps add large, reward-blind gradient noise)
     timestep_selection: str = "random"
+    # With high_noise: sample the untrained low-noise tail of the chain with η = 0, as the evaluation
+    # sampler does (MixGRPO); noise there changes rewards in ways no trained step can take credit for.
+    deterministic_tail: bool = False
+    # DDIM steps for that deterministic tail (None: the schedule's own). Fewer is faster (MixGRPO-Flash),
+    # but the judge then scores images from a coarser sampler than the one evaluated.
+    tail_steps: int | None = None
     timestep_batch: int = 1  # trained timesteps per UNet call (1 = one at a time; more: faster, more memory, same gradient)
     # --- optimisation (paper: AdamW, lr 3e-4, LoRA)
     num_epochs: int = 100
@@ -143,6 +149,14 @@ class DDPOConfig:
             raise ConfigError(
                 f"--timestep_selection must be one of {', '.join(TIMESTEP_SELECTIONS)}, got {self.timestep_selection!r}"
             )
+        if self.deterministic_tail and self.timestep_selection != "high_noise":
+            raise ConfigError("--deterministic_tail needs --timestep_selection high_noise (the trained steps must be the first ones)")
+        if self.tail_steps is not None:
+            if not self.deterministic_tail:
+                raise ConfigError("--tail_steps needs --deterministic_tail true (only a deterministic tail can be coarsened)")
+            untrained = self.num_inference_steps - self.num_train_timesteps
+            if not 1 <= self.tail_steps <= untrained:
+                raise ConfigError(f"--tail_steps must be between 1 and the {untrained} untrained steps, got {self.tail_steps}")
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.advantage not in MODES:
@@ -298,6 +312,8 @@ def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, proce
                 sampler, pipe.scheduler, embeds, negative_embed.expand(len(batch_prompts), -1, -1),
                 num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
                 eta=config.eta, latents=noise, generator=gen,
+                stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None,
+                tail_steps=config.tail_steps,
             )
             images = decode_latents(pipe, trajectory.final_latents).cpu()
             futures.append(background.submit(batch_prompts, images))
@@ -670,6 +686,10 @@ def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
         if config.finetune == "lora"
         else "a diffusers `unet/` folder"
     )
+    tail = ""
+    if config.deterministic_tail:
+        untrained = config.tail_steps or config.num_inference_steps - config.num_train_timesteps
+        tail = f" on the first {config.num_train_timesteps} steps, then {untrained} deterministic (eta 0) steps"
     text = f"""---
 base_model: {config.model}
 tags: [text-to-image, diffusers, ddpo, reinforcement-learning]
@@ -681,7 +701,8 @@ Weights: {weights}.
 
 | setting | value |
 |---|---|
-| sampling | DDIM, {config.num_inference_steps} steps, eta {config.eta}, guidance {config.guidance_scale} |
+| sampling | DDIM, {config.num_inference_steps} steps, eta {config.eta}{tail}, guidance {config.guidance_scale} |
+| trained steps per sample | {config.num_train_timesteps} ({config.timestep_selection}) |
 | epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
 | advantages | {config.advantage} |
 | PPO | clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef} |

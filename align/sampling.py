@@ -38,28 +38,20 @@ def _timesteps_tensor(timestep, batch: int, device) -> torch.Tensor:
     return t
 
 
-def ddim_step_mean_std(scheduler, model_output: torch.Tensor, timestep, sample: torch.Tensor, eta: float):
-    """Mean μ and standard deviation σ_t ([B, 1, ...]) of the DDIM step's Gaussian, in float32.
+def _alpha(scheduler, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """ᾱ at each timestep ([B, 1, ...]); a negative timestep (past the end of the chain) is final_alpha_cumprod."""
+    alphas_cumprod = scheduler.alphas_cumprod.to(like.device, torch.float32)
+    final = torch.as_tensor(scheduler.final_alpha_cumprod, device=like.device, dtype=torch.float32)
+    return _per_sample(torch.where(timesteps >= 0, alphas_cumprod[timesteps.clamp(min=0)], final), like)
 
-    Follows ``DDIMScheduler.step`` exactly (prediction types, clipping/thresholding of x̂0,
-    the previous timestep ``t - T // num_inference_steps`` and ``final_alpha_cumprod``).
-    """
-    if not eta > 0:
-        raise ValueError(f"eta must be > 0 for a stochastic step with a log-probability (DDPO uses 1.0), got {eta}")
-    if scheduler.num_inference_steps is None:
-        raise ValueError("call scheduler.set_timesteps(num_inference_steps) before stepping")
+
+def _predicted_x0_and_eps(scheduler, model_output: torch.Tensor, t: torch.Tensor, sample: torch.Tensor):
+    """x̂0 (clipped or thresholded as the scheduler is configured) and ε̂ from the model output, in float32."""
     config = scheduler.config
     model_output = model_output.float()
     sample = sample.float()
-    t = _timesteps_tensor(timestep, sample.shape[0], sample.device)
-    prev_t = t - config.num_train_timesteps // scheduler.num_inference_steps
-
-    alphas_cumprod = scheduler.alphas_cumprod.to(sample.device, torch.float32)
-    final = torch.as_tensor(scheduler.final_alpha_cumprod, device=sample.device, dtype=torch.float32)
-    alpha_t = _per_sample(alphas_cumprod[t], sample)
-    alpha_prev = _per_sample(torch.where(prev_t >= 0, alphas_cumprod[prev_t.clamp(min=0)], final), sample)
+    alpha_t = _alpha(scheduler, t, sample)
     beta_t = 1 - alpha_t
-
     if config.prediction_type == "epsilon":
         x0 = (sample - beta_t.sqrt() * model_output) / alpha_t.sqrt()
         eps = model_output
@@ -77,11 +69,39 @@ def ddim_step_mean_std(scheduler, model_output: torch.Tensor, timestep, sample: 
         x0 = scheduler._threshold_sample(x0)
     elif config.clip_sample:
         x0 = x0.clamp(-config.clip_sample_range, config.clip_sample_range)
+    return x0, eps
 
-    variance = (1 - alpha_prev) / beta_t * (1 - alpha_t / alpha_prev)
+
+def ddim_step_mean_std(scheduler, model_output: torch.Tensor, timestep, sample: torch.Tensor, eta: float):
+    """Mean μ and standard deviation σ_t ([B, 1, ...]) of the DDIM step's Gaussian, in float32.
+
+    Follows ``DDIMScheduler.step`` exactly (prediction types, clipping/thresholding of x̂0,
+    the previous timestep ``t - T // num_inference_steps`` and ``final_alpha_cumprod``).
+    """
+    if not eta > 0:
+        raise ValueError(f"eta must be > 0 for a stochastic step with a log-probability (DDPO uses 1.0), got {eta}")
+    if scheduler.num_inference_steps is None:
+        raise ValueError("call scheduler.set_timesteps(num_inference_steps) before stepping")
+    t = _timesteps_tensor(timestep, sample.shape[0], sample.device)
+    prev_t = t - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+    x0, eps = _predicted_x0_and_eps(scheduler, model_output, t, sample)
+    alpha_t, alpha_prev = _alpha(scheduler, t, x0), _alpha(scheduler, prev_t, x0)
+    variance = (1 - alpha_prev) / (1 - alpha_t) * (1 - alpha_t / alpha_prev)
     std = eta * variance.sqrt()
     mean = alpha_prev.sqrt() * x0 + (1 - alpha_prev - std**2).sqrt() * eps
     return mean, std
+
+
+def ddim_deterministic_jump(scheduler, model_output: torch.Tensor, timestep, sample: torch.Tensor, prev_timestep: int):
+    """The η = 0 DDIM step from ``timestep`` straight to ``prev_timestep`` (negative: the end of the chain).
+
+    With ``prev_timestep = timestep - T // num_inference_steps`` it is ``DDIMScheduler.step(..., eta=0)``;
+    a larger jump is that step on a coarser schedule. Returns the sample in ``sample``'s dtype.
+    """
+    t = _timesteps_tensor(timestep, sample.shape[0], sample.device)
+    x0, eps = _predicted_x0_and_eps(scheduler, model_output, t, sample)
+    alpha_prev = _alpha(scheduler, torch.full_like(t, int(prev_timestep)), x0)
+    return (alpha_prev.sqrt() * x0 + (1 - alpha_prev).sqrt() * eps).to(sample.dtype)
 
 
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -183,6 +203,16 @@ def check_scheduler_steps(scheduler, num_inference_steps: int, eta: float) -> No
         )
 
 
+def chain_timesteps(scheduler_timesteps: torch.Tensor, stochastic_steps: int | None, tail_steps: int | None) -> torch.Tensor:
+    """The timesteps a chain visits: the first ``stochastic_steps`` of the schedule, then ``tail_steps``
+    evenly spaced ones of the rest (None: all of them)."""
+    if stochastic_steps is None or tail_steps is None:
+        return scheduler_timesteps
+    head, tail = scheduler_timesteps[:stochastic_steps], scheduler_timesteps[stochastic_steps:]
+    keep = sorted({round(i * len(tail) / tail_steps) for i in range(min(tail_steps, len(tail)))})
+    return torch.cat([head, tail[keep]])
+
+
 @torch.no_grad()
 def sample_with_logprob(
     unet,
@@ -195,19 +225,33 @@ def sample_with_logprob(
     eta: float,
     latents: torch.Tensor,
     generator: torch.Generator | None = None,
+    stochastic_steps: int | None = None,
+    tail_steps: int | None = None,
 ) -> Trajectory:
-    """Run the full DDIM chain from the initial noise ``latents`` [B, C, H, W] and record it."""
+    """Run the full DDIM chain from the initial noise ``latents`` [B, C, H, W] and record it.
+
+    ``stochastic_steps``: only the first (noisiest) this many steps draw noise with ``eta``; the rest
+    are deterministic DDIM steps (η = 0) whose log-probability is undefined and recorded as NaN.
+    None: every step is stochastic. ``tail_steps``: take those deterministic steps on a coarser
+    schedule of this many steps (MixGRPO-Flash); the trajectory then has fewer steps.
+    """
     scheduler.set_timesteps(num_inference_steps, device=latents.device)
+    chain = chain_timesteps(scheduler.timesteps, stochastic_steps, tail_steps)
     latents = latents * scheduler.init_noise_sigma
     all_latents, log_probs = [latents], []
-    for t in scheduler.timesteps:
+    for i, t in enumerate(chain):
         model_input = scheduler.scale_model_input(latents, t)
         noise_pred = guided_noise_prediction(
             unet, model_input, t, prompt_embeds, negative_prompt_embeds, guidance_scale
         )
-        latents, log_prob = ddim_step_with_logprob(scheduler, noise_pred, t, latents, eta, generator=generator)
+        if stochastic_steps is not None and i >= stochastic_steps:
+            prev_t = int(chain[i + 1]) if i + 1 < len(chain) else -1
+            latents = ddim_deterministic_jump(scheduler, noise_pred, t, latents, prev_t)
+            log_prob = torch.full((latents.shape[0],), float("nan"), device=latents.device)
+        else:
+            latents, log_prob = ddim_step_with_logprob(scheduler, noise_pred, t, latents, eta, generator=generator)
         all_latents.append(latents)
         log_probs.append(log_prob)
     batch = latents.shape[0]
-    timesteps = scheduler.timesteps.to(latents.device).unsqueeze(0).expand(batch, -1)
+    timesteps = chain.to(latents.device).unsqueeze(0).expand(batch, -1)
     return Trajectory(torch.stack(all_latents, dim=1), timesteps.clone(), torch.stack(log_probs, dim=1))

@@ -184,11 +184,14 @@ def test_full_finetune_with_kl_and_group_advantages(tiny_model, prompt_file, tmp
     config = small_config(
         tiny_model, prompt_file, tmp_path / "full", finetune="full", kl_coef=0.1, advantage="group",
         images_per_prompt=2, num_epochs=1, shared_group_noise=True, timestep_selection="high_noise",
+        deterministic_tail=True, tail_steps=1,
     )
     run = ddpo.train(config)
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["kl_to_reference"] >= 0.0
     assert (run / "final" / "unet" / "config.json").is_file()
+    card = (run / "final" / "README.md").read_text()
+    assert "eta 1.0 on the first 2 steps, then 1 deterministic (eta 0) steps" in card and "| trained steps per sample | 2 (high_noise) |" in card
 
 
 def test_lora_kl_uses_the_adapter_free_reference(tiny_model, prompt_file, tmp_path):
@@ -248,6 +251,10 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
         (dict(finetune="half"), "--finetune must be full or lora"),
         (dict(timestep_selection="late"), "--timestep_selection must be one of random, high_noise"),
         (dict(shared_group_noise=True), "--shared_group_noise needs --images_per_prompt >= 2"),
+        (dict(deterministic_tail=True), "--deterministic_tail needs --timestep_selection high_noise"),
+        (dict(tail_steps=1), "--tail_steps needs --deterministic_tail true"),
+        (dict(deterministic_tail=True, timestep_selection="high_noise", tail_steps=3),
+         "--tail_steps must be between 1 and the 2 untrained steps, got 3"),
         (dict(eval_images_per_prompt=0), "--eval_images_per_prompt must be >= 1"),
     ],
 )

@@ -9,7 +9,9 @@ from diffusers import DDIMScheduler, UNet2DConditionModel
 from scipy.stats import norm
 
 from align.sampling import (
+    chain_timesteps,
     check_scheduler_steps,
+    ddim_deterministic_jump,
     ddim_step_mean_std,
     ddim_step_with_logprob,
     guided_noise_prediction,
@@ -173,6 +175,57 @@ def test_trajectory_matches_diffusers_chain_and_rescoring(tiny_unet):
             pred = guided_noise_prediction(tiny_unet, lat, ts, cond, uncond, guidance)
             _, logp = ddim_step_with_logprob(scheduler, pred, ts, lat, eta, prev_sample=nxt)
             torch.testing.assert_close(logp, traj.log_probs[rows, perm][:, j], atol=1e-5, rtol=1e-5)
+
+
+def test_deterministic_tail_steps_follow_diffusers_eta_zero(tiny_unet):
+    steps, stochastic, guidance, eta = 6, 2, 4.0, 0.7
+    cond, uncond = torch.randn(2, 2, 5, 16).unbind(0)
+    noise = torch.randn(2, 4, 8, 8)
+    traj = sample_with_logprob(
+        tiny_unet, DDIMScheduler(**SD_SCHEDULER), cond, uncond, num_inference_steps=steps, guidance_scale=guidance,
+        eta=eta, latents=noise, generator=torch.Generator().manual_seed(3), stochastic_steps=stochastic,
+    )
+    assert torch.isfinite(traj.log_probs[:, :stochastic]).all() and traj.log_probs[:, stochastic:].isnan().all()
+
+    # diffusers: eta for the first steps (same generator), then eta = 0, which draws no noise.
+    reference = DDIMScheduler(**SD_SCHEDULER)
+    reference.set_timesteps(steps)
+    x, gen = noise.clone(), torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i, t in enumerate(reference.timesteps):
+            pred = guided_noise_prediction(tiny_unet, x, t, cond, uncond, guidance)
+            x = reference.step(pred, t, x, eta=eta if i < stochastic else 0.0, generator=gen).prev_sample
+            torch.testing.assert_close(traj.all_latents[:, i + 1], x, atol=1e-5, rtol=1e-5)
+
+
+def test_a_coarse_deterministic_jump_is_diffusers_step_on_the_coarser_schedule():
+    # 20-step schedule (stride 50) for the chain; a jump of 200 is one step of a 5-step schedule.
+    coarse = DDIMScheduler(**SD_SCHEDULER)
+    coarse.set_timesteps(5)
+    sample, model_output = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    expected = coarse.step(model_output, 701, sample, eta=0.0).prev_sample
+    torch.testing.assert_close(ddim_deterministic_jump(make_scheduler(20), model_output, 701, sample, 501), expected)
+    last = coarse.step(model_output, 101, sample, eta=0.0).prev_sample  # 101 - 200 < 0: the final alpha
+    torch.testing.assert_close(ddim_deterministic_jump(make_scheduler(20), model_output, 101, sample, -1), last)
+
+
+def test_chain_timesteps_keeps_the_stochastic_head_and_thins_the_tail():
+    schedule = make_scheduler(20).timesteps
+    assert torch.equal(chain_timesteps(schedule, None, None), schedule)
+    assert torch.equal(chain_timesteps(schedule, 5, None), schedule)
+    assert chain_timesteps(schedule, 5, 5).tolist() == [951, 901, 851, 801, 751, 701, 551, 401, 251, 101]
+    assert torch.equal(chain_timesteps(schedule, 5, 15), schedule)
+
+
+def test_coarse_tail_trajectory_records_only_the_steps_taken(tiny_unet):
+    cond, uncond = torch.randn(2, 2, 5, 16).unbind(0)
+    traj = sample_with_logprob(
+        tiny_unet, DDIMScheduler(**SD_SCHEDULER), cond, uncond, num_inference_steps=8, guidance_scale=3.0,
+        eta=1.0, latents=torch.randn(2, 4, 8, 8), generator=torch.Generator().manual_seed(0),
+        stochastic_steps=4, tail_steps=2,
+    )
+    assert traj.all_latents.shape[1] == 7 and traj.timesteps[0].tolist() == [876, 751, 626, 501, 376, 126]
+    assert torch.isfinite(traj.log_probs[:, :4]).all() and traj.log_probs[:, 4:].isnan().all()
 
 
 def test_sampling_with_the_lora_merged_matches_the_adapter_and_restores_the_weights(tiny_unet):
