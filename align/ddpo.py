@@ -154,9 +154,10 @@ class DDPOConfig:
         if self.tail_steps is not None:
             if not self.deterministic_tail:
                 raise ConfigError("--tail_steps needs --deterministic_tail true (only a deterministic tail can be coarsened)")
-            untrained = self.num_inference_steps - self.num_train_timesteps
-            if not 1 <= self.tail_steps <= untrained:
-                raise ConfigError(f"--tail_steps must be between 1 and the {untrained} untrained steps, got {self.tail_steps}")
+            if not 1 <= self.tail_steps <= self.num_untrained_timesteps:
+                raise ConfigError(
+                    f"--tail_steps must be between 1 and the {self.num_untrained_timesteps} untrained steps, got {self.tail_steps}"
+                )
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.advantage not in MODES:
@@ -196,6 +197,10 @@ class DDPOConfig:
     @property
     def num_train_timesteps(self) -> int:
         return max(1, int(self.num_inference_steps * self.timestep_fraction))
+
+    @property
+    def num_untrained_timesteps(self) -> int:
+        return self.num_inference_steps - self.num_train_timesteps
 
 
 
@@ -688,8 +693,8 @@ def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
     )
     tail = ""
     if config.deterministic_tail:
-        untrained = config.tail_steps or config.num_inference_steps - config.num_train_timesteps
-        tail = f" on the first {config.num_train_timesteps} steps, then {untrained} deterministic (eta 0) steps"
+        tail_steps = config.tail_steps or config.num_untrained_timesteps
+        tail = f" on the first {config.num_train_timesteps} steps, then {tail_steps} deterministic (eta 0) steps"
     text = f"""---
 base_model: {config.model}
 tags: [text-to-image, diffusers, ddpo, reinforcement-learning]
