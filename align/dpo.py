@@ -14,6 +14,7 @@ The algorithm box, per optimisation step:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -69,6 +70,9 @@ class DPOConfig:
     lora_rank: int = 8
     lora_alpha: float | None = None  # None = rank
     lora_targets: str = "to_q,to_k,to_v,to_out.0"
+    # Each LoRA layer as one matmul with W + B·A in the training forward (same gradients; faster on
+    # small UNets, more memory on SD v1.5: align.pipeline.lora_as_merged_weight, scripts/bench_dpo.py)
+    lora_merged_forward: bool = False
     mixed_precision: str = "no"  # no, fp16 (paper), bf16
     gradient_checkpointing: bool = False
     use_8bit_adam: bool = False  # needs bitsandbytes
@@ -282,6 +286,7 @@ def train(config: DPOConfig) -> Path:
         disabled_adapter,
         frozen_copy,
         load_pipeline,
+        lora_as_merged_weight,
         save_full_unet,
         save_lora,
         testbed_settings,
@@ -405,6 +410,7 @@ def train(config: DPOConfig) -> Path:
         evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_before.json", "before")
 
     # 7. The loop.
+    merged_lora = config.finetune == "lora" and config.lora_merged_forward
     progress = tqdm(range(start_step, config.max_steps), disable=not accelerator.is_local_main_process, desc="dpo")
     last_good = run.latest_checkpoint()
     for step in progress:
@@ -435,7 +441,9 @@ def train(config: DPOConfig) -> Path:
             noisy = noise_scheduler.add_noise(x0, noise2, t2)
             target = noise2 if prediction_type == "epsilon" else noise_scheduler.get_velocity(x0, noise2, t2)
 
-            with accelerator.accumulate(unet):
+            # The merged LoRA forward stays on through the backward (gradient checkpointing recomputes it).
+            merged = lora_as_merged_weight(accelerator.unwrap_model(unet)) if merged_lora else contextlib.nullcontext()
+            with accelerator.accumulate(unet), merged:
                 model_err = per_sample_mse(unet(noisy, t2, text2).sample, target)
                 model_err_w, model_err_l = model_err.chunk(2)
                 if config.loss == "sft":

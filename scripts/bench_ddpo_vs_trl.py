@@ -5,7 +5,8 @@
 
 Both trainers get the same pipeline folder, reward (JPEG compressibility, a rule judge), prompts,
 sampling settings (DDIM steps, η, guidance), LoRA rank, batch sizes, timestep fraction and
-per-prompt statistics. Each runs in its own process (TRL from its own virtual environment,
+per-prompt statistics. Ours trains through the merged LoRA forward (`lora_merged_forward`, the same
+gradients as PEFT's layers; `--peft-forward` turns it off). Each runs in its own process (TRL from its own virtual environment,
 because TRL removed DDPOTrainer in 0.24); the first epoch is a warm-up and is not timed.
 Reported: samples per second (sampling + reward + PPO update, per epoch), peak memory
 (peak resident set size on CPU, peak allocated CUDA memory on a GPU) and the untimed first epoch
@@ -53,6 +54,8 @@ def parse_args(argv=None):
                         "The gradient is the same either way")
     p.add_argument("--compile-sampling", action="store_true",
                    help="ours only: torch.compile the sampling UNet (compiled during the untimed first epoch, shown beside)")
+    p.add_argument("--peft-forward", action="store_true",
+                   help="ours only: train through PEFT's LoRA layers instead of the merged W + B·A forward")
     p.add_argument("--lora-rank", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -93,7 +96,7 @@ def run_ours(args) -> dict:
         timestep_fraction=args.timestep_fraction, lora_rank=args.lora_rank, learning_rate=args.lr,
         num_epochs=args.epochs, checkpointing_epochs=10**6, num_logged_images=0,
         stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch, cpu_threads=args.threads,
-        compile_sampling=args.compile_sampling,
+        compile_sampling=args.compile_sampling, lora_merged_forward=not args.peft_forward,
     )
     ddpo.train(config)
     records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
@@ -220,7 +223,7 @@ def main(argv=None) -> None:
             f"model: {args.model} | device: {args.device} ({args.threads} thread(s)) | {args.steps} DDIM steps, eta {args.eta}, "
             f"guidance {args.guidance} | {samples_per_epoch} samples/epoch ({args.sample_batch_size} x {args.batches_per_epoch}) | "
             f"train batch {args.train_batch_size} x {args.grad_accum} accumulation | timestep fraction {args.timestep_fraction} | "
-            f"ours: {args.timestep_batch} timestep(s) per UNet call{', compiled sampling' if args.compile_sampling else ''} | LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
+            f"ours: {args.timestep_batch} timestep(s) per UNet call{', compiled sampling' if args.compile_sampling else ''}{', PEFT LoRA forward' if args.peft_forward else ', merged LoRA forward'} | LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
             flush=True,
         )
         ours = child(sys.executable, "ours", args, work)

@@ -295,6 +295,20 @@ def test_compiled_sampling_run_matches_the_eager_run(tiny_model, prompt_file, tm
         load_file(eager / "final" / "pytorch_lora_weights.safetensors").keys()
 
 
+def test_merged_lora_forward_run_matches_the_peft_run(tiny_model, prompt_file, tmp_path):
+    # The same gradients up to rounding (tests/test_sampling.py compares them directly); here the
+    # trainer's use of it, with the KL reference (adapter disabled inside the merged forward) on.
+    # One optimiser step, so every logged number is computed before the update.
+    settings = dict(num_epochs=1, checkpointing_epochs=5, gradient_accumulation_steps=2, kl_coef=0.5)
+    peft = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "peft", **settings))
+    merged = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "merged", lora_merged_forward=True, **settings))
+    ra, rb = (json.loads((run / "metrics.jsonl").read_text()) for run in (peft, merged))
+    for key in ("reward_mean", "policy_loss", "loss", "kl_to_reference"):
+        assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert load_file(merged / "final" / "pytorch_lora_weights.safetensors").keys() == \
+        load_file(peft / "final" / "pytorch_lora_weights.safetensors").keys()
+
+
 def test_existing_run_folder_is_refused(tiny_model, prompt_file, tmp_path, capsys):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "config.yaml").write_text("model: x\n")

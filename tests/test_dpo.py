@@ -147,6 +147,22 @@ def test_resume_gives_identical_weights(tiny_model, pair_parquet, tmp_path):
     assert [r["step"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_merged_lora_forward_gives_the_peft_loss(tiny_model, pair_parquet, tmp_path, checkpointing):
+    # Step 2 runs through an adapter that step 1 trained (B is zero before), so its loss tells whether
+    # the merged forward applies the adapter. With gradient checkpointing the backward recomputes
+    # the forward, which must still be the merged one.
+    settings = dict(dataset=pair_parquet, max_steps=2, gradient_checkpointing=checkpointing)
+    peft = dpo.train(small_config(tiny_model, tmp_path / "peft", **settings))
+    merged = dpo.train(small_config(tiny_model, tmp_path / "merged", lora_merged_forward=True, **settings))
+    ra, rb = ([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (peft, merged))
+    for a, b in zip(ra, rb, strict=True):
+        for key in ("loss", "model_mse", "ref_mse"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
+    assert ra[1]["model_mse"] != ra[1]["ref_mse"]  # step 2: the adapter is on and changes the prediction
+    assert _trainable(merged).keys() == _trainable(peft).keys()
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_model, pair_parquet, tmp_path, monkeypatch):
     real = dpo.diffusion_dpo_loss
     calls = {"n": 0}

@@ -267,3 +267,47 @@ def test_sampling_with_the_lora_merged_matches_the_adapter_and_restores_the_weig
     after = unet.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # restored bit for bit
     assert all(p.requires_grad for n, p in unet.named_parameters() if "lora_" in n)
+
+
+def test_training_forward_with_the_lora_as_a_merged_weight_gives_peft_outputs_and_gradients(tiny_unet):
+    import copy
+
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from align.pipeline import add_lora, disabled_adapter, lora_as_merged_weight
+
+    unet = copy.deepcopy(tiny_unet)
+    add_lora(unet, rank=4, target_modules=("to_q", "to_k", "to_v", "to_out.0"))
+    torch.manual_seed(5)
+    params = {name: p for name, p in unet.named_parameters() if p.requires_grad}
+    for name, p in params.items():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.3)  # B starts at zero: make every gradient non-zero
+    latents, weights = torch.randn(2, 3, 4, 8, 8).unbind(0)
+    cond = torch.randn(3, 5, 16)
+    timesteps = torch.tensor([900, 500, 20])
+
+    def forward_and_gradients():
+        for p in params.values():
+            p.grad = None
+        out = unet(latents, timesteps, encoder_hidden_states=cond).sample
+        (out * weights).sum().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in params.items()}
+
+    peft_out, peft_grads = forward_and_gradients()
+    layers = [m for m in unet.modules() if isinstance(m, LoraLinear)]
+    with lora_as_merged_weight(unet):
+        assert layers and all("forward" in m.__dict__ for m in layers)
+        merged_out, merged_grads = forward_and_gradients()
+        with torch.no_grad(), disabled_adapter(unet):  # the KL reference inside: the base model
+            base_inside = unet(latents, timesteps, encoder_hidden_states=cond).sample
+    assert not any("forward" in m.__dict__ for m in layers)  # the class's forward again
+    with torch.no_grad(), disabled_adapter(unet):
+        base = unet(latents, timesteps, encoder_hidden_states=cond).sample
+    torch.testing.assert_close(merged_out, peft_out, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(base, peft_out, atol=1e-3)  # the adapter does change the output
+    torch.testing.assert_close(base_inside, base, atol=0, rtol=0)
+    for name, grad in peft_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(merged_grads[name], grad, atol=1e-5 * float(grad.abs().max()), rtol=1e-4)
+    torch.testing.assert_close(forward_and_gradients()[0], peft_out, atol=0, rtol=0)  # PEFT's path again
