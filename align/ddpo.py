@@ -471,6 +471,7 @@ def train(config: DDPOConfig) -> Path:
 
     background = BackgroundRewards(reward_fn)
     last_good = run.latest_checkpoint()
+    merged_lora = config.finetune == "lora" and config.lora_merged_forward  # the training forward (pipeline.py)
     progress = tqdm(range(start_epoch, config.num_epochs), disable=not accelerator.is_local_main_process, desc="ddpo")
     try:
         for epoch in progress:
@@ -506,8 +507,7 @@ def train(config: DDPOConfig) -> Path:
                 "advantages": advantages.to(accelerator.device),
             }
             stats: dict[str, list[float]] = {}
-            merged = config.finetune == "lora" and config.lora_merged_forward
-            with lora_as_merged_weight(unet) if merged else contextlib.nullcontext():
+            with lora_as_merged_weight(unet) if merged_lora else contextlib.nullcontext():
                 for inner in range(config.num_inner_epochs):
                     gen = epoch_generator(config.seed, epoch, TRAIN, inner, process)
                     global_step += train_inner_epoch(

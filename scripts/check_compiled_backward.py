@@ -13,18 +13,21 @@ gradient and how many weight gradients are off by more than 0.1%.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 def tiny_test_unet():
     """The UNet of tests/tiny_sd.py (UpBlock2D after the mid block, as in SD v1.5)."""
-    from diffusers import UNet2DConditionModel
+    from tiny_sd import build_tiny_unet
 
-    return UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16, attention_head_dim=4, norm_num_groups=8,
-    )
+    return build_tiny_unet()
 
 
 def testbed_unet():

@@ -29,14 +29,11 @@ def write_char_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 77}))
 
 
-def build_tiny_pipeline(folder: str | Path, seed: int = 0, sample_size: int = 8):
-    """Save a tiny random SD pipeline (16 px images, 4x8x8 latents) to ``folder`` and return the path."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+def build_tiny_unet(sample_size: int = 8):
+    """The tiny pipeline's random UNet (SD v1.5's block types, UpBlock2D after the mid block)."""
+    from diffusers import UNet2DConditionModel
 
-    folder = Path(folder)
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
+    return UNet2DConditionModel(
         sample_size=sample_size,
         in_channels=4,
         out_channels=4,
@@ -48,6 +45,16 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0, sample_size: int = 8)
         attention_head_dim=4,
         norm_num_groups=8,
     )
+
+
+def build_tiny_pipeline(folder: str | Path, seed: int = 0, sample_size: int = 8):
+    """Save a tiny random SD pipeline (16 px images, 4x8x8 latents) to ``folder`` and return the path."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    unet = build_tiny_unet(sample_size)
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
