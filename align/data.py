@@ -16,15 +16,17 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
 from align.runs import atomic_path
 from rewards.images import UnreadableImageError, decode_image, encode_png
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 PAIR_COLUMNS = ("caption", "jpg_0", "jpg_1", "label_0", "label_1")
 TIE_POLICIES = ("drop", "keep_first")
@@ -100,6 +102,8 @@ def _clean_prompts(values, source) -> list[str]:
 def _read_table_column(path: Path, column: str) -> list:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
+        import pyarrow.parquet as pq  # here, not at the top: DDPO needs this module but not pyarrow's ~30 MB
+
         names = pq.read_schema(path).names
         if column not in names:
             raise DataError(f"{path} has no column {column!r}; its columns: {', '.join(names)}")
@@ -313,6 +317,9 @@ def _missing_columns_error(source: str, names) -> DataError:
 
 
 def _iter_parquet(path: Path, batch_rows: int = 64) -> Iterator[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
@@ -448,6 +455,9 @@ def write_pairs_parquet(rows: list[dict], path: str | Path, schema: pa.Schema | 
     """Write rows (Pick-a-Pic schema plus any extra columns) to a parquet file atomically."""
     if not rows and schema is None:
         raise DataError(f"write_pairs_parquet({path}): no rows and no schema; nothing defines the columns")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     table = pa.Table.from_pylist(rows, schema=schema)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)

@@ -15,7 +15,11 @@ Reported: samples per second (sampling + reward + PPO update, per epoch), peak m
 TRL 0.23.1 lives in a separate virtual environment, by default /tmp/trl023-venv:
 
     python -m venv /tmp/trl023-venv
-    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft
+    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft scipy
+
+scipy is there so that both processes load the same libraries: transformers imports it whenever it is
+installed (~55 MB of resident memory), and this project depends on it. Use the torch and diffusers
+versions of this environment (on CPU the `torch==<the Makefile's pin>` wheel).
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ def run_ours(args) -> dict:
     cpu = sum(r["epoch_cpu_seconds"] for r in timed)
     return {"samples_per_s": samples_per_epoch * len(timed) / wall, "samples_per_cpu_s": samples_per_epoch * len(timed) / cpu,
             "epochs_timed": len(timed), "peak_memory_mb": peak_memory_mb(args.device),
-            "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"]}
+            "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"], "scipy_loaded": "scipy" in sys.modules}
 
 
 def run_trl(args) -> dict:
@@ -153,7 +157,7 @@ def run_trl(args) -> dict:
     samples = args.sample_batch_size * args.batches_per_epoch * (args.epochs - first)
     return {"samples_per_s": samples / sum(seconds[first:]), "samples_per_cpu_s": samples / sum(cpu_seconds[first:]),
             "epochs_timed": args.epochs - first, "peak_memory_mb": peak_memory_mb(args.device), "trl_version": trl.__version__,
-            "first_epoch_s": seconds[0]}
+            "first_epoch_s": seconds[0], "scipy_loaded": "scipy" in sys.modules}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -208,7 +212,7 @@ def main(argv=None) -> None:
             f"TRL 0.23.1 virtual environment not found: {trl_python} does not exist.\n"
             "TRL removed DDPOTrainer in 0.24, so it needs its own environment:\n"
             "    python -m venv /tmp/trl023-venv\n"
-            "    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft\n"
+            "    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft scipy\n"
             "then rerun, or pass --trl-python /path/to/that/venv/bin/python"
         )
     with tempfile.TemporaryDirectory(prefix="bench_ddpo_") as tmp:
@@ -236,6 +240,9 @@ def main(argv=None) -> None:
           f"{ours['samples_per_cpu_s'] / theirs['samples_per_cpu_s']:.2f}x (per CPU-second); "
           f"peak memory {ours['peak_memory_mb'] / theirs['peak_memory_mb']:.2f}x")
     print("(samples/CPU-s is the steadier number on a shared machine; on a GPU read samples/s)")
+    if ours["scipy_loaded"] != theirs["scipy_loaded"]:
+        print(f"warning: scipy was loaded by {'ours' if ours['scipy_loaded'] else 'TRL'} only (transformers imports it when "
+              "installed, ~55 MB): install the same packages in both environments to compare memory")
 
 if __name__ == "__main__":
     main()

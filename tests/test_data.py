@@ -266,3 +266,16 @@ def test_write_pairs_parquet_is_atomic_and_round_trips(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert len(load_pairs(str(path))[0]) == 1  # the old file is intact
     assert sorted(p.name for p in path.parent.iterdir()) == ["pairs.parquet"]  # no temporary left
+
+
+def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
+    # pyarrow costs ~30 MB of resident memory; DDPO and prompt files never need it (parquet readers import it).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, align.ddpo, align.data;"
+        "from align.training import load_prompt_list; assert load_prompt_list('testbed:4');"
+        "sys.exit('pyarrow' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
