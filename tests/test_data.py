@@ -269,7 +269,8 @@ def test_write_pairs_parquet_is_atomic_and_round_trips(tmp_path, monkeypatch):
 
 
 def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
-    # pyarrow costs ~30 MB of resident memory; DDPO and prompt files never need it (parquet readers import it).
+    # pyarrow costs ~30 MB of resident memory; DDPO with a testbed or text prompt source never needs it
+    # (the parquet readers import it themselves).
     import subprocess
     import sys
 
