@@ -23,19 +23,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def tiny_test_unet():
-    """The UNet of tests/tiny_sd.py (UpBlock2D after the mid block, as in SD v1.5)."""
-    from tiny_sd import build_tiny_unet
-
-    return build_tiny_unet()
-
-
-def testbed_unet():
-    from align.testbed.models import build_unet
-
-    return build_unet()
-
-
 def gradients(model, unet, inputs):
     latents, timesteps, text, weights = inputs
     latents = latents.clone().requires_grad_(True)
@@ -50,9 +37,13 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
+    from tiny_sd import build_tiny_unet  # the tests' UNet: UpBlock2D after the mid block, as in SD v1.5
+
+    from align.testbed.models import build_unet
+
     print(f"torch {torch.__version__}")
     print(f"{'UNet':<10}{'backend':<30}{'input gradient rel. error':>27}{'weight gradients off':>22}")
-    for name, build in (("tiny test", tiny_test_unet), ("testbed", testbed_unet)):
+    for name, build in (("tiny test", build_tiny_unet), ("testbed", build_unet)):
         torch.manual_seed(0)
         unet = build()
         gen = torch.Generator().manual_seed(0)
