@@ -15,12 +15,24 @@ from collections import deque
 import numpy as np
 
 MODES = ("per-prompt", "group", "batch")
-EPS = 1e-6  # keeps a constant group (std 0) at advantage 0 instead of dividing by zero
+EPS = 1e-6  # guards the division when a reference set's std is tiny
+
+
+def standardise(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """(values - mean) / (std + eps) of the reference set, which holds the values.
+
+    A constant reference set gives exactly 0, not float dust: its samples carry no preference, and
+    the trainer skips zero-advantage samples in the update (their gradient is exactly zero).
+    """
+    reference = np.asarray(reference, dtype=np.float64)
+    if reference.max() == reference.min():
+        return np.zeros_like(values, dtype=np.float64)
+    return (values - reference.mean()) / (reference.std() + EPS)
 
 
 def batch_advantages(rewards: np.ndarray) -> np.ndarray:
     rewards = np.asarray(rewards, dtype=np.float64)
-    return (rewards - rewards.mean()) / (rewards.std() + EPS)
+    return standardise(rewards, rewards)
 
 
 def group_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray:
@@ -30,8 +42,7 @@ def group_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray:
     advantages = np.zeros_like(rewards)
     for prompt in dict.fromkeys(prompts):
         mask = prompts_arr == prompt
-        group = rewards[mask]
-        advantages[mask] = (group - group.mean()) / (group.std() + EPS)
+        advantages[mask] = standardise(rewards[mask], rewards[mask])
     return advantages
 
 
@@ -53,17 +64,13 @@ class PerPromptStatTracker:
         if len(prompts) != len(rewards):
             raise ValueError(f"got {len(prompts)} prompts for {len(rewards)} rewards")
         prompts_arr = np.asarray(prompts, dtype=object)
-        batch_mean, batch_std = rewards.mean(), rewards.std() + EPS
         advantages = np.zeros_like(rewards)
         for prompt in dict.fromkeys(prompts):
             mask = prompts_arr == prompt
             buffer = self.buffers.setdefault(prompt, deque(maxlen=self.buffer_size))
             buffer.extend(rewards[mask].tolist())
-            if len(buffer) < self.min_count:
-                mean, std = batch_mean, batch_std
-            else:
-                mean, std = np.mean(buffer), np.std(buffer) + EPS
-            advantages[mask] = (rewards[mask] - mean) / std
+            reference = rewards if len(buffer) < self.min_count else np.asarray(buffer)
+            advantages[mask] = standardise(rewards[mask], reference)
         return advantages
 
     def stats(self) -> dict[str, float]:

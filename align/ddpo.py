@@ -126,6 +126,9 @@ class DDPOConfig:
     train_batch_size: int = 4  # samples per process per micro-batch
     gradient_accumulation_steps: int = 2  # micro-batches per optimiser step (each spans the trained timesteps)
     learning_rate: float = 3e-4
+    # diffusers' get_scheduler over all optimiser steps: constant (paper), constant_with_warmup, linear, cosine, ...
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_weight_decay: float = 1e-4
@@ -140,6 +143,7 @@ class DDPOConfig:
     eval_judge: str | None = None  # defaults to --reward
     eval_seed: int = 1234
     eval_images_per_prompt: int = 1  # seeds per held-out prompt (more: a smaller standard error)
+    eval_batch_size: int = 8  # images per pipeline call in the evaluation (each image's seed fixes it, not the batching)
     num_validation_images: int = 4  # images per row of the before/after grids
 
     def validate(self) -> None:
@@ -163,6 +167,13 @@ class DDPOConfig:
                 raise ConfigError(
                     f"--tail_steps must be between 1 and the {self.num_untrained_timesteps} untrained steps, got {self.tail_steps}"
                 )
+        from diffusers.optimization import SchedulerType
+
+        schedules = [t.value for t in SchedulerType]
+        if self.lr_scheduler not in schedules:
+            raise ConfigError(f"--lr_scheduler must be one of {', '.join(schedules)}, got {self.lr_scheduler!r}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"--lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.advantage not in MODES:
@@ -174,7 +185,7 @@ class DDPOConfig:
         for name in ("num_inference_steps", "samples_per_epoch", "sample_batch_size", "images_per_prompt",
                      "num_epochs", "num_inner_epochs", "train_batch_size", "gradient_accumulation_steps",
                      "lora_rank", "checkpointing_epochs", "stat_buffer_size", "stat_min_count", "timestep_batch",
-                     "eval_images_per_prompt"):
+                     "eval_images_per_prompt", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "clip_range", "adv_clip_max"):
@@ -358,6 +369,7 @@ def train(config: DDPOConfig) -> Path:
     """Run DDPO; returns the run folder."""
     from accelerate import Accelerator
     from accelerate.utils import gather_object, set_seed
+    from diffusers.optimization import get_scheduler
     from tqdm.auto import tqdm
 
     from align.pipeline import (
@@ -445,7 +457,11 @@ def train(config: DDPOConfig) -> Path:
         params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
     )
-    train_unet, optimizer = accelerator.prepare(unet, optimizer)
+    lr_scheduler = get_scheduler(
+        config.lr_scheduler, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
+        num_training_steps=config.num_epochs * updates_per_epoch * config.num_inner_epochs * accelerator.num_processes,
+    )  # accelerate steps a prepared scheduler once per process
+    train_unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     tracker = PerPromptStatTracker(config.stat_buffer_size, config.stat_min_count)
     negative_embed = encode_prompts(pipe, [""])
@@ -512,7 +528,7 @@ def train(config: DDPOConfig) -> Path:
                     gen = epoch_generator(config.seed, epoch, TRAIN, inner, process)
                     global_step += train_inner_epoch(
                         config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
-                        samples, negative_embed, gen, stats, disabled_adapter,
+                        samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler,
                     )
 
             # 5. Log, save samples, checkpoint.
@@ -523,6 +539,7 @@ def train(config: DDPOConfig) -> Path:
             logs.update({
                 "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                 "epoch": done, "global_step": global_step, "samples_seen": done * config.samples_per_epoch,
+                "lr": lr_scheduler.get_last_lr()[0],
                 "samples_per_second": config.samples_per_epoch / (time.perf_counter() - epoch_start),
                 "sampling_seconds": sample_seconds,
                 "epoch_cpu_seconds": time.process_time() - epoch_cpu_start,  # this process, all threads
@@ -583,68 +600,88 @@ def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen
 
 
 def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
-                      samples, negative_embed, gen, stats, disabled_adapter) -> int:
+                      samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler=None) -> int:
     """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
     n, steps_total = samples["timesteps"].shape
     order = torch.randperm(n, generator=gen)
     time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
-    rows = torch.arange(n)[:, None]
+    per_update = config.train_batch_size * config.gradient_accumulation_steps
+    updates = 0
+    for u0 in range(0, n, per_update):
+        update_samples = order[u0 : u0 + per_update]
+        if config.kl_coef == 0:
+            # A zero advantage makes a sample's PPO term and its gradient exactly zero (the KL term
+            # would not be), so those samples skip the UNet. Binary-ish judges tie whole groups often.
+            # Processes may then run different numbers of micro-batches: DDP all-reduces only in each
+            # update's one synced backward (the UNet has no buffers to broadcast per forward). One
+            # sample is kept if all are zero, so that every process still takes that backward.
+            informative = update_samples[samples["advantages"][update_samples] != 0]
+            update_samples = informative if len(informative) else update_samples[:1]
+        stats.setdefault("trained_sample_fraction", []).append(len(update_samples) / per_update)
+        micro_batches = update_samples.split(config.train_batch_size)
+        for m, idx in enumerate(micro_batches):
+            train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative_embed,
+                              stats, disabled_adapter, idx, time_order, per_update, last_of_update=m == len(micro_batches) - 1)
+        if config.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(params, config.max_grad_norm)
+        optimizer.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        updates += 1
+    return updates
+
+
+def train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative_embed, stats,
+                      disabled_adapter, idx, time_order, per_update, last_of_update) -> None:
+    """Forward and backward of the samples `idx` at their trained timesteps; gradients accumulate, each
+    term weighted 1 / (per_update x k), so an update's gradient is the mean over all its samples' terms."""
     device = accelerator.device
     k = config.num_train_timesteps
-    updates = 0
-    micro_batches = [order[i : i + config.train_batch_size] for i in range(0, n, config.train_batch_size)]
-    for m, idx in enumerate(micro_batches):
-        embeds = samples["embeds"][idx]
-        chosen = time_order[idx]
-        latents = samples["all_latents"][rows[idx], chosen]  # [b, k, C, H, W]
-        next_latents = samples["all_latents"][rows[idx], chosen + 1]
-        timesteps = samples["timesteps"][rows[idx], chosen]
-        old_log_probs = samples["log_probs"][rows[idx], chosen]
-        adv = samples["advantages"][idx]
-        last_of_update = (m + 1) % config.gradient_accumulation_steps == 0
-        # Timesteps go through the UNet `timestep_batch` at a time, flattened into the batch
-        # (sample-major): the loss of a chunk is the mean of its per-step losses, so weighting it
-        # by chunk / k gives exactly the gradient of one-step-at-a-time accumulation.
-        for j0 in range(0, k, config.timestep_batch):
-            js = slice(j0, min(j0 + config.timestep_batch, k))
-            c = js.stop - js.start
-            sync = last_of_update and js.stop == k
-            lat = latents[:, js].flatten(0, 1)
-            nxt = next_latents[:, js].flatten(0, 1)
-            ts = timesteps[:, js].flatten()
-            cond = embeds.repeat_interleave(c, dim=0)
-            uncond = negative_embed.expand(len(lat), -1, -1)
-            with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
-                with accelerator.autocast():
-                    pred = guided_noise_prediction(train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
-                mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, config.eta)
-                log_prob = gaussian_log_prob(nxt, mean, std)
-                loss, metrics = ddpo_clipped_loss(
-                    log_prob, old_log_probs[:, js].flatten(), adv.repeat_interleave(c), config.clip_range, config.adv_clip_max
-                )
-                if config.kl_coef > 0:
-                    with torch.no_grad(), accelerator.autocast():
-                        if reference is None:
-                            with disabled_adapter(unet):
-                                ref_pred = guided_noise_prediction(unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
-                        else:
-                            ref_pred = guided_noise_prediction(reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
-                    ref_mean, _ = ddim_step_mean_std(scheduler, ref_pred, ts, lat, config.eta)
-                    kl = gaussian_mean_kl(mean, ref_mean, std).mean()
-                    loss = loss + config.kl_coef * kl
-                    metrics["kl_to_reference"] = kl.detach()
-                if not torch.isfinite(loss):
-                    raise TrainingStopped("non-finite DDPO loss; stopped before the update (lower --learning_rate)")
-                accelerator.backward(loss * (c / (k * config.gradient_accumulation_steps)))
-            for key, value in {"loss": loss.detach(), **metrics}.items():
-                stats.setdefault(key, []).append(float(value))
-        if last_of_update:
-            if config.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(params, config.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            updates += 1
-    return updates
+    rows = torch.arange(len(samples["timesteps"]))[:, None]
+    embeds = samples["embeds"][idx]
+    chosen = time_order[idx]
+    latents = samples["all_latents"][rows[idx], chosen]  # [b, k, C, H, W]
+    next_latents = samples["all_latents"][rows[idx], chosen + 1]
+    timesteps = samples["timesteps"][rows[idx], chosen]
+    old_log_probs = samples["log_probs"][rows[idx], chosen]
+    adv = samples["advantages"][idx]
+    # Timesteps go through the UNet `timestep_batch` at a time, flattened into the batch
+    # (sample-major): the loss of a chunk is the mean of its per-step losses, so weighting it
+    # by chunk / k gives exactly the gradient of one-step-at-a-time accumulation.
+    for j0 in range(0, k, config.timestep_batch):
+        js = slice(j0, min(j0 + config.timestep_batch, k))
+        c = js.stop - js.start
+        sync = last_of_update and js.stop == k
+        lat = latents[:, js].flatten(0, 1)
+        nxt = next_latents[:, js].flatten(0, 1)
+        ts = timesteps[:, js].flatten()
+        cond = embeds.repeat_interleave(c, dim=0)
+        uncond = negative_embed.expand(len(lat), -1, -1)
+        with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
+            with accelerator.autocast():
+                pred = guided_noise_prediction(train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+            mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, config.eta)
+            log_prob = gaussian_log_prob(nxt, mean, std)
+            loss, metrics = ddpo_clipped_loss(
+                log_prob, old_log_probs[:, js].flatten(), adv.repeat_interleave(c), config.clip_range, config.adv_clip_max
+            )
+            if config.kl_coef > 0:
+                with torch.no_grad(), accelerator.autocast():
+                    if reference is None:
+                        with disabled_adapter(unet):
+                            ref_pred = guided_noise_prediction(unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                    else:
+                        ref_pred = guided_noise_prediction(reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                ref_mean, _ = ddim_step_mean_std(scheduler, ref_pred, ts, lat, config.eta)
+                kl = gaussian_mean_kl(mean, ref_mean, std).mean()
+                loss = loss + config.kl_coef * kl
+                metrics["kl_to_reference"] = kl.detach()
+            if not torch.isfinite(loss):
+                raise TrainingStopped("non-finite DDPO loss; stopped before the update (lower --learning_rate)")
+            accelerator.backward(loss * (len(idx) * c / (k * per_update)))
+        for key, value in {"loss": loss.detach(), **metrics}.items():
+            stats.setdefault(key, []).append(float(value))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -719,7 +756,7 @@ Weights: {weights}.
 | epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
 | advantages | {config.advantage} |
 | PPO | clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef} |
-| learning rate | {config.learning_rate} |
+| learning rate | {config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps) |
 | reward mean, first epoch | {first.get('reward_mean', float('nan')):.4f} |
 | reward mean, last epoch | {last.get('reward_mean', float('nan')):.4f} |
 """

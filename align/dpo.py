@@ -110,6 +110,7 @@ class DPOConfig:
     eval_judge: str | None = None  # defaults to --reward
     eval_seed: int = 1234
     eval_images_per_prompt: int = 1  # seeds per held-out prompt (more: a smaller standard error)
+    eval_batch_size: int = 8  # images per pipeline call in the evaluation (each image's seed fixes it, not the batching)
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
@@ -143,7 +144,8 @@ class DPOConfig:
             )
         if not 0.0 <= self.caption_dropout < 1.0:
             raise ConfigError(f"--caption_dropout must be in [0, 1), got {self.caption_dropout}")
-        for name in ("max_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank", "eval_images_per_prompt"):
+        for name in ("max_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank", "eval_images_per_prompt",
+                     "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:

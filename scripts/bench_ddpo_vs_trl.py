@@ -9,17 +9,22 @@ per-prompt statistics. Ours trains through the merged LoRA forward (`lora_merged
 gradients as PEFT's layers; `--peft-forward` turns it off). Each runs in its own process (TRL from its own virtual environment,
 because TRL removed DDPOTrainer in 0.24); the first epoch is a warm-up and is not timed.
 Reported: samples per second (sampling + reward + PPO update, per epoch), peak memory
-(peak resident set size on CPU, peak allocated CUDA memory on a GPU) and the untimed first epoch
+(peak resident set size on CPU, peak allocated CUDA memory on a GPU), on Linux the peak of anonymous
+resident memory (RssAnon polled every 10 ms while each trainer loads and runs) and the untimed first epoch
 (with --compile-sampling it holds the compilation).
 
-TRL 0.23.1 lives in a separate virtual environment, by default /tmp/trl023-venv:
+TRL 0.23.1 lives in a separate virtual environment, by default /tmp/trl023-shared, that holds only TRL
+and reads every other package from this project's environment:
 
-    python -m venv /tmp/trl023-venv
-    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft scipy
+    python -m venv /tmp/trl023-shared
+    /tmp/trl023-shared/bin/pip install --no-deps trl==0.23.1
+    python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > /tmp/trl023-shared/lib/python3.11/site-packages/project.pth
 
-scipy is there so that both processes load the same libraries: transformers imports it whenever it is
-installed (~55 MB of resident memory), and this project depends on it. Use the torch and diffusers
-versions of this environment (on CPU the `torch==<the Makefile's pin>` wheel).
+(run the last line with this project's python). Both trainers then map the very same library files.
+Peak resident memory counts the pages of shared libraries mapped into the process, and two byte-identical
+copies of the same torch wheel measured 45 MB apart after `import torch` alone (224 vs 269 MB, mostly
+libtorch's resident pages), so separate installs are not a fair memory comparison;
+the bench warns when the two processes load torch from different files.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ import os
 import resource
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRL_PYTHON = "/tmp/trl023-venv/bin/python"
+DEFAULT_TRL_PYTHON = "/tmp/trl023-shared/bin/python"
 
 
 def parse_args(argv=None):
@@ -76,6 +82,37 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+class AnonymousMemoryPeak:
+    """Peak of the process's anonymous resident memory (RssAnon: tensors, heap; no library pages),
+    polled every 10 ms from /proc on Linux. Library pages count in peak RSS, but how many of them are
+    resident depends on the files' history (module docstring), so this is the steadier comparison."""
+
+    def __init__(self):
+        import threading
+
+        self.peak_kb, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+        if Path("/proc/self/status").is_file():
+            self.thread.start()
+
+    def poll(self) -> None:
+        while not self.stop.wait(0.01):
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    self.peak_kb = max(self.peak_kb, int(line.split()[1]))
+
+    def mb(self) -> float | None:
+        self.stop.set()
+        return self.peak_kb / 1024 if self.peak_kb else None
+
+
+def loaded_libraries() -> dict:
+    """Where torch came from and whether scipy was loaded: both change resident memory (module docstring)."""
+    import torch
+
+    return {"torch_file": torch.__file__, "scipy_loaded": "scipy" in sys.modules}
+
+
 def prompts_for(n: int) -> list[str]:
     from align.testbed.scene import sample_captions
 
@@ -102,14 +139,15 @@ def run_ours(args) -> dict:
         stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch, cpu_threads=args.threads,
         compile_sampling=args.compile_sampling, lora_merged_forward=not args.peft_forward,
     )
+    anonymous = AnonymousMemoryPeak()
     ddpo.train(config)
     records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
     timed = records[1:] or records
     wall = sum(samples_per_epoch / r["samples_per_second"] for r in timed)
     cpu = sum(r["epoch_cpu_seconds"] for r in timed)
     return {"samples_per_s": samples_per_epoch * len(timed) / wall, "samples_per_cpu_s": samples_per_epoch * len(timed) / cpu,
-            "epochs_timed": len(timed), "peak_memory_mb": peak_memory_mb(args.device),
-            "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"], "scipy_loaded": "scipy" in sys.modules}
+            "epochs_timed": len(timed), "peak_memory_mb": peak_memory_mb(args.device), "peak_anonymous_mb": anonymous.mb(),
+            "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"], **loaded_libraries()}
 
 
 def run_trl(args) -> dict:
@@ -144,6 +182,7 @@ def run_trl(args) -> dict:
     from accelerate import PartialState
 
     PartialState()  # TRL's pipeline logs through accelerate before the trainer creates its Accelerator
+    anonymous = AnonymousMemoryPeak()
     pipeline = DefaultDDPOStableDiffusionPipeline(args.model, use_lora=True)
     pipeline.sd_pipeline.to(args.device)
     trainer = DDPOTrainer(config, reward_fn, prompt_fn, pipeline)
@@ -156,8 +195,9 @@ def run_trl(args) -> dict:
     first = 1 if args.epochs > 1 else 0
     samples = args.sample_batch_size * args.batches_per_epoch * (args.epochs - first)
     return {"samples_per_s": samples / sum(seconds[first:]), "samples_per_cpu_s": samples / sum(cpu_seconds[first:]),
-            "epochs_timed": args.epochs - first, "peak_memory_mb": peak_memory_mb(args.device), "trl_version": trl.__version__,
-            "first_epoch_s": seconds[0], "scipy_loaded": "scipy" in sys.modules}
+            "epochs_timed": args.epochs - first, "peak_memory_mb": peak_memory_mb(args.device), "peak_anonymous_mb": anonymous.mb(),
+            "trl_version": trl.__version__,
+            "first_epoch_s": seconds[0], **loaded_libraries()}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -210,9 +250,10 @@ def main(argv=None) -> None:
     if not trl_python.is_file():
         raise SystemExit(
             f"TRL 0.23.1 virtual environment not found: {trl_python} does not exist.\n"
-            "TRL removed DDPOTrainer in 0.24, so it needs its own environment:\n"
-            "    python -m venv /tmp/trl023-venv\n"
-            "    /tmp/trl023-venv/bin/pip install trl==0.23.1 torch diffusers transformers accelerate peft scipy\n"
+            "TRL removed DDPOTrainer in 0.24, so it needs its own environment (see this script's docstring):\n"
+            "    python -m venv /tmp/trl023-shared\n"
+            "    /tmp/trl023-shared/bin/pip install --no-deps trl==0.23.1\n"
+            f"    echo {sysconfig.get_paths()['purelib']} > /tmp/trl023-shared/lib/python3.11/site-packages/project.pth\n"
             "then rerun, or pass --trl-python /path/to/that/venv/bin/python"
         )
     with tempfile.TemporaryDirectory(prefix="bench_ddpo_") as tmp:
@@ -233,13 +274,20 @@ def main(argv=None) -> None:
         ours = child(sys.executable, "ours", args, work)
         theirs = child(str(trl_python), "trl", args, work)
     rows = [("align/ddpo.py", ours), (f"TRL {theirs['trl_version']} DDPOTrainer", theirs)]
-    print(f"{'trainer':<28}{'samples/s':>11}{'samples/CPU-s':>15}{'peak memory (MB)':>18}{'first epoch (s)':>17}")
+    anon = ours["peak_anonymous_mb"] is not None and theirs["peak_anonymous_mb"] is not None
+    print(f"{'trainer':<28}{'samples/s':>11}{'samples/CPU-s':>15}{'peak memory (MB)':>18}"
+          f"{'peak anonymous (MB)':>21}{'first epoch (s)':>17}")
     for name, r in rows:
-        print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}{r['first_epoch_s']:>17.1f}")
+        print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}"
+              f"{r['peak_anonymous_mb'] or float('nan'):>21.0f}{r['first_epoch_s']:>17.1f}")
     print(f"ours / TRL: throughput {ours['samples_per_s'] / theirs['samples_per_s']:.2f}x (wall), "
           f"{ours['samples_per_cpu_s'] / theirs['samples_per_cpu_s']:.2f}x (per CPU-second); "
-          f"peak memory {ours['peak_memory_mb'] / theirs['peak_memory_mb']:.2f}x")
+          f"peak memory {ours['peak_memory_mb'] / theirs['peak_memory_mb']:.2f}x"
+          + (f", peak anonymous memory {ours['peak_anonymous_mb'] / theirs['peak_anonymous_mb']:.2f}x" if anon else ""))
     print("(samples/CPU-s is the steadier number on a shared machine; on a GPU read samples/s)")
+    if ours["torch_file"] != theirs["torch_file"]:
+        print(f"warning: the two processes loaded torch from different files ({ours['torch_file']} vs "
+              f"{theirs['torch_file']}): resident memory then differs by tens of MB for the same work (module docstring)")
     if ours["scipy_loaded"] != theirs["scipy_loaded"]:
         print(f"warning: scipy was loaded by {'ours' if ours['scipy_loaded'] else 'TRL'} only (transformers imports it when "
               "installed, ~55 MB): install the same packages in both environments to compare memory")

@@ -28,6 +28,17 @@ def test_group_advantages_normalise_within_each_prompt():
     np.testing.assert_allclose(adv[[1, 3]], [0.0, 0.0])  # a constant group has no signal
 
 
+def test_constant_sets_give_exactly_zero_advantages():
+    # 0.1 x 3 does not sum to 0.3 in floats: a mean-based zero would be float dust divided by EPS
+    # (~1e-11); the trainer skips exactly-zero advantages, so constant sets must give 0.0 itself.
+    flat = np.full(3, 0.1)
+    assert np.all(group_advantages(["a"] * 3, flat) == 0.0)
+    assert np.all(batch_advantages(flat) == 0.0)
+    tracker = PerPromptStatTracker(buffer_size=3, min_count=3)
+    assert np.all(tracker.update(["a"] * 3, flat) == 0.0)  # the prompt's full buffer is constant
+    assert np.all(tracker.update(["b", "b"], np.full(2, 0.7)) == 0.0)  # batch fallback, constant batch
+
+
 def test_tracker_falls_back_to_batch_statistics_below_min_count():
     tracker = PerPromptStatTracker(buffer_size=4, min_count=3)
     prompts = ["a", "a", "b"]

@@ -180,6 +180,33 @@ def test_resume_gives_identical_weights(tiny_model, prompt_file, tmp_path):
     assert [r["step"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())] == [1, 2]
 
 
+def test_a_run_stopped_mid_schedule_resumes_its_learning_rate(tiny_model, prompt_file, tmp_path, monkeypatch):
+    # 3 optimiser steps under a linear decay from 1e-2; the run dies right after its first checkpoint.
+    class Crash(Exception):
+        pass
+
+    save = ddpo.save_ddpo_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        save(*args, **kwargs)
+        raise Crash
+
+    schedule = dict(num_epochs=3, lr_scheduler="linear")
+    straight = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "a", **schedule))
+    monkeypatch.setattr(ddpo, "save_ddpo_checkpoint", save_then_crash)
+    with pytest.raises(Crash):
+        ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "b", **schedule))
+    monkeypatch.setattr(ddpo, "save_ddpo_checkpoint", save)
+    resumed = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "b", resume="latest", **schedule))
+    lrs = [r["lr"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())]
+    assert lrs == pytest.approx([2 / 3 * 1e-2, 1 / 3 * 1e-2, 0.0])  # the rate after each epoch's step
+    a = load_file(straight / "final" / "pytorch_lora_weights.safetensors")
+    b = load_file(resumed / "final" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def test_full_finetune_with_kl_and_group_advantages(tiny_model, prompt_file, tmp_path):
     config = small_config(
         tiny_model, prompt_file, tmp_path / "full", finetune="full", kl_coef=0.1, advantage="group",
@@ -236,6 +263,7 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
     "overrides, message",
     [
         (dict(eta=0.0), "--eta must be > 0"),
+        (dict(lr_scheduler="exponential"), "--lr_scheduler must be one of"),
         (dict(timestep_fraction=0.0), "--timestep_fraction must be in (0, 1]"),
         (dict(timestep_fraction=1.5), "--timestep_fraction must be in (0, 1]"),
         (dict(reward="no-such-judge"), "unknown judge 'no-such-judge'"),
@@ -442,6 +470,45 @@ def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, k
     assert any(g.abs().sum() > 0 for g in one)
     for a, b in zip(one, batched):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range):
+    """The formula directly: mean of the PPO terms of every sample at every timestep, zero advantages included."""
+    from align.losses import ddpo_clipped_loss
+    from align.sampling import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+
+    n, steps = samples["timesteps"].shape
+    lat = samples["all_latents"][:, :steps].flatten(0, 1)
+    nxt = samples["all_latents"][:, 1:].flatten(0, 1)
+    ts = samples["timesteps"].flatten()
+    cond = samples["embeds"].repeat_interleave(steps, dim=0)
+    pred = guided_noise_prediction(unet, lat, ts, cond, negative.expand(len(lat), -1, -1), 3.0)
+    mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, 1.0)
+    loss, _ = ddpo_clipped_loss(gaussian_log_prob(nxt, mean, std), samples["log_probs"].flatten(),
+                                samples["advantages"].repeat_interleave(steps), clip_range)
+    return torch.autograd.grad(loss, params)
+
+
+def test_zero_advantage_samples_skip_the_unet_with_the_same_gradient(tiny_model):
+    unet, params, scheduler, samples, negative = _lora_unet_and_samples(tiny_model)
+    samples["advantages"] = torch.tensor([1.5, 0.0, -2.0, 0.0])
+    seen_rows = []
+    hook = unet.register_forward_pre_hook(lambda module, args: seen_rows.append(len(args[0])))
+    skipped = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 4, 0.0)
+    hook.remove()
+    # 2 informative samples x 4 timesteps, doubled for guidance: half the rows of all 4 samples
+    assert sum(seen_rows) == 2 * 4 * 2
+    expected = _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range=0.5)
+    assert any(g.abs().sum() > 0 for g in expected)
+    for a, b in zip(expected, skipped):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_an_update_whose_advantages_are_all_zero_still_steps_with_a_zero_gradient(tiny_model):
+    unet, params, scheduler, samples, negative = _lora_unet_and_samples(tiny_model)
+    samples["advantages"] = torch.zeros(4)
+    gradient = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 4, 0.0)
+    assert all(g is not None and torch.count_nonzero(g) == 0 for g in gradient)
 
 
 def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file, capsys):

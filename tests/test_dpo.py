@@ -122,6 +122,39 @@ def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, pro
     assert (before - after).abs().max() > 1e-4
 
 
+def test_evaluation_batches_with_the_lora_merged_and_scores_as_unbatched_generation(tiny_model, tmp_path):
+    from types import SimpleNamespace
+
+    from align.pipeline import add_lora
+    from align.training import evaluate_model
+
+    class MeanPixel:
+        name = "mean-pixel"
+
+        def score(self, prompts, images):
+            return images.mean(dim=(1, 2, 3))
+
+    pipe = load_pipeline(tiny_model)
+    add_lora(pipe.unet, rank=4)
+    torch.manual_seed(0)
+    for name, p in pipe.unet.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.3)  # an adapter that changes the images
+    weights = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    (tmp_path / "held_out.txt").write_text("a red circle\na blue square\na green triangle\n")
+    config = SimpleNamespace(eval_prompts=str(tmp_path / "held_out.txt"), eval_images_per_prompt=2, eval_seed=5,
+                             num_validation_images=1, eval_batch_size=4)
+    mean = evaluate_model(pipe, MeanPixel(), config, 2, 2.0, tmp_path / "eval.json", "after")
+    record = json.loads((tmp_path / "eval.json").read_text())
+    # one image per call through PEFT's unmerged layers: the reference
+    expected = [float(generate_images(pipe, [p], [s], num_inference_steps=2, guidance_scale=2.0, batch_size=1).mean())
+                for p, s in zip(record["prompts"], record["seeds"])]
+    assert record["seeds"] == [5, 6, 7, 8, 9, 10]
+    assert record["scores"] == pytest.approx(expected, abs=1e-4) and mean == pytest.approx(sum(expected) / 6, abs=1e-4)
+    for key, value in pipe.unet.state_dict().items():  # the merge is undone bit for bit
+        assert torch.equal(value, weights[key]), key
+
+
 def test_dataset_run_full_finetune(tiny_model, pair_parquet, tmp_path):
     run = dpo.train(small_config(tiny_model, tmp_path / "run", dataset=pair_parquet, finetune="full", learning_rate=1e-4))
     assert (run / "final" / "unet" / "config.json").is_file()
