@@ -125,14 +125,19 @@ def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, pro
 def test_evaluation_batches_with_the_lora_merged_and_scores_as_unbatched_generation(tiny_model, tmp_path):
     from types import SimpleNamespace
 
-    from align.pipeline import add_lora
+    from align.pipeline import add_lora, disabled_adapter
     from align.training import evaluate_model
 
-    class MeanPixel:
-        name = "mean-pixel"
+    class PixelProjection:
+        """A fixed random projection of the pixels: any change to an image moves its score."""
+
+        name = "pixel-projection"
 
         def score(self, prompts, images):
-            return images.mean(dim=(1, 2, 3))
+            weights = torch.randn(images[0].numel(), generator=torch.Generator().manual_seed(0))
+            return images.flatten(1) @ weights
+
+    judge = PixelProjection()
 
     pipe = load_pipeline(tiny_model)
     add_lora(pipe.unet, rank=4)
@@ -144,13 +149,19 @@ def test_evaluation_batches_with_the_lora_merged_and_scores_as_unbatched_generat
     (tmp_path / "held_out.txt").write_text("a red circle\na blue square\na green triangle\n")
     config = SimpleNamespace(eval_prompts=str(tmp_path / "held_out.txt"), eval_images_per_prompt=2, eval_seed=5,
                              num_validation_images=1, eval_batch_size=4)
-    mean = evaluate_model(pipe, MeanPixel(), config, 2, 2.0, tmp_path / "eval.json", "after")
+    mean = evaluate_model(pipe, judge, config, 2, 2.0, tmp_path / "eval.json", "after")
     record = json.loads((tmp_path / "eval.json").read_text())
-    # one image per call through PEFT's unmerged layers: the reference
-    expected = [float(generate_images(pipe, [p], [s], num_inference_steps=2, guidance_scale=2.0, batch_size=1).mean())
-                for p, s in zip(record["prompts"], record["seeds"])]
+
+    def one_image_score(prompt, seed):  # one image per call, through PEFT's unmerged layers: the reference
+        return float(judge.score([prompt], generate_images(pipe, [prompt], [seed], num_inference_steps=2,
+                                                           guidance_scale=2.0, batch_size=1))[0])
+
+    expected = [one_image_score(p, s) for p, s in zip(record["prompts"], record["seeds"])]
+    with disabled_adapter(pipe.unet):
+        adapter_off = one_image_score(record["prompts"][0], 5)
+    assert abs(adapter_off - expected[0]) > 0.05  # the adapter matters, so a wrong merge would show
     assert record["seeds"] == [5, 6, 7, 8, 9, 10]
-    assert record["scores"] == pytest.approx(expected, abs=1e-4) and mean == pytest.approx(sum(expected) / 6, abs=1e-4)
+    assert record["scores"] == pytest.approx(expected, abs=1e-3) and mean == pytest.approx(sum(expected) / 6, abs=1e-3)
     for key, value in pipe.unet.state_dict().items():  # the merge is undone bit for bit
         assert torch.equal(value, weights[key]), key
 
