@@ -638,13 +638,13 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
     term weighted 1 / (per_update x k), so an update's gradient is the mean over all its samples' terms."""
     device = accelerator.device
     k = config.num_train_timesteps
-    rows = torch.arange(len(samples["timesteps"]))[:, None]
+    rows = idx[:, None]  # each sample's row, against its k chosen steps
     embeds = samples["embeds"][idx]
     chosen = time_order[idx]
-    latents = samples["all_latents"][rows[idx], chosen]  # [b, k, C, H, W]
-    next_latents = samples["all_latents"][rows[idx], chosen + 1]
-    timesteps = samples["timesteps"][rows[idx], chosen]
-    old_log_probs = samples["log_probs"][rows[idx], chosen]
+    latents = samples["all_latents"][rows, chosen]  # [b, k, C, H, W]
+    next_latents = samples["all_latents"][rows, chosen + 1]
+    timesteps = samples["timesteps"][rows, chosen]
+    old_log_probs = samples["log_probs"][rows, chosen]
     adv = samples["advantages"][idx]
     # Timesteps go through the UNet `timestep_batch` at a time, flattened into the batch
     # (sample-major): the loss of a chunk is the mean of its per-step losses, so weighting it
