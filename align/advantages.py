@@ -5,6 +5,8 @@
   statistics of the whole batch before that.
 - ``group`` (GRPO / Flow-GRPO): normalised by the mean and std of the rewards of the same prompt
   in this batch only (the group of samples drawn for one prompt).
+- ``group-mean`` (Dr. GRPO): the reward minus its group's mean, not divided by the group's std, so a
+  group whose rewards differ by a little does not weigh as much as one whose rewards differ by a lot.
 - ``batch``: normalised by the whole batch's mean and std.
 """
 
@@ -14,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-MODES = ("per-prompt", "group", "batch")
+MODES = ("per-prompt", "group", "group-mean", "batch")
 EPS = 1e-6  # guards the division when a reference set's std is tiny
 
 
@@ -30,19 +32,31 @@ def standardise(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return (values - reference.mean()) / (reference.std() + EPS)
 
 
+def centre(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """values - mean of the reference set; exactly 0 for a constant reference set (see standardise)."""
+    reference = np.asarray(reference, dtype=np.float64)
+    if reference.max() == reference.min():
+        return np.zeros_like(values, dtype=np.float64)
+    return values - reference.mean()
+
+
 def batch_advantages(rewards: np.ndarray) -> np.ndarray:
     rewards = np.asarray(rewards, dtype=np.float64)
     return standardise(rewards, rewards)
 
 
-def group_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray:
-    """(r - mean of its prompt's group) / (std of the group + eps), within this batch."""
+def group_advantages(prompts: list[str], rewards: np.ndarray, divide_by_std: bool = True) -> np.ndarray:
+    """(r - mean of its prompt's group) / (std of the group + eps), within this batch.
+
+    divide_by_std=False: r - mean of the group only (Dr. GRPO).
+    """
     rewards = np.asarray(rewards, dtype=np.float64)
     prompts_arr = np.asarray(prompts, dtype=object)
     advantages = np.zeros_like(rewards)
+    normalise = standardise if divide_by_std else centre
     for prompt in dict.fromkeys(prompts):
         mask = prompts_arr == prompt
-        advantages[mask] = standardise(rewards[mask], rewards[mask])
+        advantages[mask] = normalise(rewards[mask], rewards[mask])
     return advantages
 
 
@@ -100,6 +114,8 @@ def compute_advantages(
         return tracker.update(prompts, rewards)
     if mode == "group":
         return group_advantages(prompts, rewards)
+    if mode == "group-mean":
+        return group_advantages(prompts, rewards, divide_by_std=False)
     if mode == "batch":
         return batch_advantages(rewards)
     raise ValueError(f"unknown advantage mode {mode!r}; valid: {', '.join(MODES)}")

@@ -50,6 +50,7 @@ from align.sampling import (  # noqa: E402
 )
 from align.training import (  # noqa: E402
     TrainingStopped,
+    check_lr_schedule,
     evaluate_model,
     load_prompt_list,
     register_trainable_checkpoint_hooks,
@@ -102,7 +103,7 @@ class DDPOConfig:
     # sampler's own per-step noise, the actions the policy gradient credits, not from the starting point.
     shared_group_noise: bool = False
     # --- advantages
-    advantage: str = "per-prompt"  # per-prompt (DDPO stat tracking), group (GRPO), or batch
+    advantage: str = "per-prompt"  # per-prompt (DDPO stat tracking), group (GRPO), group-mean (Dr. GRPO: no std division), or batch
     stat_buffer_size: int = 32  # per-prompt reward buffer (ddpo-pytorch: 16-32)
     stat_min_count: int = 16  # below this many rewards a prompt uses the batch statistics
     # --- objective (paper: PPO-clip, no KL)
@@ -167,13 +168,7 @@ class DDPOConfig:
                 raise ConfigError(
                     f"--tail_steps must be between 1 and the {self.num_untrained_timesteps} untrained steps, got {self.tail_steps}"
                 )
-        from diffusers.optimization import SchedulerType
-
-        schedules = [t.value for t in SchedulerType]
-        if self.lr_scheduler not in schedules:
-            raise ConfigError(f"--lr_scheduler must be one of {', '.join(schedules)}, got {self.lr_scheduler!r}")
-        if self.lr_warmup_steps < 0:
-            raise ConfigError(f"--lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.advantage not in MODES:
@@ -207,8 +202,8 @@ class DDPOConfig:
             )
         if self.shared_group_noise and self.images_per_prompt < 2:
             raise ConfigError("--shared_group_noise needs --images_per_prompt >= 2 (a group shares one starting noise)")
-        if self.advantage == "group" and self.images_per_prompt < 2:
-            raise ConfigError("--advantage group needs --images_per_prompt >= 2 (a group per prompt)")
+        if self.advantage in ("group", "group-mean") and self.images_per_prompt < 2:
+            raise ConfigError(f"--advantage {self.advantage} needs --images_per_prompt >= 2 (a group per prompt)")
 
     @property
     def num_train_timesteps(self) -> int:

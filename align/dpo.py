@@ -33,6 +33,7 @@ from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse 
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.training import (  # noqa: E402
     TrainingStopped,
+    check_lr_schedule,
     evaluate_model,
     load_judge,
     load_prompt_list,
@@ -150,6 +151,7 @@ class DPOConfig:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
 
 
 

@@ -29,6 +29,17 @@ def load_prompt_list(spec: str) -> list[str]:
     return prompts
 
 
+def check_lr_schedule(name: str, warmup_steps: int) -> None:
+    """--lr_scheduler names one of diffusers' get_scheduler schedules; --lr_warmup_steps is >= 0."""
+    from diffusers.optimization import SchedulerType
+
+    schedules = [t.value for t in SchedulerType]
+    if name not in schedules:
+        raise ConfigError(f"--lr_scheduler must be one of {', '.join(schedules)}, got {name!r}")
+    if warmup_steps < 0:
+        raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
+
+
 def load_judge(spec: str):
     """evaluate.load_judge (load, then fail fast on a missing API key or a rejected model id) with one message."""
     from align.evaluate import load_judge as load_ready_judge

@@ -3,10 +3,12 @@
     python scripts/testbed_headroom.py                    # 200 held-out captions (seed 777), seeds 0..199
     python scripts/testbed_headroom.py --model runs/testbed-dpo      # a run folder
 
-Three rows, each the mean oracle score and the share of facts that hold per category (pooled over
+Three rows (four with --stochastic-eta), each the mean oracle score and the share of facts that hold per category (pooled over
 captions): the true renders (1.0 by construction), the true renders encoded and decoded by the
 pipeline's VAE (the best a trainer that only changes the UNet can hope for, if its latents were the
-encoder's), and the model's own generations with the testbed's sampling settings.
+encoder's), and the model's own generations with the testbed's sampling settings. --stochastic-eta E
+adds the generations of DDPO's training sampler: η = E on the noisiest --stochastic-steps steps, the
+rest deterministic (`deterministic_tail`), from the same starting noise.
 """
 
 from __future__ import annotations
@@ -32,11 +34,36 @@ def facts_held_by_category(details: list[dict]) -> dict[str, float]:
     return {category: h / c for category, (h, c) in held.items() if c}
 
 
+@torch.no_grad()
+def stochastic_generations(pipe, captions, seeds, settings, eta: float, stochastic_steps: int, batch_size: int = 50):
+    """Images from DDPO's sampler: η on the first stochastic_steps steps, η = 0 after; noise per image seed."""
+    from align.pipeline import decode_latents, encode_prompts
+    from align.sampling import sample_with_logprob
+
+    negative = encode_prompts(pipe, [""])
+    shape = (pipe.unet.config.in_channels, pipe.unet.config.sample_size, pipe.unet.config.sample_size)
+    out = []
+    for start in range(0, len(captions), batch_size):
+        batch, batch_seeds = captions[start:start + batch_size], seeds[start:start + batch_size]
+        noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in batch_seeds])
+        step_noise = torch.Generator().manual_seed(batch_seeds[0])
+        trajectory = sample_with_logprob(
+            pipe.unet, pipe.scheduler, encode_prompts(pipe, batch), negative.expand(len(batch), -1, -1),
+            num_inference_steps=settings["num_inference_steps"], guidance_scale=settings["guidance_scale"],
+            eta=eta, latents=noise, generator=step_noise, stochastic_steps=stochastic_steps,
+        )
+        out.append(decode_latents(pipe, trajectory.final_latents))
+    return torch.cat(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="testbed", help="testbed, a pipeline folder or a run's final/ folder")
     p.add_argument("--captions", default="testbed:200:777")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stochastic-eta", type=float, default=None,
+                   help="also score DDPO's training sampler with this η (e.g. 0.7, configs/testbed_ddpo.yaml's)")
+    p.add_argument("--stochastic-steps", type=int, default=10, help="its stochastic (noisiest) steps; the rest η = 0")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
@@ -61,6 +88,9 @@ def main(argv=None):
                                 guidance_scale=settings["guidance_scale"], batch_size=50)
 
     rows = [("true renders", renders), ("renders through the VAE", round_trip), ("model generations", generated)]
+    if args.stochastic_eta is not None:
+        stochastic = stochastic_generations(pipe, captions, seeds, settings, args.stochastic_eta, args.stochastic_steps)
+        rows.append((f"eta {args.stochastic_eta:g}, {args.stochastic_steps} noisy steps", stochastic))
     categories = None
     for name, images in rows:
         scores, details = oracle.score_with_details(captions, images)

@@ -28,6 +28,14 @@ def test_group_advantages_normalise_within_each_prompt():
     np.testing.assert_allclose(adv[[1, 3]], [0.0, 0.0])  # a constant group has no signal
 
 
+def test_group_mean_advantages_centre_without_dividing_by_the_std():
+    prompts = ["a", "b", "a", "b", "a"]
+    rewards = np.array([1.0, 10.0, 3.0, 10.0, 2.5])
+    adv = compute_advantages("group-mean", prompts, rewards)
+    np.testing.assert_allclose(adv, [1.0 - 6.5 / 3, 0.0, 3.0 - 6.5 / 3, 0.0, 2.5 - 6.5 / 3])
+    assert np.all(compute_advantages("group-mean", ["a"] * 3, np.full(3, 0.1)) == 0.0)  # exactly, not float dust
+
+
 def test_constant_sets_give_exactly_zero_advantages():
     # 0.1 x 3 does not sum to 0.3 in floats: a mean-based zero would be float dust divided by EPS
     # (~1e-11); the trainer skips exactly-zero advantages, so constant sets must give 0.0 itself.

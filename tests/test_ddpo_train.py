@@ -274,6 +274,7 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
         (dict(samples_per_epoch=5), "--samples_per_epoch (5) must be a multiple"),
         (dict(train_batch_size=3), "must be a multiple of --train_batch_size"),
         (dict(advantage="group"), "--images_per_prompt >= 2"),
+        (dict(advantage="group-mean"), "--advantage group-mean needs --images_per_prompt >= 2"),
         (dict(reward="first-image"), "pairwise-only"),
         (dict(clip_range=0.0), "--clip_range must be > 0"),
         (dict(finetune="half"), "--finetune must be full or lora"),

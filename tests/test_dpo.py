@@ -340,6 +340,8 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
         "unknown config key": (["--config", str(bad_yaml)] + common + ["--dataset", pair_parquet], "unknown key(s) learning_rat"),
         "beta not positive": (common + ["--dataset", pair_parquet, "--beta", "0"], "--beta must be a positive number"),
         "no held-out seeds": (common + ["--dataset", pair_parquet, "--eval_images_per_prompt", "0"], "--eval_images_per_prompt must be >= 1"),
+        "unknown lr schedule": (common + ["--dataset", pair_parquet, "--lr_scheduler", "exponential"], "--lr_scheduler must be one of"),
+        "negative warm-up": (common + ["--dataset", pair_parquet, "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be >= 0"),
         "rounds with a dataset": (common + ["--dataset", pair_parquet, "--feedback_rounds", "2"], "--feedback_rounds > 1 needs --reward"),
         "steps not a multiple of rounds": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "3", "--max_steps", "4"], "must be a multiple of --feedback_rounds"),
         "more rounds than prompts": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "4", "--max_steps", "4"], "fewer prompts than --feedback_rounds"),

@@ -214,6 +214,27 @@ def test_headroom_script_scores_renders_perfectly_and_the_base_models_generation
     assert 0.0 <= generations < vae_round_trip  # the bundled model is imperfect on purpose
 
 
+def test_headroom_scripts_stochastic_sampler_reduces_to_the_pipelines_sampler_without_noisy_steps(capsys):
+    from align.evaluate import EvalConfig, sampling_settings
+    from align.pipeline import generate_images, load_trained
+
+    testbed_headroom = load_script("testbed_headroom")
+    pipe = load_trained("testbed")
+    pipe.set_progress_bar_config(disable=True)
+    settings = sampling_settings(EvalConfig(), "testbed")
+    captions, seeds = ["a red circle", "two blue squares"], [3, 4]
+    pipeline_images = generate_images(pipe, captions, seeds, num_inference_steps=settings["num_inference_steps"],
+                                      guidance_scale=settings["guidance_scale"])
+    deterministic = testbed_headroom.stochastic_generations(pipe, captions, seeds, settings, eta=0.7, stochastic_steps=0)
+    torch.testing.assert_close(deterministic, pipeline_images, atol=1e-4, rtol=0)  # same starting noise, η = 0 throughout
+    noisy = testbed_headroom.stochastic_generations(pipe, captions, seeds, settings, eta=0.7, stochastic_steps=10)
+    assert (noisy - pipeline_images).abs().max() > 0.05
+
+    testbed_headroom.main(["--captions", "testbed:4:777", "--stochastic-eta", "0.7"])
+    rows = [line[:26].strip() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows[-1] == "eta 0.7, 10 noisy steps"
+
+
 # ---------------------------------------------------------------- the build script's caption noise
 
 
