@@ -130,6 +130,8 @@ class DDPOConfig:
     # diffusers' get_scheduler over all optimiser steps: constant (paper), constant_with_warmup, linear, cosine, ...
     lr_scheduler: str = "constant"
     lr_warmup_steps: int = 0
+    # LoRA+ (Hayou et al. 2024): the lora_B matrices learn at this multiple of learning_rate (1 = plain LoRA)
+    lora_plus_ratio: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_weight_decay: float = 1e-4
@@ -171,6 +173,10 @@ class DDPOConfig:
         check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
+        if not (self.lora_plus_ratio > 0 and math.isfinite(self.lora_plus_ratio)):
+            raise ConfigError(f"--lora_plus_ratio must be a positive number, got {self.lora_plus_ratio}")
+        if self.lora_plus_ratio != 1.0 and self.finetune != "lora":
+            raise ConfigError("--lora_plus_ratio applies to LoRA's B matrices only (--finetune lora)")
         if self.advantage not in MODES:
             raise ConfigError(f"--advantage must be one of {', '.join(MODES)}, got {self.advantage!r}")
         if self.mixed_precision not in ("no", "fp16", "bf16"):
@@ -448,8 +454,12 @@ def train(config: DDPOConfig) -> Path:
             flush=True,
         )
 
+    lora_b = {id(p) for name, p in unet.named_parameters() if p.requires_grad and ".lora_B." in name}
+    param_groups = [{"params": [p for p in params if id(p) not in lora_b], "lr": config.learning_rate}]
+    if lora_b:
+        param_groups.append({"params": [p for p in params if id(p) in lora_b], "lr": config.learning_rate * config.lora_plus_ratio})
     optimizer = torch.optim.AdamW(
-        params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+        param_groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
     )
     lr_scheduler = get_scheduler(
@@ -731,6 +741,7 @@ def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
         if config.finetune == "lora"
         else "a diffusers `unet/` folder"
     )
+    lora_plus = f"; LoRA B matrices x {config.lora_plus_ratio:g} (LoRA+)" if config.lora_plus_ratio != 1.0 else ""
     tail = ""
     if config.deterministic_tail:
         tail_steps = config.tail_steps or config.num_untrained_timesteps
@@ -751,7 +762,7 @@ Weights: {weights}.
 | epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
 | advantages | {config.advantage} |
 | PPO | clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef} |
-| learning rate | {config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps) |
+| learning rate | {config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps{lora_plus}) |
 | reward mean, first epoch | {first.get('reward_mean', float('nan')):.4f} |
 | reward mean, last epoch | {last.get('reward_mean', float('nan')):.4f} |
 """

@@ -36,7 +36,8 @@ def facts_held_by_category(details: list[dict]) -> dict[str, float]:
 
 @torch.no_grad()
 def stochastic_generations(pipe, captions, seeds, settings, eta: float, stochastic_steps: int, batch_size: int = 50):
-    """Images from DDPO's sampler: η on the first stochastic_steps steps, η = 0 after; noise per image seed."""
+    """Images from DDPO's sampler: η on the first stochastic_steps steps, η = 0 after. The starting noise comes
+    from each image's seed (as in generate_images); the steps' noise from one generator per batch."""
     from align.pipeline import decode_latents, encode_prompts
     from align.sampling import sample_with_logprob
 

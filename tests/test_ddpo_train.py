@@ -259,6 +259,24 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
     assert record["reward_mean"] == pytest.approx(0.5)  # win rates in groups of two average 1/2
 
 
+def test_lora_plus_ratio_scales_the_lora_B_learning_rate(tiny_model, prompt_file, tmp_path):
+    # One AdamW step from a fresh state moves each weight by lr x g / (|g| + eps), and lora_B starts at 0,
+    # so lora_A's gradient is 0 on that step: A stays where it started and B lands on ratio x lr x sign(g).
+    one_step = dict(num_epochs=1, gradient_accumulation_steps=2, adam_weight_decay=0.0, learning_rate=1e-3)
+    plain = load_file(ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "plain", **one_step)) / "final" / "pytorch_lora_weights.safetensors")
+    plus_run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "plus", lora_plus_ratio=3.0, **one_step))
+    plus = load_file(plus_run / "final" / "pytorch_lora_weights.safetensors")
+    assert "LoRA B matrices x 3 (LoRA+)" in (plus_run / "final" / "README.md").read_text()  # the model card says so
+    b_keys = [k for k in plain if ".lora.up." in k]  # diffusers' file names B "up" and A "down"
+    assert b_keys and len(b_keys) * 2 == len(plain)
+    for key in plain:
+        if key in b_keys:
+            torch.testing.assert_close(plus[key], 3.0 * plain[key], rtol=1e-5, atol=1e-9)
+        else:
+            torch.testing.assert_close(plus[key], plain[key], rtol=0, atol=0)
+    assert max(float(plain[k].abs().max()) for k in b_keys) == pytest.approx(1e-3, rel=1e-4)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -278,6 +296,8 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
         (dict(reward="first-image"), "pairwise-only"),
         (dict(clip_range=0.0), "--clip_range must be > 0"),
         (dict(finetune="half"), "--finetune must be full or lora"),
+        (dict(lora_plus_ratio=0.0), "--lora_plus_ratio must be a positive number"),
+        (dict(finetune="full", lora_plus_ratio=4.0), "--lora_plus_ratio applies to LoRA's B matrices only"),
         (dict(timestep_selection="late"), "--timestep_selection must be one of random, high_noise"),
         (dict(shared_group_noise=True), "--shared_group_noise needs --images_per_prompt >= 2"),
         (dict(deterministic_tail=True), "--deterministic_tail needs --timestep_selection high_noise"),
