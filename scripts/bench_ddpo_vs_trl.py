@@ -2,6 +2,7 @@
 
     python scripts/bench_ddpo_vs_trl.py                        # CPU, the testbed-architecture pipeline
     python scripts/bench_ddpo_vs_trl.py --model testbed --epochs 4 --device cuda
+    python scripts/bench_ddpo_vs_trl.py --timestep-batch 4 --epochs 5 --rounds 3   # median of 3 alternating rounds
 
 Both trainers get the same pipeline folder, reward (JPEG compressibility, a rule judge), prompts,
 sampling settings (DDIM steps, η, guidance), LoRA rank, batch sizes, timestep fraction and
@@ -51,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     p.add_argument("--epochs", type=int, default=3, help="epochs per trainer; the first is a warm-up")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run both trainers this many times, alternating which goes first, and report the median ratio "
+                        "(a shared or throttled machine drifts by tens of percent between runs)")
     p.add_argument("--steps", type=int, default=20, help="DDIM steps")
     p.add_argument("--guidance", type=float, default=4.0)
     p.add_argument("--eta", type=float, default=1.0)
@@ -215,6 +219,40 @@ def build_pipeline_folder(folder: Path) -> str:
     return str(folder)
 
 
+def ratios(ours: dict, theirs: dict) -> dict:
+    out = {key: ours[key] / theirs[key] for key in ("samples_per_s", "samples_per_cpu_s", "peak_memory_mb")}
+    if ours["peak_anonymous_mb"] is not None and theirs["peak_anonymous_mb"] is not None:
+        out["peak_anonymous_mb"] = ours["peak_anonymous_mb"] / theirs["peak_anonymous_mb"]
+    return out
+
+
+def print_round(ours: dict, theirs: dict) -> None:
+    rows = [("align/ddpo.py", ours), (f"TRL {theirs['trl_version']} DDPOTrainer", theirs)]
+    print(f"{'trainer':<28}{'samples/s':>11}{'samples/CPU-s':>15}{'peak memory (MB)':>18}"
+          f"{'peak anonymous (MB)':>21}{'first epoch (s)':>17}")
+    for name, r in rows:
+        print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}"
+              f"{r['peak_anonymous_mb'] or float('nan'):>21.0f}{r['first_epoch_s']:>17.1f}")
+    q = ratios(ours, theirs)
+    print(f"ours / TRL: throughput {q['samples_per_s']:.2f}x (wall), {q['samples_per_cpu_s']:.2f}x (per CPU-second); "
+          f"peak memory {q['peak_memory_mb']:.2f}x"
+          + (f", peak anonymous memory {q['peak_anonymous_mb']:.2f}x" if "peak_anonymous_mb" in q else ""), flush=True)
+
+
+def print_median(rounds: list[tuple[dict, dict]]) -> None:
+    """Median and range of each round's ratio: both trainers of a round ran back to back on the same machine."""
+    import statistics
+
+    per_round = [ratios(ours, theirs) for ours, theirs in rounds]
+    parts = []
+    for key, label in (("samples_per_cpu_s", "throughput per CPU-second"), ("samples_per_s", "wall throughput"),
+                       ("peak_memory_mb", "peak memory"), ("peak_anonymous_mb", "peak anonymous memory")):
+        values = [r[key] for r in per_round if key in r]
+        if values:
+            parts.append(f"{label} {statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})")
+    print(f"median over {len(rounds)} rounds (range): " + "; ".join(parts))
+
+
 def child(python: str, which: str, args, workdir: Path) -> dict:
     argv = [python, str(Path(__file__).resolve()), "--only", which, "--workdir", str(workdir)]
     for key, value in vars(args).items():
@@ -271,20 +309,18 @@ def main(argv=None) -> None:
             f"ours: {args.timestep_batch} timestep(s) per UNet call{', compiled sampling' if args.compile_sampling else ''}{', PEFT LoRA forward' if args.peft_forward else ', merged LoRA forward'} | LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
             flush=True,
         )
-        ours = child(sys.executable, "ours", args, work)
-        theirs = child(str(trl_python), "trl", args, work)
-    rows = [("align/ddpo.py", ours), (f"TRL {theirs['trl_version']} DDPOTrainer", theirs)]
-    anon = ours["peak_anonymous_mb"] is not None and theirs["peak_anonymous_mb"] is not None
-    print(f"{'trainer':<28}{'samples/s':>11}{'samples/CPU-s':>15}{'peak memory (MB)':>18}"
-          f"{'peak anonymous (MB)':>21}{'first epoch (s)':>17}")
-    for name, r in rows:
-        print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}"
-              f"{r['peak_anonymous_mb'] or float('nan'):>21.0f}{r['first_epoch_s']:>17.1f}")
-    print(f"ours / TRL: throughput {ours['samples_per_s'] / theirs['samples_per_s']:.2f}x (wall), "
-          f"{ours['samples_per_cpu_s'] / theirs['samples_per_cpu_s']:.2f}x (per CPU-second); "
-          f"peak memory {ours['peak_memory_mb'] / theirs['peak_memory_mb']:.2f}x"
-          + (f", peak anonymous memory {ours['peak_anonymous_mb'] / theirs['peak_anonymous_mb']:.2f}x" if anon else ""))
+        rounds = []
+        for index in range(args.rounds):
+            order = ("ours", "trl") if index % 2 == 0 else ("trl", "ours")
+            got = {which: child(sys.executable if which == "ours" else str(trl_python), which, args, work) for which in order}
+            rounds.append((got["ours"], got["trl"]))
+            if args.rounds > 1:
+                print(f"round {index + 1} of {args.rounds} ({order[0]} first):")
+            print_round(*rounds[-1])
+    if args.rounds > 1:
+        print_median(rounds)
     print("(samples/CPU-s is the steadier number on a shared machine; on a GPU read samples/s)")
+    ours, theirs = rounds[0]
     if ours["torch_file"] != theirs["torch_file"]:
         print(f"warning: the two processes loaded torch from different files ({ours['torch_file']} vs "
               f"{theirs['torch_file']}): resident memory then differs by tens of MB for the same work (module docstring)")
