@@ -20,8 +20,8 @@ MODES = ("per-prompt", "group", "group-mean", "batch")
 EPS = 1e-6  # guards the division when a reference set's std is tiny
 
 
-def standardise(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """(values - mean) / (std + eps) of the reference set, which holds the values.
+def centre(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """values - mean of the reference set, which holds the values.
 
     A constant reference set gives exactly 0, not float dust: its samples carry no preference, and
     the trainer skips zero-advantage samples in the update (their gradient is exactly zero).
@@ -29,15 +29,12 @@ def standardise(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
     reference = np.asarray(reference, dtype=np.float64)
     if reference.max() == reference.min():
         return np.zeros_like(values, dtype=np.float64)
-    return (values - reference.mean()) / (reference.std() + EPS)
-
-
-def centre(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """values - mean of the reference set; exactly 0 for a constant reference set (see standardise)."""
-    reference = np.asarray(reference, dtype=np.float64)
-    if reference.max() == reference.min():
-        return np.zeros_like(values, dtype=np.float64)
     return values - reference.mean()
+
+
+def standardise(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """(values - mean) / (std + eps) of the reference set; exactly 0 for a constant one (see centre)."""
+    return centre(values, reference) / (np.std(reference) + EPS)
 
 
 def batch_advantages(rewards: np.ndarray) -> np.ndarray:

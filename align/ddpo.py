@@ -454,10 +454,11 @@ def train(config: DDPOConfig) -> Path:
             flush=True,
         )
 
-    lora_b = {id(p) for name, p in unet.named_parameters() if p.requires_grad and ".lora_B." in name}
-    param_groups = [{"params": [p for p in params if id(p) not in lora_b], "lr": config.learning_rate}]
-    if lora_b:
-        param_groups.append({"params": [p for p in params if id(p) in lora_b], "lr": config.learning_rate * config.lora_plus_ratio})
+    param_groups = [{"params": params}]
+    if config.lora_plus_ratio != 1.0:  # only then a second group: plain runs keep the optimiser layout their checkpoints hold
+        lora_b = {id(p) for name, p in unet.named_parameters() if p.requires_grad and ".lora_B." in name}
+        param_groups = [{"params": [p for p in params if id(p) not in lora_b]},
+                        {"params": [p for p in params if id(p) in lora_b], "lr": config.learning_rate * config.lora_plus_ratio}]
     optimizer = torch.optim.AdamW(
         param_groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
