@@ -13,8 +13,9 @@ The algorithm box, per epoch:
     3. advantages: gather rewards from all processes, normalise them per prompt (DDPO's stat
        tracker) or per group (GRPO), give each process its share back;
     4. train: for each inner epoch, shuffle samples and, per sample, the order of its timesteps;
-       for a fraction of the timesteps re-score the stored step under the current model and take
-       the PPO-clip loss (plus, optionally, the KL to the reference model, as Flow-GRPO does);
+       for a fraction of the timesteps (``--branch_sampling``: each chain's one noisy step) re-score
+       the stored step under the current model and take the PPO-clip loss (plus, optionally, the
+       KL to the reference model, as Flow-GRPO does);
        gradients accumulate over the timesteps and ``gradient_accumulation_steps`` batches.
 """
 
@@ -46,6 +47,7 @@ from align.sampling import (  # noqa: E402
     ddim_step_mean_std,
     gaussian_log_prob,
     guided_noise_prediction,
+    sample_branched_with_logprob,
     sample_with_logprob,
 )
 from align.training import (  # noqa: E402
@@ -120,6 +122,11 @@ class DDPOConfig:
     # DDIM steps for that deterministic tail (None: the schedule's own). Fewer is faster (MixGRPO-Flash),
     # but the judge then scores images from a coarser sampler than the one evaluated.
     tail_steps: int | None = None
+    # Trajectory branching (TempFlow-GRPO): a group's chains share their starting noise and run
+    # deterministic DDIM (η = 0) except at one step, drawn per group from the trained window
+    # (timestep_fraction, timestep_selection), where each chain draws its own noise; only that step
+    # is trained. Reward differences in a group then belong to that one step.
+    branch_sampling: bool = False
     timestep_batch: int = 1  # trained timesteps per UNet call (1 = one at a time; more: faster, more memory, same gradient)
     # --- optimisation (paper: AdamW, lr 3e-4, LoRA)
     num_epochs: int = 100
@@ -170,6 +177,13 @@ class DDPOConfig:
                 raise ConfigError(
                     f"--tail_steps must be between 1 and the {self.num_untrained_timesteps} untrained steps, got {self.tail_steps}"
                 )
+        if self.branch_sampling:
+            if self.images_per_prompt < 2:
+                raise ConfigError("--branch_sampling needs --images_per_prompt >= 2 (a group branches from one chain)")
+            if self.deterministic_tail:
+                raise ConfigError(
+                    "--branch_sampling already samples every step but the branch step with eta 0; drop --deterministic_tail"
+                )
         check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
@@ -214,6 +228,16 @@ class DDPOConfig:
     @property
     def num_train_timesteps(self) -> int:
         return max(1, int(self.num_inference_steps * self.timestep_fraction))
+
+    @property
+    def trained_steps_per_sample(self) -> int:
+        """Steps of each chain that the update trains: its one noisy step when branching."""
+        return 1 if self.branch_sampling else self.num_train_timesteps
+
+    @property
+    def branch_window(self) -> int:
+        """With branch_sampling: a group branches at one of the first this many steps of the chain."""
+        return self.num_train_timesteps if self.timestep_selection == "high_noise" else self.num_inference_steps
 
     @property
     def num_untrained_timesteps(self) -> int:
@@ -316,6 +340,12 @@ def initial_noise(batch: int, latent_shape, config: DDPOConfig, gen: torch.Gener
     return groups.repeat_interleave(config.images_per_prompt, dim=0)
 
 
+def branch_steps(groups: int, config: DDPOConfig, gen: torch.Generator) -> torch.Tensor:
+    """[groups] the step at which each group branches: uniform over the trained window (high_noise:
+    the first num_train_timesteps steps of the chain; random: any step)."""
+    return torch.randint(config.branch_window, (groups,), generator=gen)
+
+
 def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
     """Sample num_batches batches; rewards are computed in the background as each batch finishes.
 
@@ -329,14 +359,24 @@ def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, proce
             gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
             batch_prompts = draw_prompts(prompts, config, gen)
             embeds = encode_prompts(pipe, batch_prompts)
-            noise = initial_noise(len(batch_prompts), latent_shape, config, gen).to(embeds.device, embeds.dtype)
-            trajectory = sample_with_logprob(
-                sampler, pipe.scheduler, embeds, negative_embed.expand(len(batch_prompts), -1, -1),
-                num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
-                eta=config.eta, latents=noise, generator=gen,
-                stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None,
-                tail_steps=config.tail_steps,
-            )
+            negative = negative_embed.expand(len(batch_prompts), -1, -1)
+            if config.branch_sampling:
+                groups = len(batch_prompts) // config.images_per_prompt
+                noise = torch.randn((groups, *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
+                trajectory = sample_branched_with_logprob(
+                    sampler, pipe.scheduler, embeds, negative,
+                    num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
+                    eta=config.eta, group_latents=noise, branch_steps=branch_steps(groups, config, gen), generator=gen,
+                )
+            else:
+                noise = initial_noise(len(batch_prompts), latent_shape, config, gen).to(embeds.device, embeds.dtype)
+                trajectory = sample_with_logprob(
+                    sampler, pipe.scheduler, embeds, negative,
+                    num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
+                    eta=config.eta, latents=noise, generator=gen,
+                    stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None,
+                    tail_steps=config.tail_steps,
+                )
             images = decode_latents(pipe, trajectory.final_latents).cpu()
             futures.append(background.submit(batch_prompts, images))
             batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
@@ -447,7 +487,8 @@ def train(config: DDPOConfig) -> Path:
             f"[ddpo] samples per epoch: {config.samples_per_epoch} = {config.sample_batch_size} per batch x "
             f"{num_batches} batches x {accelerator.num_processes} processes | images per prompt: {config.images_per_prompt} | "
             f"train batch: {config.train_batch_size} x {config.gradient_accumulation_steps} accumulation x "
-            f"{config.num_train_timesteps}/{config.num_inference_steps} timesteps | optimiser steps per epoch: "
+            f"{config.trained_steps_per_sample}/{config.num_inference_steps} timesteps"
+            f"{' (branch sampling)' if config.branch_sampling else ''} | optimiser steps per epoch: "
             f"{updates_per_epoch * config.num_inner_epochs} | epochs: {config.num_epochs} | finetune: {config.finetune} "
             f"({sum(p.numel() for p in params):,} trainable parameters) | reward: {config.reward} | "
             f"advantage: {config.advantage} | kl_coef: {config.kl_coef}",
@@ -610,7 +651,11 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
     """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
     n, steps_total = samples["timesteps"].shape
     order = torch.randperm(n, generator=gen)
-    time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
+    if config.branch_sampling:
+        # Each chain's one noisy step: the only one with a log-probability.
+        time_order = torch.isfinite(samples["log_probs"]).to(torch.uint8).argmax(dim=1, keepdim=True)
+    else:
+        time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
     per_update = config.train_batch_size * config.gradient_accumulation_steps
     updates = 0
     for u0 in range(0, n, per_update):
@@ -643,7 +688,7 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
     """Forward and backward of the samples `idx` at their trained timesteps; gradients accumulate, each
     term weighted 1 / (per_update x k), so an update's gradient is the mean over all its samples' terms."""
     device = accelerator.device
-    k = config.num_train_timesteps
+    k = time_order.shape[1]
     rows = idx[:, None]  # each sample's row, against its k chosen steps
     embeds = samples["embeds"][idx]
     chosen = time_order[idx]
@@ -747,6 +792,9 @@ def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
     if config.deterministic_tail:
         tail_steps = config.tail_steps or config.num_untrained_timesteps
         tail = f" on the first {config.num_train_timesteps} steps, then {tail_steps} deterministic (eta 0) steps"
+    if config.branch_sampling:
+        tail = (f" at one step per group of {config.images_per_prompt} (branching, among the first "
+                f"{config.branch_window}), eta 0 elsewhere")
     text = f"""---
 base_model: {config.model}
 tags: [text-to-image, diffusers, ddpo, reinforcement-learning]
@@ -759,7 +807,7 @@ Weights: {weights}.
 | setting | value |
 |---|---|
 | sampling | DDIM, {config.num_inference_steps} steps, eta {config.eta}{tail}, guidance {config.guidance_scale} |
-| trained steps per sample | {config.num_train_timesteps} ({config.timestep_selection}) |
+| trained steps per sample | {config.trained_steps_per_sample} ({config.timestep_selection}) |
 | epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
 | advantages | {config.advantage} |
 | PPO | clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef} |

@@ -252,6 +252,43 @@ def test_shared_group_noise_gives_each_group_one_starting_point(tiny_model, prom
     assert not torch.equal(independent[0], independent[1])
 
 
+def test_branch_sampling_run_trains_each_chain_at_its_groups_noisy_step(tiny_model, prompt_file, tmp_path):
+    config = small_config(tiny_model, prompt_file, tmp_path / "branch", branch_sampling=True, images_per_prompt=2,
+                          advantage="group", timestep_selection="high_noise", num_epochs=1, gradient_accumulation_steps=2)
+    steps = ddpo.branch_steps(1000, config, torch.Generator().manual_seed(0))
+    assert set(steps.tolist()) == {0, 1}  # the trained window: the 2 noisiest of 4 steps
+    config.timestep_selection = "random"
+    assert set(ddpo.branch_steps(1000, config, torch.Generator().manual_seed(0)).tolist()) == {0, 1, 2, 3}
+    config.timestep_selection = "high_noise"
+    run = ddpo.train(config)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    # On-policy, one step per chain: the re-scored log-probabilities are the sampled ones.
+    assert record["approx_kl"] < 1e-8 and record["clipfrac"] == 0.0
+    assert "branching" in (run / "final" / "README.md").read_text()
+
+
+def test_branch_sampling_update_is_the_ppo_gradient_of_each_chains_noisy_step(tiny_model):
+    from align.sampling import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+
+    unet, params, scheduler, samples, negative = _lora_unet_and_samples(tiny_model)
+    noisy_step = torch.tensor([2, 0, 3, 1])
+    rows = torch.arange(4)
+    with torch.no_grad():  # stored log-probs near the current ones, so that no PPO term is clipped
+        lat, ts = samples["all_latents"][rows, noisy_step], samples["timesteps"][rows, noisy_step]
+        pred = guided_noise_prediction(unet, lat, ts, samples["embeds"], negative.expand(4, -1, -1), 3.0)
+        mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, 1.0)
+        current = gaussian_log_prob(samples["all_latents"][rows, noisy_step + 1], mean, std)
+    only_noisy = torch.full_like(samples["log_probs"], float("nan"))
+    only_noisy[rows, noisy_step] = current + torch.tensor([0.05, -0.1, 0.02, 0.1])
+    samples["log_probs"] = only_noisy
+    got = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 1, 0.0, branch_sampling=True,
+                                images_per_prompt=2)
+    expected = _chosen_terms_gradient(unet, params, scheduler, samples, negative, noisy_step, clip_range=0.5)
+    assert any(g.abs().sum() > 0 for g in expected)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
 def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
     run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "pair", reward="first-image",
                                   images_per_prompt=2, num_epochs=1))
@@ -305,6 +342,9 @@ def test_lora_plus_ratio_scales_the_lora_B_learning_rate(tiny_model, prompt_file
         (dict(deterministic_tail=True, timestep_selection="high_noise", tail_steps=3),
          "--tail_steps must be between 1 and the 2 untrained steps, got 3"),
         (dict(eval_images_per_prompt=0), "--eval_images_per_prompt must be >= 1"),
+        (dict(branch_sampling=True), "--branch_sampling needs --images_per_prompt >= 2"),
+        (dict(branch_sampling=True, images_per_prompt=2, deterministic_tail=True, timestep_selection="high_noise"),
+         "--branch_sampling already samples every step but the branch step with eta 0"),
     ],
 )
 def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_path, capsys, overrides, message):
@@ -467,7 +507,7 @@ def _lora_unet_and_samples(tiny_model):
     return unet, params, scheduler, samples, negative
 
 
-def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef):
+def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef, **overrides):
     """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, every timestep)."""
     from accelerate import Accelerator
 
@@ -475,7 +515,7 @@ def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_b
 
     config = DDPOConfig(prompts="x", num_inference_steps=samples["timesteps"].shape[1], timestep_fraction=1.0, train_batch_size=2,
                         gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
-                        clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0)
+                        clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0, **overrides)
     optimizer = RecordingOptimizer(params)
     updates = ddpo.train_inner_epoch(config, Accelerator(cpu=True), unet, unet, None, optimizer, params, scheduler,
                                      samples, negative, torch.Generator().manual_seed(1), {}, disabled_adapter)
@@ -507,6 +547,22 @@ def _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range):
     mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, 1.0)
     loss, _ = ddpo_clipped_loss(gaussian_log_prob(nxt, mean, std), samples["log_probs"].flatten(),
                                 samples["advantages"].repeat_interleave(steps), clip_range)
+    return torch.autograd.grad(loss, params)
+
+
+def _chosen_terms_gradient(unet, params, scheduler, samples, negative, step_of_sample, clip_range):
+    """The formula for one trained step per sample: the mean PPO term over the samples at their steps."""
+    from align.losses import ddpo_clipped_loss
+    from align.sampling import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+
+    rows = torch.arange(len(step_of_sample))
+    lat = samples["all_latents"][rows, step_of_sample]
+    nxt = samples["all_latents"][rows, step_of_sample + 1]
+    ts = samples["timesteps"][rows, step_of_sample]
+    pred = guided_noise_prediction(unet, lat, ts, samples["embeds"], negative.expand(len(lat), -1, -1), 3.0)
+    mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, 1.0)
+    loss, _ = ddpo_clipped_loss(gaussian_log_prob(nxt, mean, std), samples["log_probs"][rows, step_of_sample],
+                                samples["advantages"], clip_range)
     return torch.autograd.grad(loss, params)
 
 
