@@ -53,8 +53,10 @@ from align.sampling import (  # noqa: E402
 from align.training import (  # noqa: E402
     TrainingStopped,
     check_lr_schedule,
+    check_periodic_evaluation,
     evaluate_model,
     load_prompt_list,
+    periodic_evaluation,
     register_trainable_checkpoint_hooks,
     save_checkpoint,
     save_image_row,
@@ -154,6 +156,7 @@ class DDPOConfig:
     eval_seed: int = 1234
     eval_images_per_prompt: int = 1  # seeds per held-out prompt (more: a smaller standard error)
     eval_batch_size: int = 8  # images per pipeline call in the evaluation (each image's seed fixes it, not the batching)
+    eval_every_epochs: int = 0  # > 0: also score the held-out prompts every N epochs (evals/, the report's held-out curve)
     num_validation_images: int = 4  # images per row of the before/after grids
 
     def validate(self) -> None:
@@ -185,6 +188,7 @@ class DDPOConfig:
                     "--branch_sampling already samples every step but the branch step with eta 0; drop --deterministic_tail"
                 )
         check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
+        check_periodic_evaluation("eval_every_epochs", self.eval_every_epochs, self.eval_prompts, self.eval_judge or self.reward)
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if not (self.lora_plus_ratio > 0 and math.isfinite(self.lora_plus_ratio)):
@@ -593,6 +597,10 @@ def train(config: DDPOConfig) -> Path:
             })
             if config.advantage == "per-prompt":
                 logs.update(tracker.stats())
+            if main and eval_judge is not None and config.eval_every_epochs and done % config.eval_every_epochs == 0 \
+                    and done < config.num_epochs:  # the last epoch's score is eval_after
+                logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.num_inference_steps,
+                                                            config.guidance_scale, run.path, done)
             if main:
                 run.log(done, logs)
                 progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", kl=f"{logs.get('approx_kl', 0):.2e}")

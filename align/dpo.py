@@ -34,9 +34,11 @@ from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E40
 from align.training import (  # noqa: E402
     TrainingStopped,
     check_lr_schedule,
+    check_periodic_evaluation,
     evaluate_model,
     load_judge,
     load_prompt_list,
+    periodic_evaluation,
     register_trainable_checkpoint_hooks,
     save_checkpoint,
     save_image_row,
@@ -112,6 +114,7 @@ class DPOConfig:
     eval_seed: int = 1234
     eval_images_per_prompt: int = 1  # seeds per held-out prompt (more: a smaller standard error)
     eval_batch_size: int = 8  # images per pipeline call in the evaluation (each image's seed fixes it, not the batching)
+    eval_every_steps: int = 0  # > 0: also score the held-out prompts every N steps (evals/, the report's held-out curve)
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
@@ -152,6 +155,7 @@ class DPOConfig:
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
         check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
+        check_periodic_evaluation("eval_every_steps", self.eval_every_steps, self.eval_prompts, self.eval_judge or self.reward)
 
 
 
@@ -480,6 +484,9 @@ def train(config: DPOConfig) -> Path:
         logs["lr"] = lr_scheduler.get_last_lr()[0]
         logs["pairs_per_second"] = pairs_per_step / (time.perf_counter() - step_start)
         done = step + 1
+        if main and eval_judge is not None and config.eval_every_steps and done % config.eval_every_steps == 0 \
+                and done < config.max_steps:  # the last step's score is eval_after
+            logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, steps, guidance, run.path, done)
         if main:
             run.log(done, logs)
             progress.set_postfix(loss=f"{logs['loss']:.4f}", acc=f"{logs.get('implicit_acc', float('nan')):.2f}")

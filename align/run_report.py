@@ -29,6 +29,14 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
         rows = [{"model": label, "mean score": r["mean"], "standard error": r.get("sem")} for label, r in results.items()]
         rows.append({"model": "change", "mean score": results["after"]["mean"] - results["before"]["mean"], "standard error": None})
         body = table_html(rows, digits=4)
+        during = sorted((run_dir / "evals").glob("step_*.json")) if (run_dir / "evals").is_dir() else []
+        if during:  # --eval_every_steps / --eval_every_epochs: the held-out score along the run
+            scored = [(int(p.stem.split("_")[1]), json.loads(p.read_text())) for p in during]
+            last_step = max([r["step"] for r in records] + [step for step, _ in scored])
+            points = [(0, results["before"]), *scored, (last_step, results["after"])]
+            curve = ([x for x, _ in points], [r["mean"] for _, r in points], [r.get("sem") or 0.0 for _, r in points])
+            body += img_tag(line_plot({"held-out score": curve}, title="held-out score (same prompts and seeds)",
+                                      xlabel="step", size=(4.0, 3.0)), alt="held-out score along the run")
         for label, path in (("before", before.with_suffix(".png")), ("after", after.with_suffix(".png"))):
             if path.is_file():
                 body += _image(path, f"{label}: the same prompts and seeds")

@@ -119,5 +119,24 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     return mean
 
 
+def check_periodic_evaluation(flag: str, every: int, eval_prompts: str | None, judge_spec: str | None) -> None:
+    """The held-out evaluation every N steps/epochs needs held-out prompts and a judge to score them."""
+    if every < 0:
+        raise ConfigError(f"--{flag} must be >= 0 (0: only before and after training), got {every}")
+    if every and not (eval_prompts and judge_spec):
+        raise ConfigError(f"--{flag} needs --eval_prompts and a judge to score them (--eval_judge or --reward)")
+
+
+def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_dir: Path, done: int) -> float:
+    """The held-out score after ``done`` steps (epochs for DDPO): evals/step_N.json and .png, scored
+    exactly as eval_before / eval_after (same prompts and seeds), with the UNet in eval mode."""
+    was_training = pipe.unet.training
+    pipe.unet.eval()
+    try:
+        return evaluate_model(pipe, judge, config, steps, guidance, run_dir / "evals" / f"step_{done:07d}.json", f"step {done}")
+    finally:
+        pipe.unet.train(was_training)
+
+
 def tracker_config(config) -> dict:
     return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in scrub_secrets(asdict(config)).items()}

@@ -168,6 +168,26 @@ def test_end_to_end_lora_run(tiny_model, prompt_file, tmp_path):
     assert any("lora" in name for name, _ in pipe.unet.named_parameters())
 
 
+def test_periodic_held_out_evaluation_scores_the_run_without_changing_its_training(tiny_model, prompt_file, tmp_path):
+    settings = dict(eval_prompts=prompt_file, num_epochs=3)
+    plain = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "plain", **settings))
+    run = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "evals", eval_every_epochs=1, **settings))
+    a = load_file(plain / "final" / "pytorch_lora_weights.safetensors")
+    b = load_file(run / "final" / "pytorch_lora_weights.safetensors")
+    for key in a:  # scoring mid-run leaves the training (RNG, weights, mode) as it was
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
+    assert sorted(p.name for p in (run / "evals").glob("*.json")) == ["step_0000001.json", "step_0000002.json"]
+    before = json.loads((run / "eval_before.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for epoch in (1, 2):
+        scored = json.loads((run / "evals" / f"step_{epoch:07d}.json").read_text())
+        assert scored["prompts"] == before["prompts"] and scored["seeds"] == before["seeds"]
+        assert records[epoch - 1]["heldout_score"] == scored["mean"]
+        assert scored["scores"] != before["scores"]  # the current weights, not the base model's
+    assert "heldout_score" not in records[2]  # the last epoch's score is eval_after.json
+    assert 'alt="held-out score along the run"' in (run / "report.html").read_text()
+
+
 def test_resume_gives_identical_weights(tiny_model, prompt_file, tmp_path):
     straight = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "a", num_epochs=2))
     ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "b", num_epochs=1))
@@ -342,6 +362,8 @@ def test_lora_plus_ratio_scales_the_lora_B_learning_rate(tiny_model, prompt_file
         (dict(deterministic_tail=True, timestep_selection="high_noise", tail_steps=3),
          "--tail_steps must be between 1 and the 2 untrained steps, got 3"),
         (dict(eval_images_per_prompt=0), "--eval_images_per_prompt must be >= 1"),
+        (dict(eval_every_epochs=1), "--eval_every_epochs needs --eval_prompts and a judge"),
+        (dict(eval_every_epochs=-1), "--eval_every_epochs must be >= 0"),
         (dict(branch_sampling=True), "--branch_sampling needs --images_per_prompt >= 2"),
         (dict(branch_sampling=True, images_per_prompt=2, deterministic_tail=True, timestep_selection="high_noise"),
          "--branch_sampling already samples every step but the branch step with eta 0"),

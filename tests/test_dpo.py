@@ -191,6 +191,25 @@ def test_resume_gives_identical_weights(tiny_model, pair_parquet, tmp_path):
     assert [r["step"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4]
 
 
+def test_periodic_held_out_evaluation_scores_the_run_without_changing_its_training(tiny_model, pair_parquet, prompt_file, tmp_path):
+    settings = dict(dataset=pair_parquet, eval_prompts=prompt_file, eval_judge="jpeg-compressibility")
+    plain = dpo.train(small_config(tiny_model, tmp_path / "plain", **settings))
+    run = dpo.train(small_config(tiny_model, tmp_path / "evals", eval_every_steps=2, **settings))
+    # Scoring the held-out prompts mid-run leaves the training (RNG, weights, mode) as it was.
+    a, b = _trainable(plain), _trainable(run)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
+    assert sorted(p.name for p in (run / "evals").glob("*.json")) == ["step_0000002.json"]  # step 4 is eval_after
+    during = json.loads((run / "evals" / "step_0000002.json").read_text())
+    before = json.loads((run / "eval_before.json").read_text())
+    assert during["prompts"] == before["prompts"] and during["seeds"] == before["seeds"]
+    assert during["scores"] != before["scores"]  # two steps of training changed the images
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("heldout_score") for r in records] == [None, during["mean"], None, None]
+    assert 'alt="held-out score along the run"' in (run / "report.html").read_text()
+    assert 'alt="held-out score along the run"' not in (plain / "report.html").read_text()
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_merged_lora_forward_gives_the_peft_loss(tiny_model, pair_parquet, tmp_path, checkpointing):
     # Step 2 runs through an adapter that step 1 trained (B is zero before), so its loss tells whether
@@ -342,6 +361,8 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
         "no held-out seeds": (common + ["--dataset", pair_parquet, "--eval_images_per_prompt", "0"], "--eval_images_per_prompt must be >= 1"),
         "unknown lr schedule": (common + ["--dataset", pair_parquet, "--lr_scheduler", "exponential"], "--lr_scheduler must be one of"),
         "negative warm-up": (common + ["--dataset", pair_parquet, "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be >= 0"),
+        "periodic evaluation without held-out prompts": (common + ["--dataset", pair_parquet, "--eval_every_steps", "2"], "--eval_every_steps needs --eval_prompts and a judge"),
+        "periodic evaluation without a judge": (common + ["--dataset", pair_parquet, "--eval_prompts", prompt_file, "--eval_every_steps", "2"], "--eval_every_steps needs --eval_prompts and a judge"),
         "rounds with a dataset": (common + ["--dataset", pair_parquet, "--feedback_rounds", "2"], "--feedback_rounds > 1 needs --reward"),
         "steps not a multiple of rounds": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "3", "--max_steps", "4"], "must be a multiple of --feedback_rounds"),
         "more rounds than prompts": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "4", "--max_steps", "4"], "fewer prompts than --feedback_rounds"),
