@@ -20,6 +20,7 @@ os.umask(_UMASK)
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
+EVALS = "evals"  # held-out scores during the run: step_N.json / .png
 
 # Keys whose values are never written anywhere; values that look like API keys are masked too.
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.IGNORECASE)
@@ -103,7 +104,7 @@ class RunFolder:
         """Create the folder (main process only). With --overwrite, clear old run outputs."""
         if self.overwrite:
             outputs = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
-                       "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png")
+                       "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS)
             for name in outputs:
                 target = self.path / name
                 if target.is_dir():
@@ -124,9 +125,14 @@ class RunFolder:
         return read_metrics(self.path)
 
     def truncate_metrics(self, after_step: int) -> None:
-        """On resume, drop metric lines logged after the checkpoint (they will be redone)."""
+        """On resume, drop metric lines and held-out evaluations (evals/) logged after the checkpoint
+        (they will be redone)."""
         kept = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
         atomic_write_text(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+        evals = self.path / EVALS
+        for scored in evals.glob("step_*.*") if evals.is_dir() else []:
+            if int(scored.stem.split("_")[1]) > after_step:
+                scored.unlink()
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / CHECKPOINTS / f"step_{step:07d}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from align.cli import ConfigError
-from align.runs import RunFolder, RunFolderError, atomic_write_text, scrub_secrets
+from align.runs import EVALS, RunFolder, RunFolderError, atomic_write_text, scrub_secrets
 
 
 class TrainingStopped(RuntimeError):
@@ -133,7 +133,7 @@ def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_di
     was_training = pipe.unet.training
     pipe.unet.eval()
     try:
-        return evaluate_model(pipe, judge, config, steps, guidance, run_dir / "evals" / f"step_{done:07d}.json", f"step {done}")
+        return evaluate_model(pipe, judge, config, steps, guidance, run_dir / EVALS / f"step_{done:07d}.json", f"step {done}")
     finally:
         pipe.unet.train(was_training)
 
