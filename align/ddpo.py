@@ -57,6 +57,7 @@ from align.training import (  # noqa: E402
     evaluate_model,
     load_prompt_list,
     periodic_evaluation,
+    periodic_evaluation_due,
     register_trainable_checkpoint_hooks,
     save_checkpoint,
     save_image_row,
@@ -597,8 +598,7 @@ def train(config: DDPOConfig) -> Path:
             })
             if config.advantage == "per-prompt":
                 logs.update(tracker.stats())
-            if main and eval_judge is not None and config.eval_every_epochs and done % config.eval_every_epochs == 0 \
-                    and done < config.num_epochs:  # the last epoch's score is eval_after
+            if main and periodic_evaluation_due(config.eval_every_epochs, done, config.num_epochs):
                 logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.num_inference_steps,
                                                             config.guidance_scale, run.path, done)
             if main:

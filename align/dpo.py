@@ -39,6 +39,7 @@ from align.training import (  # noqa: E402
     load_judge,
     load_prompt_list,
     periodic_evaluation,
+    periodic_evaluation_due,
     register_trainable_checkpoint_hooks,
     save_checkpoint,
     save_image_row,
@@ -484,8 +485,7 @@ def train(config: DPOConfig) -> Path:
         logs["lr"] = lr_scheduler.get_last_lr()[0]
         logs["pairs_per_second"] = pairs_per_step / (time.perf_counter() - step_start)
         done = step + 1
-        if main and eval_judge is not None and config.eval_every_steps and done % config.eval_every_steps == 0 \
-                and done < config.max_steps:  # the last step's score is eval_after
+        if main and periodic_evaluation_due(config.eval_every_steps, done, config.max_steps):
             logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, steps, guidance, run.path, done)
         if main:
             run.log(done, logs)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from align.report import Section, data_uri, img_tag, line_plot, paragraph, table_html, write_report
-from align.runs import EVALS, read_metrics
+from align.runs import EVALS, eval_step, read_metrics
 
 
 def _image(path: Path, alt: str) -> str:
@@ -31,7 +31,7 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
         body = table_html(rows, digits=4)
         during = sorted((run_dir / EVALS).glob("step_*.json")) if (run_dir / EVALS).is_dir() else []
         if during:  # --eval_every_steps / --eval_every_epochs: the held-out score along the run
-            scored = [(int(p.stem.split("_")[1]), json.loads(p.read_text())) for p in during]
+            scored = [(eval_step(p), json.loads(p.read_text())) for p in during]
             last_step = max([r["step"] for r in records] + [step for step, _ in scored])
             points = [(0, results["before"]), *scored, (last_step, results["after"])]
             curve = ([x for x, _ in points], [r["mean"] for _, r in points], [r.get("sem") or 0.0 for _, r in points])

@@ -22,6 +22,15 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
 
+
+def eval_file_name(step: int) -> str:
+    return f"step_{step:07d}.json"
+
+
+def eval_step(path: Path) -> int:
+    """The step of an evals/ file (step_N.json or its .png)."""
+    return int(path.stem.split("_")[1])
+
 # Keys whose values are never written anywhere; values that look like API keys are masked too.
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.IGNORECASE)
 _SECRET_VALUE = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|AIza[0-9A-Za-z_\-]{20,}|hf_[A-Za-z0-9]{20,})")
@@ -131,7 +140,7 @@ class RunFolder:
         atomic_write_text(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
         evals = self.path / EVALS
         for scored in evals.glob("step_*.*") if evals.is_dir() else []:
-            if int(scored.stem.split("_")[1]) > after_step:
+            if eval_step(scored) > after_step:
                 scored.unlink()
 
     def checkpoint_dir(self, step: int) -> Path:

@@ -290,14 +290,16 @@ def sample_branched_with_logprob(
     group_size = batch // groups
     scheduler.set_timesteps(num_inference_steps, device=group_latents.device)
     step_size = scheduler.config.num_train_timesteps // scheduler.num_inference_steps
-    group_of_row = torch.arange(batch, device=group_latents.device) // group_size
+    rows_all = torch.arange(batch, device=group_latents.device)
+    group_of_row = rows_all // group_size
     leader_of_row = group_of_row * group_size
+    is_leader = leader_of_row == rows_all
     branch_of_row = branch_steps.to(group_latents.device)[group_of_row]
     latents = (group_latents * scheduler.init_noise_sigma).repeat_interleave(group_size, dim=0)
     all_latents, log_probs = [latents], []
     for i, t in enumerate(scheduler.timesteps):
         # Rows still before their branch follow their group's first row; only it runs the UNet.
-        runs = (leader_of_row == torch.arange(batch, device=latents.device)) | (branch_of_row <= i)
+        runs = is_leader | (branch_of_row <= i)
         rows = runs.nonzero().squeeze(1)
         current = latents[rows]
         noise_pred = guided_noise_prediction(

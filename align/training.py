@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from align.cli import ConfigError
-from align.runs import EVALS, RunFolder, RunFolderError, atomic_write_text, scrub_secrets
+from align.runs import EVALS, RunFolder, RunFolderError, atomic_write_text, eval_file_name, scrub_secrets
 
 
 class TrainingStopped(RuntimeError):
@@ -127,13 +127,18 @@ def check_periodic_evaluation(flag: str, every: int, eval_prompts: str | None, j
         raise ConfigError(f"--{flag} needs --eval_prompts and a judge to score them (--eval_judge or --reward)")
 
 
+def periodic_evaluation_due(every: int, done: int, total: int) -> bool:
+    """Whether step (DDPO: epoch) ``done`` of ``total`` gets a held-out score; the last one is eval_after's."""
+    return every > 0 and done % every == 0 and done < total
+
+
 def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_dir: Path, done: int) -> float:
     """The held-out score after ``done`` steps (epochs for DDPO): evals/step_N.json and .png, scored
     exactly as eval_before / eval_after (same prompts and seeds), with the UNet in eval mode."""
     was_training = pipe.unet.training
     pipe.unet.eval()
     try:
-        return evaluate_model(pipe, judge, config, steps, guidance, run_dir / EVALS / f"step_{done:07d}.json", f"step {done}")
+        return evaluate_model(pipe, judge, config, steps, guidance, run_dir / EVALS / eval_file_name(done), f"step {done}")
     finally:
         pipe.unet.train(was_training)
 
