@@ -54,6 +54,7 @@ from align.training import (  # noqa: E402
     TrainingStopped,
     check_lr_schedule,
     check_periodic_evaluation,
+    end_training,
     evaluate_model,
     load_prompt_list,
     periodic_evaluation,
@@ -630,7 +631,8 @@ def train(config: DDPOConfig) -> Path:
 
         write_training_report(run.path, title=f"DDPO: {config.model}", metric_keys=("reward_mean", "approx_kl", "clipfrac", "policy_loss"))
     reward_fn.close()
-    accelerator.end_training()
+    del train_unet, optimizer, lr_scheduler
+    end_training(accelerator)
     return run.path
 
 

@@ -35,6 +35,7 @@ from align.training import (  # noqa: E402
     TrainingStopped,
     check_lr_schedule,
     check_periodic_evaluation,
+    end_training,
     evaluate_model,
     load_judge,
     load_prompt_list,
@@ -513,7 +514,8 @@ def train(config: DPOConfig) -> Path:
         write_run_report(run, config)
     for used in {id(j): j for j in (judge, eval_judge) if j is not None}.values():
         used.close()  # API judges print their token and cost counts here
-    accelerator.end_training()
+    del unet, optimizer, lr_scheduler
+    end_training(accelerator)
     return run.path
 
 

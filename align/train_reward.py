@@ -40,7 +40,7 @@ from align.reward_losses import (  # noqa: E402
     reliability_bins,
 )
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
-from align.training import TrainingStopped, register_trainable_checkpoint_hooks, save_checkpoint  # noqa: E402
+from align.training import TrainingStopped, end_training, register_trainable_checkpoint_hooks, save_checkpoint  # noqa: E402
 
 BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
@@ -524,7 +524,8 @@ def train(config: RewardTrainConfig) -> Path:
         write_training_report(run.path, title=f"Reward model: {config.model}",
                               metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"),
                               extra_sections=[calibration_section(meta, final / "reliability.png")])
-    accelerator.end_training()
+    del model, optimizer, scheduler
+    end_training(accelerator)
     return final
 
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the trainers (dpo.py, ddpo.py): prompts, judges, checkpoints, evaluation."""
+"""Pieces shared by the trainers (dpo.py, ddpo.py, train_reward.py): prompts, judges, checkpoints, evaluation."""
 
 from __future__ import annotations
 
@@ -145,3 +145,18 @@ def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_di
 
 def tracker_config(config) -> dict:
     return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in scrub_secrets(asdict(config)).items()}
+
+
+def end_training(accelerator) -> None:
+    """Close the trackers and the process group once accelerate has let go of the prepared objects.
+
+    A DDP model freed after its process group is destroyed tears the group down from its own
+    destructor, and under gloo that hung about every other 2-process CPU run at exit (the destructor,
+    run from Python, waits on gloo's loop thread for ever). Callers drop their own references to the
+    prepared model, optimiser and scheduler before calling this.
+    """
+    import gc
+
+    accelerator.free_memory()
+    gc.collect()  # DDP's hooks keep the wrapper in reference cycles
+    accelerator.end_training()

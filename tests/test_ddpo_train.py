@@ -488,6 +488,25 @@ def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
+def test_end_training_frees_the_prepared_model_before_the_process_group_goes():
+    # A DDP model that outlives its process group deadlocked 2-process gloo runs at exit (align/training.py).
+    import weakref
+
+    from accelerate import Accelerator
+
+    from align.training import end_training
+
+    accelerator = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    alive = weakref.ref(prepared)
+    del prepared, optimizer, model
+    assert alive() is not None  # accelerate still holds it
+    end_training(accelerator)
+    assert alive() is None and accelerator._models == []
+
+
 class RecordingOptimizer:
     """Stands in for the optimiser: records the accumulated gradients at each step."""
 
