@@ -59,10 +59,12 @@ def main(argv=None) -> None:
     p.add_argument("runs", nargs="+", type=Path, help="run folders of align/dpo.py or align/ddpo.py")
     p.add_argument("--best", type=float, default=1.0, help="the judge's best score (the shapes oracle: 1)")
     args = p.parse_args(argv)
+    from align.runs import CONFIG_FILE
+
     for run in args.runs:
-        config_file = run / "config.yaml"
+        config_file = run / CONFIG_FILE
         if not config_file.is_file():
-            raise SystemExit(f"{run} is not a run folder (no config.yaml)")
+            raise SystemExit(f"{run} is not a run folder (no {CONFIG_FILE})")
         repeats = yaml.safe_load(config_file.read_text()).get("eval_images_per_prompt", 1)
         if repeats < 2:
             raise SystemExit(f"{run}: eval_images_per_prompt is {repeats}; the split needs several seeds per caption")
