@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from align.report import Section, data_uri, img_tag, line_plot, paragraph, table_html, write_report
-from align.runs import EVALS, eval_step, read_metrics
+from align.runs import eval_step, held_out_evals, read_metrics
 
 
 def _image(path: Path, alt: str) -> str:
@@ -29,7 +29,7 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
         rows = [{"model": label, "mean score": r["mean"], "standard error": r.get("sem")} for label, r in results.items()]
         rows.append({"model": "change", "mean score": results["after"]["mean"] - results["before"]["mean"], "standard error": None})
         body = table_html(rows, digits=4)
-        during = sorted((run_dir / EVALS).glob("step_*.json")) if (run_dir / EVALS).is_dir() else []
+        during = held_out_evals(run_dir)
         if during:  # --eval_every_steps / --eval_every_epochs: the held-out score along the run
             scored = [(eval_step(p), json.loads(p.read_text())) for p in during]
             last_step = max([r["step"] for r in records] + [step for step, _ in scored])

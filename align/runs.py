@@ -31,6 +31,11 @@ def eval_step(path: Path) -> int:
     """The step of an evals/ file (step_N.json or its .png)."""
     return int(path.stem.split("_")[1])
 
+
+def held_out_evals(run_dir: str | Path) -> list[Path]:
+    """The held-out scores written during a run (evals/step_N.json), in step order."""
+    return sorted((Path(run_dir) / EVALS).glob("step_*.json"), key=eval_step)
+
 # Keys whose values are never written anywhere; values that look like API keys are masked too.
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.IGNORECASE)
 _SECRET_VALUE = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|AIza[0-9A-Za-z_\-]{20,}|hf_[A-Za-z0-9]{20,})")

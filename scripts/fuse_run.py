@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def fuse_run(run: str, out: Path, base: str | None = None) -> Path:
     """Save ``run``'s trained pipeline to ``out`` with any LoRA folded into the UNet weights."""
-    from align.pipeline import LORA_WEIGHTS, base_of, load_trained, resolve_model
+    from align.pipeline import base_of, load_trained, resolve_model
     from align.testbed.weights import TESTBED_SETTINGS_FILE
 
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty: choose a new folder")
     pipe = load_trained(run, base=base)
-    if (Path(run) / "final" / LORA_WEIGHTS).is_file() or (Path(run) / LORA_WEIGHTS).is_file():
+    if pipe.get_active_adapters():  # a LoRA run (a full fine-tune has none)
         pipe.fuse_lora()
         pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     pipe.save_pretrained(out)

@@ -46,10 +46,10 @@ def gap_parts(scores, images_per_prompt: int, best: float = 1.0) -> dict[str, fl
 
 def eval_files(run: Path) -> list[tuple[str, Path]]:
     """The run's held-out evaluations in training order."""
-    from align.runs import EVALS, eval_step
+    from align.runs import eval_step, held_out_evals
 
     files = [("before", run / "eval_before.json")]
-    files += [(f"step {eval_step(p)}", p) for p in sorted((run / EVALS).glob("*.json"), key=eval_step)]
+    files += [(f"step {eval_step(p)}", p) for p in held_out_evals(run)]
     files.append(("after", run / "eval_after.json"))
     return [(label, path) for label, path in files if path.is_file()]
 
