@@ -39,6 +39,7 @@ if __package__ in (None, ""):
 
 from align.advantages import MODES, PerPromptStatTracker, compute_advantages  # noqa: E402
 from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.compiled_sampling import CompileError  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
@@ -93,9 +94,10 @@ class DDPOConfig:
     lora_merged_forward: bool = False
     mixed_precision: str = "no"  # no, fp16 (paper), bf16
     cpu_threads: int | None = None  # torch CPU threads (None = torch's default); 1 is fastest on a busy CPU
-    # torch.compile the UNet for the no-grad sampling chain (fixed shapes: one compilation, about a
-    # minute on a CPU, then ~1.6x faster sampling on the testbed). Not the training step: with torch
-    # 2.13 on a CPU inductor's backward is wrong for some UNets (scripts/check_compiled_backward.py).
+    # Compile the UNet for the no-grad sampling chain ahead of time, in a child process
+    # (align/compiled_sampling.py: ~30 CPU-s once, then a testbed sampling forward takes 36 ms instead
+    # of 52; with --finetune full, torch.compile in process). Not the training step: with torch 2.13
+    # on a CPU inductor's backward is wrong for some UNets (scripts/check_compiled_backward.py).
     compile_sampling: bool = False
     # --- sampling (paper: 50 DDIM steps, η = 1, guidance 5)
     num_inference_steps: int = 50
@@ -484,7 +486,7 @@ def train(config: DDPOConfig) -> Path:
         unet.requires_grad_(True)
         reference = frozen_copy(unet) if config.kl_coef > 0 else None
     params = [p for p in unet.parameters() if p.requires_grad]
-    sampling_unet = torch.compile(unet) if config.compile_sampling else unet
+    sampling_unet = unet
 
     samples_per_process = config.samples_per_epoch // accelerator.num_processes
     updates_per_epoch = samples_per_process // (config.train_batch_size * config.gradient_accumulation_steps)
@@ -518,6 +520,21 @@ def train(config: DDPOConfig) -> Path:
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     tracker = PerPromptStatTracker(config.stat_buffer_size, config.stat_min_count)
     negative_embed = encode_prompts(pipe, [""])
+    if config.compile_sampling and config.finetune == "full":
+        # Every weight trains, and compiling ahead of time bakes some small ones into the code.
+        sampling_unet = torch.compile(unet)
+    elif config.compile_sampling:  # after the LoRA is added: the compiled code reads the UNet's weights at each call
+        from align.compiled_sampling import PACKAGE_FILE, CompiledSamplingUNet, SamplingShapes, ensure_package
+
+        rows = config.sample_batch_size * (1 if config.guidance_scale == 1.0 else 2)
+        shapes = SamplingShapes((rows, *latent_shape), (rows,), (rows, *negative_embed.shape[1:]), str(negative_embed.dtype))
+        if main:
+            ensure_package(config.model, shapes, accelerator.device, run.path / "compiled")
+        accelerator.wait_for_everyone()
+        sampling_unet = CompiledSamplingUNet(run.path / "compiled" / PACKAGE_FILE, unet, shapes)
+        error = sampling_unet.check_against_eager()
+        if main:
+            print(f"[ddpo] compiled sampling UNet for {rows} rows; relative difference from eager {error:.1e}", flush=True)
 
     # Resume: weights, optimiser and the reward statistics; the epoch seeds do the rest.
     start_epoch, global_step = 0, 0
@@ -834,7 +851,7 @@ def main(argv: list[str] | None = None) -> None:
         train(config)
     except (ConfigError, RunFolderError) as err:
         die(str(err))
-    except (TrainingStopped, RewardError) as err:
+    except (TrainingStopped, RewardError, CompileError) as err:
         die(str(err), code=3)
     except Exception as err:  # data/model errors with their own clear messages
         from align.data import DataError

@@ -11,8 +11,9 @@ gradients as PEFT's layers; `--peft-forward` turns it off). Each runs in its own
 because TRL removed DDPOTrainer in 0.24); the first epoch is a warm-up and is not timed.
 Reported: samples per second (sampling + reward + PPO update, per epoch), peak memory
 (peak resident set size on CPU, peak allocated CUDA memory on a GPU), on Linux the peak of anonymous
-resident memory (RssAnon polled every 10 ms while each trainer loads and runs) and the untimed first epoch
-(with --compile-sampling it holds the compilation).
+resident memory (RssAnon polled every 10 ms while each trainer loads and runs) and the untimed first epoch.
+With --compile-sampling our sampling UNet is compiled ahead of time by a child process before the first
+epoch (align/compiled_sampling.py); that one-time cost is printed beside, in CPU-seconds, not in the throughput.
 
 TRL 0.23.1 lives in a separate virtual environment, by default /tmp/trl023-shared, that holds only TRL
 and reads every other package from this project's environment:
@@ -67,7 +68,7 @@ def parse_args(argv=None):
                    help="ours only: trained timesteps per UNet call (default: all of them; 1 = one at a time like TRL). "
                         "The gradient is the same either way")
     p.add_argument("--compile-sampling", action="store_true",
-                   help="ours only: torch.compile the sampling UNet (compiled during the untimed first epoch, shown beside)")
+                   help="ours only: the sampling UNet compiled ahead of time by a child process (its CPU time shown beside)")
     p.add_argument("--peft-forward", action="store_true",
                    help="ours only: train through PEFT's LoRA layers instead of the merged W + B·A forward")
     p.add_argument("--lora-rank", type=int, default=4)
@@ -151,7 +152,9 @@ def run_ours(args) -> dict:
     cpu = sum(r["epoch_cpu_seconds"] for r in timed)
     return {"samples_per_s": samples_per_epoch * len(timed) / wall, "samples_per_cpu_s": samples_per_epoch * len(timed) / cpu,
             "epochs_timed": len(timed), "peak_memory_mb": peak_memory_mb(args.device), "peak_anonymous_mb": anonymous.mb(),
-            "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"], **loaded_libraries()}
+            "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"],
+            "child_cpu_s": sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime")),
+            "epoch_cpu_s": cpu / len(timed), **loaded_libraries()}
 
 
 def run_trl(args) -> dict:
@@ -233,6 +236,9 @@ def print_round(ours: dict, theirs: dict) -> None:
     for name, r in rows:
         print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}"
               f"{r['peak_anonymous_mb'] or float('nan'):>21.0f}{r['first_epoch_s']:>17.1f}")
+    if ours.get("child_cpu_s"):
+        print(f"ours: {ours['child_cpu_s']:.0f} CPU-s in child processes before training (compiling the sampling UNet), "
+              f"about {ours['child_cpu_s'] / ours['epoch_cpu_s']:.0f} of our timed epochs")
     q = ratios(ours, theirs)
     print(f"ours / TRL: throughput {q['samples_per_s']:.2f}x (wall), {q['samples_per_cpu_s']:.2f}x (per CPU-second); "
           f"peak memory {q['peak_memory_mb']:.2f}x"

@@ -390,6 +390,21 @@ def test_compile_without_a_cpu_compiler_stops_before_sampling(tiny_model, prompt
     assert not (tmp_path / "nocc" / "metrics.jsonl").exists()
 
 
+def test_a_failed_compilation_stops_with_its_message_before_sampling(tiny_model, prompt_file, tmp_path, capsys, monkeypatch):
+    from align import compiled_sampling
+
+    def fail(*args, **kwargs):
+        raise compiled_sampling.CompileError("compiling the sampling UNet failed (exit 1):\nno space left on device")
+
+    monkeypatch.setattr(compiled_sampling, "ensure_package", fail)
+    with pytest.raises(SystemExit) as exit_:
+        _main_with(small_config(tiny_model, prompt_file, tmp_path / "failed", compile_sampling=True))
+    assert exit_.value.code == 3
+    err = capsys.readouterr().err
+    assert "no space left on device" in err and err.count("error:") == 1
+    assert not (tmp_path / "failed" / "metrics.jsonl").exists()
+
+
 @pytest.mark.skipif(ddpo.compile_toolchain_problem(torch.device("cpu")) is not None, reason="no C++ toolchain for torch.compile")
 def test_compiled_sampling_run_matches_the_eager_run(tiny_model, prompt_file, tmp_path):
     # torch.compile changes float rounding only. One optimiser step per epoch, so every logged loss
