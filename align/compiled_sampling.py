@@ -196,13 +196,13 @@ class CompiledSamplingUNet:
     def check_against_eager(self, seed: int = 0) -> float:
         """Largest difference from the eager UNet on random inputs of the compiled shapes, relative to the
         output's scale; raises if it is beyond float rounding (inductor has generated wrong CPU kernels)."""
+        from align.pipeline import merged_adapter
+
         gen = torch.Generator().manual_seed(seed)
         dtype, device = _dtype(self.shapes.dtype), next(self.unet.parameters()).device
         sample = torch.randn(self.shapes.sample, generator=gen).to(device, dtype)
         timestep = torch.randint(0, 1000, self.shapes.timestep, generator=gen).to(device)
         text = torch.randn(self.shapes.text, generator=gen).to(device, dtype)
-        from align.pipeline import merged_adapter
-
         with torch.no_grad(), merged_adapter(self.unet):
             eager = self.unet(sample, timestep, encoder_hidden_states=text).sample.float()
             compiled = self(sample, timestep, text).sample.float()
