@@ -176,10 +176,10 @@ class CompiledSamplingUNet:
         """Point the compiled code at the UNet's current weight tensors. They are read in place (user
         managed, no copy), so this is needed only when a tensor was replaced, as merging a LoRA does;
         in-place updates are seen as they are."""
-        tensors = [getattr(module, attr).detach() for _, module, attr in self.slots]
+        tensors = [getattr(module, attr) for _, module, attr in self.slots]
         pointers = tuple(t.data_ptr() for t in tensors)
         if pointers != self.bound:
-            constants = {name: t for (name, _, _), t in zip(self.slots, tensors)}
+            constants = {name: t.detach() for (name, _, _), t in zip(self.slots, tensors)}
             self.loader.load_constants(constants, False, True, True, False)  # active buffer, check all, user managed
             self.bound = pointers
 

@@ -42,7 +42,7 @@ from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.compiled_sampling import CompileError  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
-from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.runs import COMPILED, RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.sampling import (  # noqa: E402
     check_scheduler_steps,
     ddim_step_mean_std,
@@ -486,7 +486,6 @@ def train(config: DDPOConfig) -> Path:
         unet.requires_grad_(True)
         reference = frozen_copy(unet) if config.kl_coef > 0 else None
     params = [p for p in unet.parameters() if p.requires_grad]
-    sampling_unet = unet
 
     samples_per_process = config.samples_per_epoch // accelerator.num_processes
     updates_per_epoch = samples_per_process // (config.train_batch_size * config.gradient_accumulation_steps)
@@ -520,6 +519,7 @@ def train(config: DDPOConfig) -> Path:
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     tracker = PerPromptStatTracker(config.stat_buffer_size, config.stat_min_count)
     negative_embed = encode_prompts(pipe, [""])
+    sampling_unet = unet
     if config.compile_sampling and config.finetune == "full":
         # Every weight trains, and compiling ahead of time bakes some small ones into the code.
         sampling_unet = torch.compile(unet)
@@ -529,9 +529,9 @@ def train(config: DDPOConfig) -> Path:
         rows = config.sample_batch_size * (1 if config.guidance_scale == 1.0 else 2)
         shapes = SamplingShapes((rows, *latent_shape), (rows,), (rows, *negative_embed.shape[1:]), str(negative_embed.dtype))
         if main:
-            ensure_package(config.model, shapes, accelerator.device, run.path / "compiled")
-        accelerator.wait_for_everyone()
-        sampling_unet = CompiledSamplingUNet(run.path / "compiled" / PACKAGE_FILE, unet, shapes)
+            ensure_package(config.model, shapes, accelerator.device, run.path / COMPILED)
+        accelerator.wait_for_everyone()  # the other processes load what the main one built
+        sampling_unet = CompiledSamplingUNet(run.path / COMPILED / PACKAGE_FILE, unet, shapes)
         error = sampling_unet.check_against_eager()
         if main:
             print(f"[ddpo] compiled sampling UNet for {rows} rows; relative difference from eager {error:.1e}", flush=True)

@@ -21,6 +21,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
+COMPILED = "compiled"  # --compile_sampling: the compiled sampling UNet, reused on --resume
 
 
 def eval_file_name(step: int) -> str:

@@ -106,9 +106,9 @@ def test_compiled_unet_sees_weights_updated_in_place(tiny_model, package):
 
 def test_other_shapes_run_the_eager_unet(tiny_model, package):
     unet = unet_of(tiny_model)
-    compiled = CompiledSamplingUNet(package, unet, shapes_for(unet))
-    smaller = SamplingShapes(*(tuple([2, *s[1:]]) for s in (shapes_for(unet).sample, (ROWS,), shapes_for(unet).text)),
-                             "torch.float32")
+    shapes = shapes_for(unet)
+    compiled = CompiledSamplingUNet(package, unet, shapes)
+    smaller = SamplingShapes((2, *shapes.sample[1:]), (2,), (2, *shapes.text[1:]), shapes.dtype)
     sample, timestep, text = inputs(smaller)
     with torch.no_grad():
         assert torch.equal(compiled(sample, timestep, text).sample, unet(sample, timestep, encoder_hidden_states=text).sample)
