@@ -32,13 +32,13 @@ from align.evaluate import (
     GenerationCache,
     ModelEntry,
     compare_shuffled,
-    judge_is_pointwise,
     load_judge,
     resolve_device,
     sampling_settings,
     split_list,
 )
 from align.metrics import mean_and_sem
+from rewards.base import is_pointwise
 
 SEARCHES = ("random", "zero-order")
 
@@ -239,8 +239,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
     sizes = curve_sizes(n)
     curves: dict[str, list[float]] = {}
     errors: dict[str, list[float]] = {}
-    pointwise = judge_is_pointwise(selector)
-    eval_scores = {spec: score_all(j, prompts, images, n) for spec, j in others.items() if judge_is_pointwise(j)}
+    pointwise = is_pointwise(selector)
+    eval_scores = {spec: score_all(j, prompts, images, n) for spec, j in others.items() if is_pointwise(j)}
     if pointwise:
         sel = score_all(selector, prompts, images, n)
         chosen = np.argmax(np.nan_to_num(sel, nan=-np.inf), axis=1)

@@ -57,6 +57,7 @@ from align.training import (  # noqa: E402
     check_periodic_evaluation,
     end_training,
     evaluate_model,
+    load_judge,
     load_prompt_list,
     periodic_evaluation,
     periodic_evaluation_due,
@@ -442,14 +443,10 @@ def train(config: DDPOConfig) -> Path:
     num_batches = check_batch_sizes(config, accelerator.num_processes)
     if config.compile_sampling and (problem := compile_toolchain_problem(accelerator.device)):
         raise ConfigError(problem)  # else it would fail at the first sampling step
-    if main:
-        run.prepare()
-        run.save_config(asdict(config))
-    accelerator.wait_for_everyone()
-    set_seed(config.seed)
 
-    # The judges first: a missing API key must stop us before any generation.
-    reward_fn = MixedReward(config.reward)
+    # The judges and prompts before anything is written or generated: a missing API key stops us here,
+    # and with --overwrite the old run is still whole.
+    reward_fn = MixedReward(config.reward, loader=load_judge)
     if reward_fn.needs_groups and config.images_per_prompt < 2:
         raise ConfigError(
             f"--reward {config.reward!r} has a pairwise-only judge: rewards are win rates within a prompt's group, "
@@ -457,7 +454,7 @@ def train(config: DDPOConfig) -> Path:
         )
     eval_judge = None
     if main and config.eval_prompts:
-        eval_reward = MixedReward(config.eval_judge) if config.eval_judge else reward_fn
+        eval_reward = MixedReward(config.eval_judge, loader=load_judge) if config.eval_judge else reward_fn
         if eval_reward.needs_groups:
             raise ConfigError(
                 "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
@@ -465,6 +462,12 @@ def train(config: DDPOConfig) -> Path:
             )
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
+
+    if main:
+        run.prepare()
+        run.save_config(asdict(config))
+    accelerator.wait_for_everyone()
+    set_seed(config.seed)
 
     # Frozen parts in the compute dtype; trainable weights stay in float32.
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)

@@ -21,16 +21,11 @@ from dataclasses import dataclass
 import torch
 
 import rewards
-from rewards.base import Judge
+from rewards.base import Judge, is_pointwise
 
 
 class RewardError(RuntimeError):
     """A judge failed or returned a non-finite reward."""
-
-
-def is_pairwise_only(judge: Judge) -> bool:
-    """True if the judge does not override ``score`` (so only ``compare`` can rate images)."""
-    return type(judge).score is Judge.score
 
 
 def group_indices(prompts: list[str]) -> list[list[int]]:
@@ -84,7 +79,7 @@ class MixedReward:
         self.members = []
         for weight, name, options in rewards.parse_mix(spec):
             judge = loader(name, **options)
-            self.members.append(RewardMember(weight, name, judge, is_pairwise_only(judge)))
+            self.members.append(RewardMember(weight, name, judge, not is_pointwise(judge)))
 
     @property
     def needs_groups(self) -> bool:

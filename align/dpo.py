@@ -46,6 +46,7 @@ from align.training import (  # noqa: E402
     save_image_row,
     tracker_config,
 )
+from rewards.base import is_pointwise  # noqa: E402
 
 
 @dataclass
@@ -319,6 +320,11 @@ def train(config: DPOConfig) -> Path:
     eval_judge = None
     if config.eval_prompts and eval_judge_spec:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
+        if not is_pointwise(eval_judge):
+            raise ConfigError(
+                "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
+                f"(the judge {eval_judge_spec!r} compares two images at a time)"
+            )
 
     # Offline pairs are read (every image decoded once) before the model loads: a bad dataset stops here.
     pairs = pair_stats = None

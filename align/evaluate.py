@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from align.cli import ConfigError
+from rewards.base import is_pointwise
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
 
@@ -245,18 +246,11 @@ def image_key(path: Path, prompt: str) -> str:
     return hashlib.sha1(path.read_bytes() + b"\x00" + prompt.encode()).hexdigest()
 
 
-def judge_is_pointwise(judge) -> bool:
-    """True when the judge gives pointwise scores (pairwise-native judges answer "A or B?" only)."""
-    from rewards.base import Judge
-
-    return type(judge).score is not Judge.score and not getattr(judge, "pairwise_native", False)
-
-
-def load_judge(spec: str):
+def load_judge(spec: str, **options):
     """Load a judge and let it fail fast (a missing API key, an unreachable server)."""
     import rewards
 
-    judge = rewards.load(spec)
+    judge = rewards.load(spec, **options)
     check_ready = getattr(judge, "check_ready", None)
     if callable(check_ready):
         check_ready()
@@ -292,7 +286,7 @@ def evaluate_judge(judge, spec: str, names: list[str], prompts: list[str], num_p
 
     num_models = len(names)
     samples = len(prompts)  # seed-major: sample k is prompt k % num_prompts
-    if judge_is_pointwise(judge):
+    if is_pointwise(judge):
         mode = "pointwise"
         deterministic = is_deterministic(judge)
         scores = np.stack([score_model(judge, spec, prompts, images[n], paths[n], cache_root, deterministic) for n in names])

@@ -81,3 +81,9 @@ def preference_from_scores(score_a: float, score_b: float, tie_margin: float = 0
     if abs(diff) <= tie_margin:
         return Preference(0.5, tie=True, raw=raw)
     return Preference(1.0 if diff > 0 else 0.0, raw=raw)
+
+
+def is_pointwise(judge: Judge) -> bool:
+    """True when the judge's own ``score`` rates single images. A pairwise-native judge (a two-image VLM or
+    API judge, a position-biased oracle) and a judge without its own ``score`` are asked ``compare`` instead."""
+    return type(judge).score is not Judge.score and not judge.pairwise_native

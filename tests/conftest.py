@@ -9,6 +9,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The test models are tiny: one thread per process beats thread synchronisation (and child processes inherit it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny SD-architecture pipeline folder (tests/tiny_sd.py), built once per test module that asks for it."""
+    from tiny_sd import build_tiny_pipeline
+
+    return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))

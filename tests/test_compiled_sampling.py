@@ -7,8 +7,6 @@ change the way training changes them and compare with the eager UNet.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,19 +22,11 @@ from align.compiled_sampling import (
 )
 from align.pipeline import add_lora, merged_adapter
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_sd import build_tiny_pipeline  # noqa: E402
-
 pytestmark = pytest.mark.skipif(
     ddpo.compile_toolchain_problem(torch.device("cpu")) is not None, reason="no C++ toolchain for the compiler"
 )
 
 ROWS = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))
 
 
 def unet_of(model: str):

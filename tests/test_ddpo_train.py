@@ -14,20 +14,14 @@ from script_loader import load_script
 
 from align import ddpo
 from align.ddpo import DDPOConfig
-from align.ddpo_rewards import MixedReward, RewardError, is_pairwise_only, win_rates
+from align.ddpo_rewards import MixedReward, RewardError, win_rates
 from align.pipeline import load_trained
-from rewards.base import Judge, Preference
+from rewards.base import Judge, Preference, is_pointwise
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_sd import build_tiny_pipeline  # noqa: E402
 from two_processes import launch_two_cpu_processes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +87,7 @@ def _images(levels):
 
 def test_pairwise_judge_gives_win_rates_within_each_prompt():
     judge = PairwiseBrightness()
-    assert is_pairwise_only(judge) and not is_pairwise_only(BrightnessJudge())
+    assert not is_pointwise(judge) and is_pointwise(BrightnessJudge())
     prompts = ["a", "a", "a", "b", "b"]
     rates = win_rates(judge, prompts, _images([0.1, 0.9, 0.5, 0.3, 0.3]))
     # group a: 0.9 beats both, 0.5 beats one, 0.1 none; group b: a tie counts 1/2 each
@@ -130,6 +124,16 @@ def test_weighted_mix_of_pointwise_and_pairwise_judges():
     torch.testing.assert_close(parts["bright"], torch.tensor([0.2, 0.6]))
     torch.testing.assert_close(parts["pair"], torch.tensor([0.0, 1.0]))
     torch.testing.assert_close(total, 0.7 * torch.tensor([0.2, 0.6]) + 0.3 * torch.tensor([0.0, 1.0]))
+
+
+def test_pairwise_native_judges_give_win_rates_although_they_have_a_score_method():
+    # a position-biased oracle has a pointwise score() (the unbiased oracle's), but its bias exists only when two
+    # images are shown, so DDPO must compare; the API/VLM judges in pair mode are the same case (score() raises)
+    reward = MixedReward("shapes-oracle[position_bias=1.0]")
+    assert reward.needs_groups
+    total, _ = reward(["a red circle"] * 3, _images([0.1, 0.5, 0.9]))
+    # pairs (0, 1), (0, 2), (1, 2), the first shown always wins: image 0 wins twice, image 1 once, image 2 never
+    torch.testing.assert_close(total, torch.tensor([1.0, 0.5, 0.0]))
 
 
 def test_failing_judge_becomes_reward_error():
@@ -351,6 +355,8 @@ def test_lora_plus_ratio_scales_the_lora_B_learning_rate(tiny_model, prompt_file
         (dict(advantage="group"), "--images_per_prompt >= 2"),
         (dict(advantage="group-mean"), "--advantage group-mean needs --images_per_prompt >= 2"),
         (dict(reward="first-image"), "pairwise-only"),
+        (dict(reward="shapes-oracle[position_bias=0.5]"), "pairwise-only"),  # pairwise-native, has a score() too
+        (dict(reward="gpt4o"), "OPENAI_API_KEY"),
         (dict(clip_range=0.0), "--clip_range must be > 0"),
         (dict(finetune="half"), "--finetune must be full or lora"),
         (dict(lora_plus_ratio=0.0), "--lora_plus_ratio must be a positive number"),
@@ -369,7 +375,8 @@ def test_lora_plus_ratio_scales_the_lora_B_learning_rate(tiny_model, prompt_file
          "--branch_sampling already samples every step but the branch step with eta 0"),
     ],
 )
-def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_path, capsys, overrides, message):
+def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_path, capsys, monkeypatch, overrides, message):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     config = small_config(tiny_model, prompt_file, tmp_path / "bad", **overrides)
     with pytest.raises(SystemExit) as exit_:
         _main_with(config)
@@ -443,6 +450,19 @@ def test_existing_run_folder_is_refused(tiny_model, prompt_file, tmp_path, capsy
     assert "already holds a run" in capsys.readouterr().err
 
 
+def test_an_unusable_judge_with_overwrite_leaves_the_old_run_whole(tiny_model, prompt_file, tmp_path, capsys, monkeypatch):
+    old = tmp_path / "old"
+    (old / "final").mkdir(parents=True)
+    files = {old / "config.yaml": "model: x\n", old / "metrics.jsonl": '{"step": 1}\n', old / "final" / "README.md": "kept"}
+    for path, text in files.items():
+        path.write_text(text)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        _main_with(small_config(tiny_model, prompt_file, old, reward="gpt4o", overwrite=True))
+    assert exit_.value.code == 2 and "OPENAI_API_KEY" in capsys.readouterr().err
+    assert {path: path.read_text() for path in files} == files and sorted(old.rglob("*")) == sorted([*files, old / "final"])
+
+
 def _main_with(config: DDPOConfig):
     """Run main() with the config's fields as command-line flags."""
     argv = []
@@ -468,7 +488,7 @@ def test_failing_judge_stops_cleanly_and_keeps_the_last_checkpoint(tiny_model, p
                 raise TimeoutError("judge timed out")
             return torch.full((len(prompts),), float("nan"))
 
-    monkeypatch.setattr(ddpo, "MixedReward", lambda spec: MixedReward(spec, loader=lambda n, **kw: FailsAtEpochTwo()))
+    monkeypatch.setattr(ddpo, "MixedReward", lambda spec, loader: MixedReward(spec, loader=lambda n, **kw: FailsAtEpochTwo()))
     config = small_config(tiny_model, prompt_file, tmp_path / "flaky", reward="random", num_epochs=2)
     with pytest.raises(SystemExit) as exit_:
         _main_with(config)

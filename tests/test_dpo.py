@@ -21,16 +21,10 @@ from align.pipeline import generate_images, load_pipeline
 from rewards.images import decode_image, to_tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_sd import build_tiny_pipeline  # noqa: E402
 from two_processes import launch_two_cpu_processes  # noqa: E402
 from wandb_records import history_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +357,7 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
         "negative warm-up": (common + ["--dataset", pair_parquet, "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be >= 0"),
         "periodic evaluation without held-out prompts": (common + ["--dataset", pair_parquet, "--eval_every_steps", "2"], "--eval_every_steps needs --eval_prompts and a judge"),
         "periodic evaluation without a judge": (common + ["--dataset", pair_parquet, "--eval_prompts", prompt_file, "--eval_every_steps", "2"], "--eval_every_steps needs --eval_prompts and a judge"),
+        "pairwise-only held-out judge": (common + ["--dataset", pair_parquet, "--eval_prompts", prompt_file, "--eval_judge", "first-image"], "give a pointwise --eval_judge"),
         "rounds with a dataset": (common + ["--dataset", pair_parquet, "--feedback_rounds", "2"], "--feedback_rounds > 1 needs --reward"),
         "steps not a multiple of rounds": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "3", "--max_steps", "4"], "must be a multiple of --feedback_rounds"),
         "more rounds than prompts": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--feedback_rounds", "4", "--max_steps", "4"], "fewer prompts than --feedback_rounds"),
