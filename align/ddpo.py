@@ -267,7 +267,7 @@ def check_inputs(config: DDPOConfig) -> None:
         raise ConfigError(str(err)) from None
     for spec in filter(None, (config.reward, config.eval_judge)):
         try:
-            rewards.check_name(spec)
+            rewards.check_name(spec, allow_mix=True)
         except ValueError as err:
             raise ConfigError(f"--reward/--eval_judge: {err}") from None
     for spec in filter(None, (config.prompts, config.eval_prompts)):

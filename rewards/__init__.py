@@ -8,6 +8,7 @@ This package never imports ``align``.
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 from rewards.base import Judge, Preference, preference_from_scores
@@ -62,6 +63,10 @@ class UnknownJudgeError(ValueError):
     pass
 
 
+class JudgeOptionError(ValueError):
+    """An option (``name[key=value]`` or a keyword of ``load``) that the judge does not take."""
+
+
 def available() -> list[str]:
     """Registered judge names (plus the 'prefix:<model>' forms)."""
     return sorted(_REGISTRY) + [f"{p}:<model>" for p in sorted(_PREFIXES)]
@@ -80,9 +85,12 @@ def _resolve(name: str) -> tuple[str, dict]:
     raise UnknownJudgeError(f"unknown judge {name!r}; known judges: {', '.join(available())}")
 
 
-def check_name(spec: str) -> None:
-    """Raise UnknownJudgeError for an unknown judge (or mix member) without loading anything."""
-    for _, name, _ in parse_mix(spec):
+def check_name(spec: str, allow_mix: bool = False) -> None:
+    """Raise UnknownJudgeError for an unknown judge (or mix member, with allow_mix) without loading anything."""
+    members = parse_mix(spec)
+    if not allow_mix and (len(members) > 1 or members[0][0] != 1.0):
+        raise UnknownJudgeError(f"{spec!r} is a weighted mix of judges; one judge is needed here (mixes are for DDPO's --reward)")
+    for _, name, _ in members:
         _resolve(name)
 
 
@@ -93,11 +101,26 @@ def load(name: str, **options) -> Judge:
     module_name, _, factory_name = target.partition(":")
     module = importlib.import_module(module_name)
     factory = getattr(module, factory_name)
-    return factory(**{**implied, **spec_options, **options})
+    given = {**implied, **spec_options, **options}
+    params = inspect.signature(factory).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [key for key in given if key not in accepted]
+        if unknown:
+            raise JudgeOptionError(
+                f"judge {base!r} has no option {', '.join(map(repr, unknown))}; its options: {', '.join(accepted)}"
+            )
+    try:
+        return factory(**given)
+    except TypeError as err:  # a factory that passes its options on (API judges) to a class that refuses one
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise JudgeOptionError(f"judge {base!r}: {err}") from None
 
 
 __all__ = [
     "Judge",
+    "JudgeOptionError",
     "Preference",
     "UnknownJudgeError",
     "available",

@@ -346,6 +346,7 @@ def test_lora_plus_ratio_scales_the_lora_B_learning_rate(tiny_model, prompt_file
         (dict(timestep_fraction=0.0), "--timestep_fraction must be in (0, 1]"),
         (dict(timestep_fraction=1.5), "--timestep_fraction must be in (0, 1]"),
         (dict(reward="no-such-judge"), "unknown judge 'no-such-judge'"),
+        (dict(reward="shapes-oracle[nosie=0.2]"), "judge 'shapes-oracle' has no option 'nosie'"),
         (dict(model="/no/such/folder"), "no such folder"),
         (dict(prompts="/no/such/prompts.txt"), "'/no/such/prompts.txt'"),
         (dict(advantage="median"), "--advantage must be one of"),

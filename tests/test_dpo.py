@@ -344,6 +344,7 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
     common = ["--model", tiny_model, "--output-dir", out]
     return {
         "unknown judge": (common + ["--reward", "nonexistent-judge", "--prompts", prompt_file], "unknown judge 'nonexistent-judge'; known judges: "),
+        "weighted mix": (common + ["--reward", "jpeg-compressibility:0.5,random:0.5", "--prompts", prompt_file], "is a weighted mix of judges; one judge is needed here"),
         "missing API key": (common + ["--reward", "gpt4o", "--prompts", prompt_file], "OPENAI_API_KEY"),
         "both reward and dataset": (common + ["--reward", "jpeg-compressibility", "--prompts", prompt_file, "--dataset", pair_parquet], "exactly one of --reward"),
         "neither reward nor dataset": (common, "exactly one of --reward"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+import rewards
 from rewards import judge_prompts
 from rewards.cache import CachedAnswer, JudgeCache, cache_key, image_hash
 from rewards.judge_prompts import JudgeQuestion
@@ -122,3 +123,14 @@ def test_judge_options_are_validated():
         CountingJudge(temperature=5)
     with pytest.raises(ValueError, match="scale"):
         CountingJudge(scale="1-5")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("clip[path=/some/folder]", "judge 'clip' has no option 'path'; its options: model, processor, variant"),
+    ("shapes-oracle[nosie=0.2]", "judge 'shapes-oracle' has no option 'nosie'; its options: name, tie_margin, noise"),
+    ("gpt4o[bogus=1]", "judge 'gpt4o': ApiJudge.__init__() got an unexpected keyword argument 'bogus'"),  # options passed on
+])
+def test_an_option_the_judge_does_not_take_is_named_before_anything_loads(spec, message):
+    with pytest.raises(rewards.JudgeOptionError) as err:
+        rewards.load(spec)
+    assert str(err.value).startswith(message)
