@@ -400,9 +400,9 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(BestOfNConfig, argv)
     try:
         check_inputs(config)
+        results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation
     except ConfigError as err:
         die(str(err))
-    results = best_of_n(config)
     print(f"[best_of_n] wrote {Path(config.output_dir) / 'results.json'} and report.html")
     for spec, values in results["curves"].items():
         points = ", ".join(f"N={s}: {v:.4f}" for s, v in zip(results["sizes"], values))

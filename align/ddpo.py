@@ -41,6 +41,7 @@ from align.advantages import MODES, PerPromptStatTracker, compute_advantages  # 
 from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.compiled_sampling import CompileError  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
+from align.evaluate import load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
 from align.runs import COMPILED, RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.sampling import (  # noqa: E402
@@ -57,7 +58,6 @@ from align.training import (  # noqa: E402
     check_periodic_evaluation,
     end_training,
     evaluate_model,
-    load_judge,
     load_prompt_list,
     periodic_evaluation,
     periodic_evaluation_due,

@@ -29,6 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.evaluate import load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.training import (  # noqa: E402
@@ -37,7 +38,6 @@ from align.training import (  # noqa: E402
     check_periodic_evaluation,
     end_training,
     evaluate_model,
-    load_judge,
     load_prompt_list,
     periodic_evaluation,
     periodic_evaluation_due,

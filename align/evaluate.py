@@ -247,13 +247,17 @@ def image_key(path: Path, prompt: str) -> str:
 
 
 def load_judge(spec: str, **options):
-    """Load a judge and let it fail fast (a missing API key, an unreachable server)."""
+    """Load a judge and let it fail fast: a missing API key or weights, a model id the server rejects, a missing
+    SDK or an option the judge does not take stop here with one message (ConfigError), before any generation."""
     import rewards
 
-    judge = rewards.load(spec, **options)
-    check_ready = getattr(judge, "check_ready", None)
-    if callable(check_ready):
-        check_ready()
+    try:
+        judge = rewards.load(spec, **options)
+        check_ready = getattr(judge, "check_ready", None)
+        if callable(check_ready):
+            check_ready()
+    except (ValueError, RuntimeError, OSError, ImportError) as err:
+        raise ConfigError(f"judge {spec!r} is not usable: {err}") from None
     return judge
 
 
@@ -428,6 +432,8 @@ def evaluate(config: EvalConfig) -> dict:
     from align import metrics
 
     models, prompt_set = check_inputs(config)
+    # judges load first: a missing key or weights file fails before anything is written or generated
+    loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
     seeds = parse_seeds(config.seeds)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -439,8 +445,6 @@ def evaluate(config: EvalConfig) -> dict:
     items = [(p, s) for s in seeds for p in prompts]
     sample_prompts = [p for p, _ in items]
 
-    # judges load first: a missing key or weights file fails before minutes of generation
-    loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
     stats = None
     if config.fid_reference:
         stats = metrics.FeatureStats(feature_network(config.fid_feature), inception_weights=config.inception_weights)
@@ -634,9 +638,9 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(EvalConfig, argv)
     try:
         check_inputs(config)
+        results = evaluate(config)  # its judges load first: an unusable one stops it before any generation
     except ConfigError as err:
         die(str(err))
-    results = evaluate(config)
     out = Path(config.output_dir)
     print(f"[evaluate] wrote {out / 'results.json'}, {out / 'results.csv'} and {out / 'report.html'}")
     for row in results["table"]:

@@ -40,18 +40,6 @@ def check_lr_schedule(name: str, warmup_steps: int) -> None:
         raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
 
 
-def load_judge(spec: str, **options):
-    """evaluate.load_judge (load, then fail fast on a missing API key or a rejected model id) with one message."""
-    from align.evaluate import load_judge as load_ready_judge
-
-    try:
-        judge = load_ready_judge(spec, **options)
-    except (ValueError, RuntimeError, OSError, ImportError) as err:
-        # Missing key or weights, a model id the server rejects, a missing SDK: one message, no traceback.
-        raise ConfigError(f"judge {spec!r} is not usable: {err}") from None
-    return judge
-
-
 def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> None:
     """With LoRA (or a frozen backbone), checkpoints hold only the trainable tensors, not the frozen model."""
     if not only_trainable:

@@ -15,6 +15,7 @@ import sys
 
 import rewards
 from rewards.images import UnreadableImageError, load_image
+from rewards.mllm import JudgeNotReadyError
 from rewards.weights import MissingWeightsError
 
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         images = [load_image(path) for path in args.images]
         judge = rewards.load(args.judge, **judge_options(args))
         scores = judge.score([args.prompt] * len(images), images)
-    except (rewards.UnknownJudgeError, UnreadableImageError, MissingWeightsError, ValueError, TypeError) as err:
+    except (rewards.UnknownJudgeError, UnreadableImageError, MissingWeightsError, JudgeNotReadyError, ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     for path, value in zip(args.images, scores.tolist()):

@@ -114,6 +114,16 @@ def test_pairwise_selector_uses_a_knockout_bracket(tmp_path, tiny_pipeline):
     assert "first-image (win rate vs N=1)" in results["curves"]
 
 
+def test_a_selector_without_its_api_key_stops_the_command_with_one_message(tmp_path, tiny_pipeline, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        bon.main(["--model", str(tiny_pipeline), "--reward", "gpt4o", "--prompts", "testbed", "--num_prompts", "2",
+                  "--n", "2", "--output_dir", str(tmp_path / "bon")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("error:") == 1 and "OPENAI_API_KEY" in err
+    assert not (tmp_path / "bon").exists()
+
+
 def test_bad_inputs_fail_early(tmp_path, tiny_pipeline):
     with pytest.raises(ConfigError, match="unknown judge"):
         bon.check_inputs(_config(tmp_path, tiny_pipeline, reward="nope"))

@@ -156,6 +156,19 @@ def test_bad_inputs_fail_before_any_work(tmp_path, two_models):
     assert ev.split_list("shapes-oracle[noise=0.2,seed=1],random") == ["shapes-oracle[noise=0.2,seed=1]", "random"]
 
 
+@pytest.mark.parametrize("judge, message", [("gpt4o", "OPENAI_API_KEY"), ("shapes-oracle[nosie=0.2]", "has no option 'nosie'")])
+def test_an_unusable_judge_stops_the_command_before_anything_is_written(tmp_path, two_models, capsys, monkeypatch, judge, message):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    base, tuned = two_models
+    out = tmp_path / "eval-out"
+    with pytest.raises(SystemExit) as exit_:
+        ev.main(["--models", f"base={base},tuned={tuned}", "--judges", f"random,{judge}", "--prompts", "testbed",
+                 "--num_prompts", "2", "--seeds", "0", "--fid_reference", "", "--cmmd", "false", "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("error:") == 1 and message in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_same_prompt_and_seed_give_the_same_noise_for_every_model():
     assert ev.sample_seed(0, "a circle") == ev.sample_seed(0, "a circle")
     assert ev.sample_seed(0, "a circle") != ev.sample_seed(1, "a circle")

@@ -52,6 +52,19 @@ def test_unknown_judge_lists_the_known_ones(files, capsys):
     assert "unknown judge 'clipp'" in err and "pickscore" in err and "hps" in err
 
 
+@pytest.mark.parametrize("judge, message", [
+    ("gpt4o", "needs an API key: set OPENAI_API_KEY"),
+    ("shapes-oracle[nosie=0.2]", "judge 'shapes-oracle' has no option 'nosie'"),
+    ("jpeg-compressibility:0.5,random:0.5", "is a weighted mix of judges"),
+])
+def test_an_unusable_judge_is_one_line_and_exit_2(files, capsys, monkeypatch, judge, message):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    _, paths = files
+    assert main(["--judge", judge, "--prompt", "x", *paths]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
 def test_missing_weights_are_reported(files, capsys, tmp_path):
     _, paths = files
     assert main(["--judge", "clip", "--model", str(tmp_path / "none"), "--prompt", "x", *paths]) == 2
