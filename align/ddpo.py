@@ -58,6 +58,7 @@ from align.training import (  # noqa: E402
     check_periodic_evaluation,
     end_training,
     evaluate_model,
+    keep_judge_answers,
     load_prompt_list,
     periodic_evaluation,
     periodic_evaluation_due,
@@ -467,6 +468,9 @@ def train(config: DDPOConfig) -> Path:
         run.prepare()
         run.save_config(asdict(config))
     accelerator.wait_for_everyone()
+    keep_judge_answers([member.judge for member in reward_fn.members], run.path)
+    if eval_judge is not None:
+        keep_judge_answers([member.judge for member in eval_judge.reward.members], run.path)
     set_seed(config.seed)
 
     # Frozen parts in the compute dtype; trainable weights stay in float32.

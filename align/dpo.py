@@ -38,6 +38,7 @@ from align.training import (  # noqa: E402
     check_periodic_evaluation,
     end_training,
     evaluate_model,
+    keep_judge_answers,
     load_prompt_list,
     periodic_evaluation,
     periodic_evaluation_due,
@@ -335,6 +336,7 @@ def train(config: DPOConfig) -> Path:
         run.prepare()
         run.save_config(asdict(config))
     accelerator.wait_for_everyone()
+    keep_judge_answers(filter(None, (judge, eval_judge)), run.path)
     set_seed(config.seed)
 
     pipe = load_pipeline(config.model, device=accelerator.device)

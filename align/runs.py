@@ -22,6 +22,7 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
 COMPILED = "compiled"  # --compile_sampling: the compiled sampling UNet, reused on --resume
+JUDGE_ANSWERS = "judge_answers.sqlite"  # API/VLM judges' answers: a resumed run asks again for nothing it asked before
 
 
 def eval_file_name(step: int) -> str:
@@ -119,7 +120,8 @@ class RunFolder:
         """Create the folder (main process only). With --overwrite, clear old run outputs."""
         if self.overwrite:
             outputs = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
-                       "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS)
+                       "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS,
+                       JUDGE_ANSWERS, f"{JUDGE_ANSWERS}-wal", f"{JUDGE_ANSWERS}-shm")
             for name in outputs:
                 target = self.path / name
                 if target.is_dir():

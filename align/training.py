@@ -40,6 +40,18 @@ def check_lr_schedule(name: str, warmup_steps: int) -> None:
         raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
 
 
+def keep_judge_answers(judges, run_path: Path) -> None:
+    """API and VLM judges keep their answers in the run folder: a resumed run re-samples the epochs (or relabels the
+    round) after its checkpoint with the same seeds, and gets the same images' verdicts from there instead of paying
+    for them again (and so the same rewards: the resume stays exact with a judge that answers differently each time)."""
+    from align.runs import JUDGE_ANSWERS
+
+    for judge in judges:
+        keep = getattr(judge, "keep_answers_in", None)
+        if callable(keep):
+            keep(run_path / JUDGE_ANSWERS)
+
+
 def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> None:
     """With LoRA (or a frozen backbone), checkpoints hold only the trainable tensors, not the frozen model."""
     if not only_trainable:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -195,6 +196,12 @@ class MllmJudge(Judge):
         if missing:  # a backend bug must not silently drop labels
             raise RuntimeError(f"judge {self.name!r} returned no answer for requests {missing[:5]}")
         return answers  # type: ignore[return-value]
+
+    def keep_answers_in(self, path: str | Path) -> None:
+        """Cache answers at ``path`` (the trainers pass one in the run folder), unless given a cache_path already."""
+        if self._cache is None:
+            self.cache_path = str(path)
+            self._cache = JudgeCache(path)
 
     def usage_summary(self) -> str:
         return self.stats.summary(self.judge_id, getattr(self, "price_per_mtok", None))

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from align import ddpo, dpo
+from align.runs import JUDGE_ANSWERS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_judge_servers import FakeJudgeServer, brightness  # noqa: E402
@@ -94,6 +97,41 @@ def test_dpo_with_gpt4o_trains_on_the_servers_verdicts(tiny_model, prompt_file, 
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file() and (run / "report.html").is_file()
     assert server.base_url in (run / "config.yaml").read_text()  # the run says which judge labelled it
     assert_secret_nowhere(run, out.out, out.err)
+
+
+def test_a_resumed_ddpo_run_asks_the_server_nothing_it_asked_before(tiny_model, prompt_file, server, tmp_path, monkeypatch):
+    def command(out, *extra):
+        return ["--model", tiny_model, "--output-dir", str(out), "--reward", gpt4o(server), "--prompts", prompt_file,
+                "--num_inference_steps", "3", "--samples_per_epoch", "4", "--sample_batch_size", "2", "--images_per_prompt", "2",
+                "--advantage", "group", "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--num_epochs", "2",
+                "--checkpointing_epochs", "1", "--learning_rate", "0.01", "--report_to", "none", *extra]
+
+    ddpo.main(command(tmp_path / "straight"))
+    straight_calls = len(server.calls)
+
+    # the same run, stopped during epoch 2's update: after the server judged epoch 2, before its checkpoint
+    update = ddpo.train_inner_epoch
+    updates = []
+
+    def stops_in_the_second_epoch(*args, **kwargs):
+        updates.append(1)
+        if len(updates) == 2:
+            raise KeyboardInterrupt
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(ddpo, "train_inner_epoch", stops_in_the_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        ddpo.main(command(tmp_path / "stopped"))
+    monkeypatch.setattr(ddpo, "train_inner_epoch", update)
+    asked = len(server.calls) - straight_calls
+    assert asked == straight_calls  # both epochs were judged once
+
+    ddpo.main(command(tmp_path / "stopped", "--resume", "latest"))  # re-samples epoch 2 from the epoch-1 checkpoint
+    assert len(server.calls) - straight_calls == asked  # its images are the same: every verdict from the run's cache
+    assert (tmp_path / "stopped" / JUDGE_ANSWERS).is_file()
+    final = "final/pytorch_lora_weights.safetensors"
+    straight, resumed = load_file(tmp_path / "straight" / final), load_file(tmp_path / "stopped" / final)
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 def test_ddpo_with_gpt4o_rewards_are_win_rates_from_the_server(tiny_model, prompt_file, server, tmp_path, capsys):
