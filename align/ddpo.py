@@ -459,7 +459,7 @@ def train(config: DDPOConfig) -> Path:
         if eval_reward.needs_groups:
             raise ConfigError(
                 "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
-                f"(the judge of {eval_reward.spec!r} is pairwise-only)"
+                f"(the judge of {eval_reward.spec!r} is pairwise-only; API and VLM judges rate single images with [mode=single])"
             )
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
@@ -508,6 +508,11 @@ def train(config: DDPOConfig) -> Path:
             f"advantage: {config.advantage} | kl_coef: {config.kl_coef}",
             flush=True,
         )
+        if reward_fn.needs_groups:  # what a paid judge will be asked, before it is asked
+            per_epoch = config.samples_per_epoch * (config.images_per_prompt - 1) // 2
+            print(f"[ddpo] pairwise judge: every pair of a caption's {config.images_per_prompt} images is compared, "
+                  f"at least {per_epoch:,} comparisons per epoch ({per_epoch * config.num_epochs:,} in all; more when a "
+                  "caption is drawn twice in a batch; API and VLM judges ask each in both image orders)", flush=True)
 
     param_groups = [{"params": params}]
     if config.lora_plus_ratio != 1.0:  # only then a second group: plain runs keep the optimiser layout their checkpoints hold

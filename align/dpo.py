@@ -324,7 +324,7 @@ def train(config: DPOConfig) -> Path:
         if not is_pointwise(eval_judge):
             raise ConfigError(
                 "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
-                f"(the judge {eval_judge_spec!r} compares two images at a time)"
+                f"(the judge {eval_judge_spec!r} compares two images at a time; API and VLM judges rate single images with [mode=single])"
             )
 
     # Offline pairs are read (every image decoded once) before the model loads: a bad dataset stops here.

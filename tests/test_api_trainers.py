@@ -157,6 +157,9 @@ def test_ddpo_with_gpt4o_rewards_are_win_rates_from_the_server(tiny_model, promp
         wins = [1.0 if ratings[i] > ratings[j] else 0.5 if ratings[i] == ratings[j] else 0.0 for j in others]
         assert entry["reward"] == pytest.approx(sum(wins) / len(wins))
 
+    # 4 images in groups of 2: at least 2 comparisons (a caption drawn twice in a batch merges its groups), each asked
+    # in both orders
+    assert "at least 2 comparisons per epoch (2 in all;" in out.out and len(server.calls) >= 2 * 2
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 1 and metrics[-1]["reward_mean"] == pytest.approx(0.5)
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file() and (run / "report.html").is_file()
