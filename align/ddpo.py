@@ -468,9 +468,9 @@ def train(config: DDPOConfig) -> Path:
         run.prepare()
         run.save_config(asdict(config))
     accelerator.wait_for_everyone()
-    keep_judge_answers([member.judge for member in reward_fn.members], run.path)
+    keep_judge_answers([member.judge for member in reward_fn.members], run.path, process)
     if eval_judge is not None:
-        keep_judge_answers([member.judge for member in eval_judge.reward.members], run.path)
+        keep_judge_answers([member.judge for member in eval_judge.reward.members], run.path, process)
     set_seed(config.seed)
 
     # Frozen parts in the compute dtype; trainable weights stay in float32.

@@ -336,7 +336,7 @@ def train(config: DPOConfig) -> Path:
         run.prepare()
         run.save_config(asdict(config))
     accelerator.wait_for_everyone()
-    keep_judge_answers(filter(None, (judge, eval_judge)), run.path)
+    keep_judge_answers(filter(None, (judge, eval_judge)), run.path, accelerator.process_index)
     set_seed(config.seed)
 
     pipe = load_pipeline(config.model, device=accelerator.device)

@@ -22,7 +22,7 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
 COMPILED = "compiled"  # --compile_sampling: the compiled sampling UNet, reused on --resume
-JUDGE_ANSWERS = "judge_answers.sqlite"  # API/VLM judges' answers: a resumed run asks again for nothing it asked before
+JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so a resumed run asks nothing twice
 
 
 def eval_file_name(step: int) -> str:
@@ -121,7 +121,7 @@ class RunFolder:
         if self.overwrite:
             outputs = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                        "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS,
-                       JUDGE_ANSWERS, f"{JUDGE_ANSWERS}-wal", f"{JUDGE_ANSWERS}-shm")
+                       JUDGE_ANSWERS)
             for name in outputs:
                 target = self.path / name
                 if target.is_dir():

@@ -40,16 +40,17 @@ def check_lr_schedule(name: str, warmup_steps: int) -> None:
         raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
 
 
-def keep_judge_answers(judges, run_path: Path) -> None:
+def keep_judge_answers(judges, run_path: Path, process: int) -> None:
     """API and VLM judges keep their answers in the run folder: a resumed run re-samples the epochs (or relabels the
     round) after its checkpoint with the same seeds, and gets the same images' verdicts from there instead of paying
-    for them again (and so the same rewards: the resume stays exact with a judge that answers differently each time)."""
+    for them again (and so the same rewards: the resume stays exact with a judge that answers differently each time).
+    One file per process: each re-generates only its own images, and no two processes write one SQLite file."""
     from align.runs import JUDGE_ANSWERS
 
     for judge in judges:
         keep = getattr(judge, "keep_answers_in", None)
         if callable(keep):
-            keep(run_path / JUDGE_ANSWERS)
+            keep(run_path / JUDGE_ANSWERS / f"process_{process}.sqlite")
 
 
 def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> None:

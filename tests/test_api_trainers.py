@@ -128,7 +128,7 @@ def test_a_resumed_ddpo_run_asks_the_server_nothing_it_asked_before(tiny_model, 
 
     ddpo.main(command(tmp_path / "stopped", "--resume", "latest"))  # re-samples epoch 2 from the epoch-1 checkpoint
     assert len(server.calls) - straight_calls == asked  # its images are the same: every verdict from the run's cache
-    assert (tmp_path / "stopped" / JUDGE_ANSWERS).is_file()
+    assert (tmp_path / "stopped" / JUDGE_ANSWERS / "process_0.sqlite").is_file()
     final = "final/pytorch_lora_weights.safetensors"
     straight, resumed = load_file(tmp_path / "straight" / final), load_file(tmp_path / "stopped" / final)
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from align.runs import EVALS, RunFolder
+from align.runs import EVALS, JUDGE_ANSWERS, RunFolder
 
 
 def _fill(folder):
@@ -26,9 +26,12 @@ def test_resume_drops_metrics_and_held_out_scores_after_the_checkpoint(tmp_path)
     assert sorted(p.name for p in (tmp_path / "run" / EVALS).iterdir()) == ["step_0000002.json", "step_0000002.png"]
 
 
-def test_overwrite_clears_the_held_out_scores_of_the_old_run(tmp_path):
+def test_overwrite_clears_the_held_out_scores_and_judge_answers_of_the_old_run(tmp_path):
     _fill(tmp_path / "run")
     (tmp_path / "run" / "notes.txt").write_text("mine")
+    (tmp_path / "run" / JUDGE_ANSWERS).mkdir()
+    (tmp_path / "run" / JUDGE_ANSWERS / "process_0.sqlite").write_bytes(b"old answers")
     RunFolder(tmp_path / "run", overwrite=True).prepare()
     assert not (tmp_path / "run" / EVALS).exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / JUDGE_ANSWERS).exists()  # a fresh run asks its judge afresh
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # only the run's own outputs go
