@@ -104,7 +104,11 @@ class MixedReward:
                 raise RewardError(f"judge {member.name!r} returned {values.shape[0]} rewards for {len(prompts)} images")
             bad = int((~torch.isfinite(values)).sum())
             if bad:
-                raise RewardError(f"judge {member.name!r} returned {bad} non-finite reward(s) (NaN/inf) out of {len(values)}")
+                raise RewardError(
+                    f"judge {member.name!r} returned {bad} non-finite reward(s) (NaN/inf) out of {len(values)} (from an "
+                    "API or VLM judge: answers it could not parse, refusals or failed calls; the raw answers are in the run "
+                    "folder's judge_answers/)"
+                )
             parts[member.name] = values
             total += member.weight * values
         return total, parts

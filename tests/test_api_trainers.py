@@ -164,3 +164,17 @@ def test_ddpo_with_gpt4o_rewards_are_win_rates_from_the_server(tiny_model, promp
     assert metrics[-1]["step"] == 1 and metrics[-1]["reward_mean"] == pytest.approx(0.5)
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file() and (run / "report.html").is_file()
     assert_secret_nowhere(run, out.out, out.err)
+
+
+def test_a_judge_with_no_usable_answer_stops_ddpo_and_its_answers_stay_in_the_run(tiny_model, prompt_file, server, tmp_path, capsys):
+    server.answer = lambda prompt, images: "I cannot tell which is better."
+    run = tmp_path / "unusable"
+    with pytest.raises(SystemExit) as exit_:
+        ddpo.main(["--model", tiny_model, "--output-dir", str(run), "--reward", gpt4o(server), "--prompts", prompt_file,
+                   "--num_inference_steps", "3", "--samples_per_epoch", "4", "--sample_batch_size", "4",
+                   "--images_per_prompt", "2", "--advantage", "group", "--train_batch_size", "2", "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 3 and "non-finite reward(s)" in err and "judge_answers/" in err
+    kept = b"".join(path.read_bytes() for path in (run / JUDGE_ANSWERS).rglob("*") if path.is_file())
+    assert b"I cannot tell which is better." in kept  # what the judge said, to read after the stop
+
