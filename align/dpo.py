@@ -258,8 +258,13 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
         was_training = pipe.unet.training
         pipe.unet.eval()
         generate_images = make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance)
+        labelled = round_prompts(prompts, round_index, rounds)
+        images = len(labelled) * config.images_per_prompt
+        asks = f"{images:,} images to score" if is_pointwise(judge) else f"{images // 2:,} comparisons (adjacent pairs)"
+        print(f"[feedback] {len(labelled):,} prompts x {config.images_per_prompt} images: {judge.name} is asked {asks} "
+              "(prompts labelled by an earlier, interrupted run are skipped)", flush=True)
         stats = generate_feedback(
-            generate_images, judge, round_prompts(prompts, round_index, rounds), path,
+            generate_images, judge, labelled, path,
             images_per_prompt=config.images_per_prompt, seed=config.seed + round_index, pairing=config.feedback_pairing,
         )
         pipe.unet.train(was_training)

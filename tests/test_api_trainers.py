@@ -79,6 +79,7 @@ def test_dpo_with_gpt4o_trains_on_the_servers_verdicts(tiny_model, prompt_file, 
     ])
     out = capsys.readouterr()
 
+    assert "[feedback] 2 prompts x 2 images: gpt4o is asked 2 comparisons (adjacent pairs)" in out.out  # before asking
     # every generation request asked the configured model with both images of a pair attached
     assert server.calls and {call["model"] for call in server.calls} == {"fake-model"}
     assert all(len(call["images"]) == 2 for call in server.calls)

@@ -153,6 +153,18 @@ def test_pairwise_judge_adjacent_pairs(tmp_path):
         generate_feedback(FakeGenerator(), judge, PROMPTS, tmp_path / "odd.parquet", images_per_prompt=3)
 
 
+def test_a_judge_with_only_compare_gets_adjacent_pairs_too(tmp_path):
+    class DarkerWins(rewards.Judge):  # no score(), and pairwise_native left False
+        def compare(self, prompts, images_a, images_b):
+            return [rewards.Preference(1.0 if jpeg_size_kb([a]) < jpeg_size_kb([b]) else 0.0)
+                    for a, b in zip(images_a, images_b)]
+
+    out = tmp_path / "compare-only.parquet"
+    stats = generate_feedback(FakeGenerator(), DarkerWins(name="compare-only"), PROMPTS[:2], out, images_per_prompt=2, progress=False)
+    rows = read(out)
+    assert stats.pairs == 2 and len(rows) == 2 and not any(row["abstained"] for row in rows)
+
+
 def test_abstentions_recorded_but_not_training_pairs(tmp_path):
     class Abstains(rewards.Judge):
         def score(self, prompts, images):
