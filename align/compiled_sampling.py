@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -184,8 +185,6 @@ class CompiledSamplingUNet:
             self.bound = pointers
 
     def __call__(self, sample, timestep, encoder_hidden_states):
-        from types import SimpleNamespace
-
         if not self.shapes.matches(sample, timestep, encoder_hidden_states):
             return self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states)
         if any(not layer.disable_adapters for layer in self.lora_layers):

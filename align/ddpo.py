@@ -63,6 +63,7 @@ from align.training import (  # noqa: E402
     periodic_evaluation,
     periodic_evaluation_due,
     register_trainable_checkpoint_hooks,
+    require_pointwise_eval_judge,
     save_checkpoint,
     save_image_row,
     tracker_config,
@@ -456,11 +457,7 @@ def train(config: DDPOConfig) -> Path:
     eval_judge = None
     if main and config.eval_prompts:
         eval_reward = MixedReward(config.eval_judge, loader=load_judge) if config.eval_judge else reward_fn
-        if eval_reward.needs_groups:
-            raise ConfigError(
-                "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
-                f"(the judge of {eval_reward.spec!r} is pairwise-only; API and VLM judges rate single images with [mode=single])"
-            )
+        require_pointwise_eval_judge(eval_reward.spec, not eval_reward.needs_groups)
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
 
@@ -468,9 +465,8 @@ def train(config: DDPOConfig) -> Path:
         run.prepare()
         run.save_config(asdict(config))
     accelerator.wait_for_everyone()
-    keep_judge_answers([member.judge for member in reward_fn.members], run.path, process)
-    if eval_judge is not None:
-        keep_judge_answers([member.judge for member in eval_judge.reward.members], run.path, process)
+    members = reward_fn.members + (eval_judge.reward.members if eval_judge is not None else [])
+    keep_judge_answers([member.judge for member in members], run.path, process)
     set_seed(config.seed)
 
     # Frozen parts in the compute dtype; trainable weights stay in float32.

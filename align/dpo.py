@@ -43,6 +43,7 @@ from align.training import (  # noqa: E402
     periodic_evaluation,
     periodic_evaluation_due,
     register_trainable_checkpoint_hooks,
+    require_pointwise_eval_judge,
     save_checkpoint,
     save_image_row,
     tracker_config,
@@ -250,7 +251,7 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
     from align.data import load_pairs
-    from align.feedback import generate_feedback, make_pipeline_generator
+    from align.feedback import generate_feedback, make_pipeline_generator, pairwise_scheme
 
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
@@ -259,8 +260,10 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
         pipe.unet.eval()
         generate_images = make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance)
         labelled = round_prompts(prompts, round_index, rounds)
-        images = len(labelled) * config.images_per_prompt
-        asks = f"{images:,} images to score" if is_pointwise(judge) else f"{images // 2:,} comparisons (adjacent pairs)"
+        if is_pointwise(judge):
+            asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
+        else:
+            asks = f"{len(labelled) * len(pairwise_scheme(config.images_per_prompt)):,} comparisons (adjacent pairs)"
         print(f"[feedback] {len(labelled):,} prompts x {config.images_per_prompt} images: {judge.name} is asked {asks} "
               "(prompts labelled by an earlier, interrupted run are skipped)", flush=True)
         stats = generate_feedback(
@@ -326,11 +329,7 @@ def train(config: DPOConfig) -> Path:
     eval_judge = None
     if config.eval_prompts and eval_judge_spec:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
-        if not is_pointwise(eval_judge):
-            raise ConfigError(
-                "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
-                f"(the judge {eval_judge_spec!r} compares two images at a time; API and VLM judges rate single images with [mode=single])"
-            )
+        require_pointwise_eval_judge(eval_judge_spec, is_pointwise(eval_judge))
 
     # Offline pairs are read (every image decoded once) before the model loads: a bad dataset stops here.
     pairs = pair_stats = None

@@ -40,6 +40,15 @@ def check_lr_schedule(name: str, warmup_steps: int) -> None:
         raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
 
 
+def require_pointwise_eval_judge(spec: str, pointwise: bool) -> None:
+    """The before/after evaluation scores each image on its own: refuse a judge that only compares images."""
+    if not pointwise:
+        raise ConfigError(
+            "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
+            f"(the judge {spec!r} compares images; API and VLM judges rate single images with [mode=single])"
+        )
+
+
 def keep_judge_answers(judges, run_path: Path, process: int) -> None:
     """API and VLM judges keep their answers in the run folder: a resumed run re-samples the epochs (or relabels the
     round) after its checkpoint with the same seeds, and gets the same images' verdicts from there instead of paying

@@ -61,6 +61,14 @@ def gpt4o(server) -> str:
     return f"gpt4o[model=fake-model,base_url={server.base_url},timeout=10,backoff_base=0.01]"
 
 
+def ddpo_command(model: str, prompts: str, server, out: Path, **flags) -> list[str]:
+    """align/ddpo.py's command line for a tiny run judged by the fake server; ``flags`` add to or replace the defaults."""
+    settings = {"num_inference_steps": 3, "samples_per_epoch": 4, "sample_batch_size": 4, "images_per_prompt": 2,
+                "advantage": "group", "train_batch_size": 2, "report_to": "none", **flags}
+    return ["--model", model, "--output-dir", str(out), "--reward", gpt4o(server), "--prompts", prompts,
+            *[part for key, value in settings.items() for part in (f"--{key}", str(value))]]
+
+
 def assert_secret_nowhere(run: Path, *texts: str) -> None:
     written = [p for p in run.rglob("*") if p.is_file()]
     assert written
@@ -102,10 +110,8 @@ def test_dpo_with_gpt4o_trains_on_the_servers_verdicts(tiny_model, prompt_file, 
 
 def test_a_resumed_ddpo_run_asks_the_server_nothing_it_asked_before(tiny_model, prompt_file, server, tmp_path, monkeypatch):
     def command(out, *extra):
-        return ["--model", tiny_model, "--output-dir", str(out), "--reward", gpt4o(server), "--prompts", prompt_file,
-                "--num_inference_steps", "3", "--samples_per_epoch", "4", "--sample_batch_size", "2", "--images_per_prompt", "2",
-                "--advantage", "group", "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--num_epochs", "2",
-                "--checkpointing_epochs", "1", "--learning_rate", "0.01", "--report_to", "none", *extra]
+        return ddpo_command(tiny_model, prompt_file, server, out, sample_batch_size=2, gradient_accumulation_steps=2,
+                            num_epochs=2, checkpointing_epochs=1, learning_rate=0.01) + list(extra)
 
     ddpo.main(command(tmp_path / "straight"))
     straight_calls = len(server.calls)
@@ -137,12 +143,7 @@ def test_a_resumed_ddpo_run_asks_the_server_nothing_it_asked_before(tiny_model, 
 
 def test_ddpo_with_gpt4o_rewards_are_win_rates_from_the_server(tiny_model, prompt_file, server, tmp_path, capsys):
     run = tmp_path / "ddpo-run"
-    ddpo.main([
-        "--model", tiny_model, "--output-dir", str(run), "--reward", gpt4o(server), "--prompts", prompt_file,
-        "--num_inference_steps", "3", "--samples_per_epoch", "4", "--sample_batch_size", "4", "--images_per_prompt", "2",
-        "--advantage", "group", "--train_batch_size", "2", "--num_epochs", "1", "--checkpointing_epochs", "1",
-        "--num_logged_images", "4", "--report_to", "none",
-    ])
+    ddpo.main(ddpo_command(tiny_model, prompt_file, server, run, num_epochs=1, checkpointing_epochs=1, num_logged_images=4))
     out = capsys.readouterr()
 
     # gpt4o compares images (pairwise-native): each image's reward is its win rate against the other images of
@@ -171,9 +172,7 @@ def test_a_judge_with_no_usable_answer_stops_ddpo_and_its_answers_stay_in_the_ru
     server.answer = lambda prompt, images: "I cannot tell which is better."
     run = tmp_path / "unusable"
     with pytest.raises(SystemExit) as exit_:
-        ddpo.main(["--model", tiny_model, "--output-dir", str(run), "--reward", gpt4o(server), "--prompts", prompt_file,
-                   "--num_inference_steps", "3", "--samples_per_epoch", "4", "--sample_batch_size", "4",
-                   "--images_per_prompt", "2", "--advantage", "group", "--train_batch_size", "2", "--report_to", "none"])
+        ddpo.main(ddpo_command(tiny_model, prompt_file, server, run))
     err = capsys.readouterr().err
     assert exit_.value.code == 3 and "non-finite reward(s)" in err and "judge_answers/" in err
     kept = b"".join(path.read_bytes() for path in (run / JUDGE_ANSWERS).rglob("*") if path.is_file())
