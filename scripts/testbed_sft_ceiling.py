@@ -48,7 +48,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-prompts", default="testbed:200:1000")
     p.add_argument("--eval-images-per-prompt", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.minutes <= 0 or args.eval_every <= 0:
+        p.error("--minutes and --eval-every must be positive")
+    if args.num_scenes < 1 or args.batch_size < 1:
+        p.error("--num-scenes and --batch-size must be at least 1")
+    if args.out.exists() and any(args.out.iterdir()):
+        p.error(f"--out {args.out} is not empty; choose another folder (its results are kept)")
+    return args
 
 
 def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[str], torch.Tensor]:
@@ -70,6 +77,7 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     import rewards
+    from align.ddpo import DDPOConfig
     from align.pipeline import add_lora, encode_images, encode_prompts, load_pipeline, testbed_settings
     from align.training import evaluate_model, load_prompt_list
 
@@ -83,8 +91,10 @@ def main(argv=None) -> list[dict]:
     lr = args.lr if args.lr is not None else (1e-3 if args.finetune == "lora" else 1e-4)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
     judge = rewards.load("shapes-oracle")
+    # DDPO's held-out evaluation: the same captions and seeds as a default testbed run's eval_before / eval_after.
     eval_config = SimpleNamespace(eval_prompts=args.eval_prompts, eval_images_per_prompt=args.eval_images_per_prompt,
-                                  eval_seed=1234, eval_batch_size=32, num_validation_images=4)
+                                  eval_seed=DDPOConfig.eval_seed, eval_batch_size=32,
+                                  num_validation_images=DDPOConfig.num_validation_images)
     args.out.mkdir(parents=True, exist_ok=True)
 
     held_out = set(load_prompt_list(args.eval_prompts))

@@ -39,3 +39,15 @@ def test_a_budgeted_run_scores_before_during_and_after_and_writes_its_curve(sft_
     assert len(before["scores"]) == 3 and before["mean"] == pytest.approx(curve[0]["mean_oracle_score"])
     after = json.loads((out / "eval_after.json").read_text())
     assert after["seeds"] == before["seeds"]  # the same held-out captions and seeds each time
+
+
+def test_a_folder_with_results_is_refused_before_any_work(sft_ceiling, tmp_path, capsys):
+    out = tmp_path / "sft"
+    out.mkdir()
+    (out / "curve.json").write_text("{}")
+    with pytest.raises(SystemExit) as stopped:
+        sft_ceiling.main(["--out", str(out)])
+    assert stopped.value.code == 2 and "is not empty" in capsys.readouterr().err
+    assert (out / "curve.json").read_text() == "{}"
+    with pytest.raises(SystemExit):
+        sft_ceiling.parse_args(["--minutes", "0", "--out", str(tmp_path / "other")])
