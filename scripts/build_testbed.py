@@ -214,6 +214,14 @@ def encode_latents(vae, images: torch.Tensor, batch_size: int = 256) -> tuple[to
     return torch.cat(means), torch.cat(stds)
 
 
+def epsilon_loss(unet, scheduler, z0: torch.Tensor, hidden: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The standard denoising loss: noise ``z0`` to a random timestep, predict the noise (draws noise, then timesteps)."""
+    noise = torch.randn(z0.shape, generator=generator)
+    t = torch.randint(0, scheduler.config.num_train_timesteps, (len(z0),), generator=generator)
+    pred = unet(scheduler.add_noise(z0, noise, t), t, encoder_hidden_states=hidden).sample
+    return F.mse_loss(pred, noise)
+
+
 def train_unet(unet, text_encoder, tokenizer, scheduler, latent_mean, latent_std, captions, args, generator,
                on_snapshot=None) -> EMA:
     """Epsilon-prediction training; ``latent_mean`` / ``latent_std`` are already multiplied by the VAE
@@ -240,12 +248,7 @@ def train_unet(unet, text_encoder, tokenizer, scheduler, latent_mean, latent_std
         rows = caption_rows[idx].clone()
         drop = torch.rand(args.batch_size, generator=generator) < args.caption_dropout
         rows[drop] = empty_row
-        noise = torch.randn(z0.shape, generator=generator)
-        t = torch.randint(0, scheduler.config.num_train_timesteps, (args.batch_size,), generator=generator)
-        noisy = scheduler.add_noise(z0, noise, t)
-        hidden = text_encoder(token_ids[rows])[0]
-        pred = unet(noisy, t, encoder_hidden_states=hidden).sample
-        loss = F.mse_loss(pred, noise)
+        loss = epsilon_loss(unet, scheduler, z0, text_encoder(token_ids[rows])[0], generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -24,14 +24,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 for folder in (REPO, REPO / "scripts"):  # the package, and build_testbed's scene rendering
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from build_testbed import render_scenes, to_model_range  # noqa: E402
+from build_testbed import epsilon_loss, render_scenes, to_model_range  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,8 +66,8 @@ def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[
     return captions, to_model_range(render_scenes(captions, seed=seed))
 
 
-@torch.no_grad()
 def encode_in_batches(fn, items, batch_size: int = 256) -> torch.Tensor:
+    """``fn`` (one of the pipeline's no-grad encoders) over ``items`` in chunks, concatenated."""
     return torch.cat([fn(items[i : i + batch_size]) for i in range(0, len(items), batch_size)])
 
 
@@ -118,7 +117,6 @@ def main(argv=None) -> list[dict]:
                                                          "curve": curve}, indent=2))
 
     evaluate("before", 0.0, 0)
-    scheduler = pipe.scheduler
     generator = torch.Generator().manual_seed(args.seed)
     unet.train()
     spent, step, next_eval = 0.0, 0, args.eval_every
@@ -127,10 +125,7 @@ def main(argv=None) -> list[dict]:
         idx = torch.randint(0, len(captions), (args.batch_size,), generator=generator)
         rows = caption_rows[idx].clone()
         rows[torch.rand(args.batch_size, generator=generator) < args.caption_dropout] = len(distinct) - 1
-        noise = torch.randn(latents[idx].shape, generator=generator)
-        t = torch.randint(0, scheduler.config.num_train_timesteps, (args.batch_size,), generator=generator)
-        noisy = scheduler.add_noise(latents[idx], noise, t)
-        loss = F.mse_loss(unet(noisy, t, encoder_hidden_states=hidden[rows]).sample, noise)
+        loss = epsilon_loss(unet, pipe.scheduler, latents[idx], hidden[rows], generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

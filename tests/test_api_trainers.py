@@ -177,4 +177,3 @@ def test_a_judge_with_no_usable_answer_stops_ddpo_and_its_answers_stay_in_the_ru
     assert exit_.value.code == 3 and "non-finite reward(s)" in err and "judge_answers/" in err
     kept = b"".join(path.read_bytes() for path in (run / JUDGE_ANSWERS).rglob("*") if path.is_file())
     assert b"I cannot tell which is better." in kept  # what the judge said, to read after the stop
-
