@@ -105,6 +105,9 @@ class DDPOConfig:
     # --- sampling (paper: 50 DDIM steps, η = 1, guidance 5)
     num_inference_steps: int = 50
     guidance_scale: float = 5.0
+    # Guidance of the held-out evaluations (None: guidance_scale), so that a run sampled and trained at
+    # another guidance (1.0: one UNet row per sample instead of two) is scored as the model is used (README).
+    eval_guidance_scale: float | None = None
     eta: float = 1.0  # must be > 0: the log-probability of a deterministic step is undefined
     resolution: int | None = None  # None = the model's native size
     samples_per_epoch: int = 256  # over all processes (paper: 256)
@@ -223,6 +226,8 @@ class DDPOConfig:
             raise ConfigError(f"--kl_coef must be >= 0, got {self.kl_coef}")
         if self.guidance_scale < 1:
             raise ConfigError(f"--guidance_scale must be >= 1, got {self.guidance_scale}")
+        if self.eval_guidance_scale is not None and not self.eval_guidance_scale >= 1:
+            raise ConfigError(f"--eval_guidance_scale must be >= 1, got {self.eval_guidance_scale}")
         if self.stat_min_count > self.stat_buffer_size:
             raise ConfigError(
                 f"--stat_min_count ({self.stat_min_count}) must not exceed --stat_buffer_size ({self.stat_buffer_size})"
@@ -239,6 +244,10 @@ class DDPOConfig:
     @property
     def num_train_timesteps(self) -> int:
         return max(1, int(self.num_inference_steps * self.timestep_fraction))
+
+    @property
+    def evaluation_guidance(self) -> float:
+        return self.guidance_scale if self.eval_guidance_scale is None else self.eval_guidance_scale
 
     @property
     def trained_steps_per_sample(self) -> int:
@@ -560,7 +569,7 @@ def train(config: DDPOConfig) -> Path:
     if log_with:
         accelerator.init_trackers("ddpo", config=tracker_config(config))
     if main and eval_judge is not None and start_epoch == 0:
-        evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
+        evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.evaluation_guidance,
                        run.path / "eval_before.json", "before")
 
     background = BackgroundRewards(reward_fn)
@@ -626,7 +635,7 @@ def train(config: DDPOConfig) -> Path:
                 logs.update(tracker.stats())
             if main and periodic_evaluation_due(config.eval_every_epochs, done, config.num_epochs):
                 logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.num_inference_steps,
-                                                            config.guidance_scale, run.path, done)
+                                                            config.evaluation_guidance, run.path, done)
             if main:
                 run.log(done, logs)
                 progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", kl=f"{logs.get('approx_kl', 0):.2e}")
@@ -649,7 +658,7 @@ def train(config: DDPOConfig) -> Path:
         else:
             save_full_unet(trained, final)
         if eval_judge is not None:
-            evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
+            evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.evaluation_guidance,
                            run.path / "eval_after.json", "after")
         write_model_card(final, config, run)
         from align.run_report import write_training_report
@@ -842,6 +851,7 @@ Weights: {weights}.
 | setting | value |
 |---|---|
 | sampling | DDIM, {config.num_inference_steps} steps, eta {config.eta}{tail}, guidance {config.guidance_scale} |
+| held-out evaluation guidance | {config.evaluation_guidance} |
 | trained steps per sample | {config.trained_steps_per_sample} ({config.timestep_selection}) |
 | epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
 | advantages | {config.advantage} |

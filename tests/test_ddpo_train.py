@@ -192,6 +192,28 @@ def test_periodic_held_out_evaluation_scores_the_run_without_changing_its_traini
     assert 'alt="held-out score along the run"' in (run / "report.html").read_text()
 
 
+def test_eval_guidance_scale_sets_the_held_out_evaluation_apart_from_training(tiny_model, prompt_file, tmp_path):
+    settings = dict(eval_prompts=prompt_file, num_epochs=2, eval_every_epochs=1)
+    unguided = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "g1", guidance_scale=1.0, **settings))
+    split = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "g1e3", guidance_scale=1.0,
+                                    eval_guidance_scale=3.0, **settings))
+    guided = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "g3", guidance_scale=3.0, **settings))
+
+    def scores(run, name):
+        return json.loads((run / name).read_text())["scores"]
+
+    # Before training all three hold the base model: the evaluation follows eval_guidance_scale.
+    assert scores(split, "eval_before.json") == scores(guided, "eval_before.json")
+    assert scores(split, "eval_before.json") != scores(unguided, "eval_before.json")
+    # The training follows guidance_scale: the same weights as the unguided run, evaluated at 3 along the way.
+    a = load_file(unguided / "final" / "pytorch_lora_weights.safetensors")
+    b = load_file(split / "final" / "pytorch_lora_weights.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
+    assert scores(split, "evals/step_0000001.json") != scores(unguided, "evals/step_0000001.json")
+    assert "| held-out evaluation guidance | 3.0 |" in (split / "final" / "README.md").read_text()
+
+
 def test_resume_gives_identical_weights(tiny_model, prompt_file, tmp_path):
     straight = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "a", num_epochs=2))
     ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "b", num_epochs=1))
@@ -371,6 +393,7 @@ def test_lora_plus_ratio_scales_the_lora_B_learning_rate(tiny_model, prompt_file
         (dict(eval_images_per_prompt=0), "--eval_images_per_prompt must be >= 1"),
         (dict(eval_every_epochs=1), "--eval_every_epochs needs --eval_prompts and a judge"),
         (dict(eval_every_epochs=-1), "--eval_every_epochs must be >= 0"),
+        (dict(eval_guidance_scale=0.5), "--eval_guidance_scale must be >= 1, got 0.5"),
         (dict(branch_sampling=True), "--branch_sampling needs --images_per_prompt >= 2"),
         (dict(branch_sampling=True, images_per_prompt=2, deterministic_tail=True, timestep_selection="high_noise"),
          "--branch_sampling already samples every step but the branch step with eta 0"),
