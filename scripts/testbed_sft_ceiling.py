@@ -68,7 +68,9 @@ def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[
 
 def encode_in_batches(fn, items, batch_size: int = 256) -> torch.Tensor:
     """``fn`` (one of the pipeline's no-grad encoders) over ``items`` in chunks, concatenated."""
-    return torch.cat([fn(items[i : i + batch_size]) for i in range(0, len(items), batch_size)])
+    from rewards.weights import batched
+
+    return torch.cat([fn(chunk) for chunk in batched(items, batch_size)])
 
 
 def main(argv=None) -> list[dict]:
