@@ -8,10 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import field
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
+
+
+GROUPS = ("model", "data", "judge", "sampling", "optimisation", "evaluation", "output")
+
+
+def option(default, help: str, group: str):
+    """A config field with its one-line help text and its --help group (one of GROUPS)."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown option group {group!r}; one of {', '.join(GROUPS)}")
+    return field(default=default, metadata={"help": help, "group": group})
 
 
 class ConfigError(ValueError):
