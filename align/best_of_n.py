@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align.cli import ConfigError
+from align.cli import ConfigError, option
 from align.evaluate import (
     GenerationCache,
     ModelEntry,
@@ -45,26 +45,32 @@ SEARCHES = ("random", "zero-order")
 
 @dataclass
 class BestOfNConfig:
-    model: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # hub id, pipeline folder, run/LoRA folder, or "testbed"
-    base_model: str | None = None  # base pipeline for a bare LoRA/UNet folder
-    reward: str = "pickscore"  # the selector judge
-    eval_judges: str | None = None  # comma list of other judges scoring the chosen images
-    prompts: str = "drawbench"  # a prompt set (align.prompt_sets)
-    num_prompts: int | None = 16
-    prompt_seed: int = 0
-    n: int = 16  # candidates per prompt (the curve is at 1, 2, 4, ..., n)
-    batch_size: int = 8  # images per pipeline call
-    seed: int = 0
-    num_inference_steps: int | None = None  # None = testbed.json setting, else 50
-    guidance_scale: float | None = None  # None = testbed.json setting, else 7.5
-    resolution: int | None = None
-    search: str = "random"  # random, or zero-order (also runs random search for comparison)
-    zo_neighbors: int = 4  # zero-order: candidates per step (and initial random noises)
-    zo_radius: float = 0.5  # zero-order: neighbour = (pivot + radius * noise) / sqrt(1 + radius^2)
-    grid_prompts: int = 8
-    device: str = "auto"
-    output_dir: str = "runs/best_of_n"
-    cache_dir: str | None = None  # generated candidates (PNG); share it between runs with other judges
+    model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "the generator: a hub id, pipeline folder, "
+                        "run or LoRA folder, or 'testbed'", "model")
+    base_model: str | None = option(None, "base pipeline for a bare LoRA/UNet folder", "model")
+    reward: str = option("pickscore", "the selector judge that picks the best of the candidates", "judge")
+    eval_judges: str | None = option(None, "comma list of other judges that score the chosen images", "judge")
+    prompts: str = option("drawbench", "a prompt set (align.prompt_sets) or a file", "data")
+    num_prompts: int | None = option(16, "the first N prompts (None: all)", "data")
+    prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data")
+    n: int = option(16, "candidates per prompt (the curve is at 1, 2, 4, ..., n)", "sampling")
+    batch_size: int = option(8, "images per pipeline call", "sampling")
+    seed: int = option(0, "seed of the candidates' starting noises", "sampling")
+    num_inference_steps: int | None = option(None, "DDIM steps (None: the model's testbed.json if any, else 50)",
+                                             "sampling")
+    guidance_scale: float | None = option(None, "classifier-free guidance (None: the model's testbed.json if any, "
+                                          "else 7.5)", "sampling")
+    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
+    search: str = option("random", "random, or zero-order (which also runs random search for comparison)",
+                         "sampling")
+    zo_neighbors: int = option(4, "zero-order search: candidates per step (and initial random noises)", "sampling")
+    zo_radius: float = option(0.5, "zero-order search: a neighbour is (pivot + radius x noise) / sqrt(1 + "
+                              "radius²)", "sampling")
+    grid_prompts: int = option(8, "prompts shown in the report's image grid", "output")
+    device: str = option("auto", "auto, cpu, cuda or mps", "model")
+    output_dir: str = option("runs/best_of_n", "folder of the results, curve and report", "output")
+    cache_dir: str | None = option(None, "folder of generated candidates (PNG); share it between runs with other "
+                                   "judges", "output")
 
     def validate(self) -> None:
         if self.n < 1:
@@ -397,7 +403,7 @@ def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chos
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
 
-    config = parse_config(BestOfNConfig, argv)
+    config = parse_config(BestOfNConfig, argv, description=__doc__)
     try:
         check_inputs(config)
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation

@@ -65,6 +65,11 @@ class OptionHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return shown
         return f"{shown} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
 
+    def _get_help_string(self, action):
+        if action.nargs == 0:  # -h, --no_<flag>: nothing to default
+            return action.help
+        return super()._get_help_string(action)
+
     def _get_default_metavar_for_optional(self, action):
         """INT, FLOAT, STR or BOOL rather than the option's name in capitals."""
         kind = getattr(action.type, "__name__", "")
@@ -98,6 +103,9 @@ def _trl_parser_class():
                 plain.type = hints[fld.name]
                 plain.metadata = MappingProxyType(meta)
                 self._parse_dataclass_field(sections.get(group, self), plain)
+                for action in self._actions:  # HfArgumentParser's --no_<flag> for a field that defaults to true
+                    if action.dest == fld.name and action.option_strings[0] == f"--no_{fld.name}":
+                        action.help = f"the same as --{fld.name} false"
 
         def error(self, message):
             """A bad flag or value: one line, exit 2 (argparse would print the whole usage first)."""
@@ -110,11 +118,24 @@ def build_parser(config_class: type, description: str | None = None, prog: str |
     """The parser behind parse_config: every field a flag, grouped, each with its help and default."""
     parser = _trl_parser_class()(
         dataclass_types=[config_class], description=first_paragraph(description), prog=prog,
-        formatter_class=OptionHelpFormatter,
+        formatter_class=OptionHelpFormatter, usage="%(prog)s [-h] [--config FILE.yaml] [--option VALUE ...]",
         epilog="--config FILE.yaml sets any of these options from a YAML mapping of option names to values; "
                "flags given on the command line override it.",
     )
     return parser
+
+
+def apply_thread_count(env, path: Path) -> None:
+    """A config's ``env: {OMP_NUM_THREADS: n}`` also sets torch's CPU threads: torch reads the variable only
+    when it starts, before the YAML is read (one thread is fastest for the testbed on a busy CPU)."""
+    if not isinstance(env, dict) or "OMP_NUM_THREADS" not in env:
+        return
+    threads = str(env["OMP_NUM_THREADS"])
+    if not threads.isdigit() or int(threads) < 1:
+        die(f"env: OMP_NUM_THREADS in {path} must be a whole number >= 1, got {threads!r}")
+    import torch
+
+    torch.set_num_threads(int(threads))
 
 
 def parse_config(config_class: type[T], argv: list[str] | None = None, description: str | None = None) -> T:
@@ -144,6 +165,7 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
             die(
                 f"unknown key(s) {', '.join(unknown)} in {path}; valid keys: {', '.join(sorted(fields))}"
             )
+        apply_thread_count(data.get("env"), path)
     parser = build_parser(config_class, description)
     try:
         (config,) = parser.parse_args_and_config(argv)

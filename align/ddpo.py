@@ -12,9 +12,8 @@ The algorithm box, per epoch:
        samples; pairwise-only judges give win rates within each prompt's group of images;
     3. advantages: gather rewards from all processes, normalise them per prompt (DDPO's stat
        tracker) or per group (GRPO), give each process its share back;
-    4. train: for each inner epoch, shuffle samples and, per sample, the order of its timesteps;
-       for a fraction of the timesteps (``--branch_sampling``: each chain's one noisy step) re-score
-       the stored step under the current model and take the PPO-clip loss (plus, optionally, the
+    4. train: shuffle samples and, per sample, the order of its timesteps; for a fraction of the
+       timesteps re-score the stored step under the current model and take the PPO-clip loss (plus, optionally, the
        KL to the reference model, as Flow-GRPO does);
        gradients accumulate over the timesteps and ``gradient_accumulation_steps`` batches.
 """
@@ -49,7 +48,6 @@ from align.sampling import (  # noqa: E402
     ddim_step_mean_std,
     gaussian_log_prob,
     guided_noise_prediction,
-    sample_branched_with_logprob,
     sample_with_logprob,
 )
 from align.training import (  # noqa: E402
@@ -157,20 +155,6 @@ class SampleBatch:
     images: torch.Tensor  # [B, 3, H, W] in [0, 1], CPU
 
 
-def initial_noise(batch: int, latent_shape, config: DDPOConfig, gen: torch.Generator) -> torch.Tensor:
-    """Starting latents x_T of a sampling batch; with shared_group_noise, one draw per prompt group."""
-    if not config.shared_group_noise:
-        return torch.randn((batch, *latent_shape), generator=gen)
-    groups = torch.randn((batch // config.images_per_prompt, *latent_shape), generator=gen)
-    return groups.repeat_interleave(config.images_per_prompt, dim=0)
-
-
-def branch_steps(groups: int, config: DDPOConfig, gen: torch.Generator) -> torch.Tensor:
-    """[groups] the step at which each group branches: uniform over the trained window (high_noise:
-    the first num_train_timesteps steps of the chain; random: any step)."""
-    return torch.randint(config.branch_window, (groups,), generator=gen)
-
-
 def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
     """Sample num_batches batches; rewards are computed in the background as each batch finishes.
 
@@ -185,23 +169,13 @@ def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, proce
             batch_prompts = draw_prompts(prompts, config, gen)
             embeds = encode_prompts(pipe, batch_prompts)
             negative = negative_embed.expand(len(batch_prompts), -1, -1)
-            if config.branch_sampling:
-                groups = len(batch_prompts) // config.images_per_prompt
-                noise = torch.randn((groups, *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
-                trajectory = sample_branched_with_logprob(
-                    sampler, pipe.scheduler, embeds, negative,
-                    num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
-                    eta=config.eta, group_latents=noise, branch_steps=branch_steps(groups, config, gen), generator=gen,
-                )
-            else:
-                noise = initial_noise(len(batch_prompts), latent_shape, config, gen).to(embeds.device, embeds.dtype)
-                trajectory = sample_with_logprob(
-                    sampler, pipe.scheduler, embeds, negative,
-                    num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
-                    eta=config.eta, latents=noise, generator=gen,
-                    stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None,
-                    tail_steps=config.tail_steps,
-                )
+            noise = torch.randn((len(batch_prompts), *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
+            trajectory = sample_with_logprob(
+                sampler, pipe.scheduler, embeds, negative,
+                num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
+                eta=config.eta, latents=noise, generator=gen,
+                stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None,
+            )
             images = decode_latents(pipe, trajectory.final_latents).cpu()
             futures.append(background.submit(batch_prompts, images))
             batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
@@ -250,8 +224,6 @@ def train(config: DDPOConfig) -> Path:
     )
 
     check_inputs(config)
-    if config.cpu_threads:
-        torch.set_num_threads(config.cpu_threads)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator = Accelerator(mixed_precision=config.mixed_precision, log_with=log_with, project_dir=str(run.path))
@@ -294,7 +266,7 @@ def train(config: DDPOConfig) -> Path:
 
     unet = pipe.unet
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.lora_targets.split(","))
+        add_lora(unet, rank=config.lora_rank)
         for p in unet.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -311,9 +283,8 @@ def train(config: DDPOConfig) -> Path:
             f"[ddpo] samples per epoch: {config.samples_per_epoch} = {config.sample_batch_size} per batch x "
             f"{num_batches} batches x {accelerator.num_processes} processes | images per prompt: {config.images_per_prompt} | "
             f"train batch: {config.train_batch_size} x {config.gradient_accumulation_steps} accumulation x "
-            f"{config.trained_steps_per_sample}/{config.num_inference_steps} timesteps"
-            f"{' (branch sampling)' if config.branch_sampling else ''} | optimiser steps per epoch: "
-            f"{updates_per_epoch * config.num_inner_epochs} | epochs: {config.num_epochs} | finetune: {config.finetune} "
+            f"{config.num_train_timesteps}/{config.num_inference_steps} timesteps | optimiser steps per epoch: "
+            f"{updates_per_epoch} | epochs: {config.num_epochs} | finetune: {config.finetune} "
             f"({sum(p.numel() for p in params):,} trainable parameters) | reward: {config.reward} | "
             f"advantage: {config.advantage} | kl_coef: {config.kl_coef}",
             flush=True,
@@ -324,18 +295,12 @@ def train(config: DDPOConfig) -> Path:
                   f"at least {per_epoch:,} comparisons per epoch ({per_epoch * config.num_epochs:,} in all; more when a "
                   "caption is drawn twice in a batch; API and VLM judges ask each in both image orders)", flush=True)
 
-    param_groups = [{"params": params}]
-    if config.lora_plus_ratio != 1.0:  # only then a second group: plain runs keep the optimiser layout their checkpoints hold
-        lora_b = {id(p) for name, p in unet.named_parameters() if p.requires_grad and ".lora_B." in name}
-        param_groups = [{"params": [p for p in params if id(p) not in lora_b]},
-                        {"params": [p for p in params if id(p) in lora_b], "lr": config.learning_rate * config.lora_plus_ratio}]
     optimizer = torch.optim.AdamW(
-        param_groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-        weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
+        [{"params": params}], lr=config.learning_rate, weight_decay=config.adam_weight_decay,
     )
     lr_scheduler = get_scheduler(
         config.lr_scheduler, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
-        num_training_steps=config.num_epochs * updates_per_epoch * config.num_inner_epochs * accelerator.num_processes,
+        num_training_steps=config.num_epochs * updates_per_epoch * accelerator.num_processes,
     )  # accelerate steps a prepared scheduler once per process
     train_unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
@@ -374,7 +339,7 @@ def train(config: DDPOConfig) -> Path:
     if log_with:
         accelerator.init_trackers("ddpo", config=tracker_config(config))
     if main and eval_judge is not None and start_epoch == 0:
-        evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.evaluation_guidance,
+        evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
                        run.path / "eval_before.json", "before")
 
     background = BackgroundRewards(reward_fn)
@@ -416,12 +381,11 @@ def train(config: DDPOConfig) -> Path:
             }
             stats: dict[str, list[float]] = {}
             with lora_as_merged_weight(unet) if merged_lora else contextlib.nullcontext():
-                for inner in range(config.num_inner_epochs):
-                    gen = epoch_generator(config.seed, epoch, TRAIN, inner, process)
-                    global_step += train_inner_epoch(
-                        config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
-                        samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler,
-                    )
+                gen = epoch_generator(config.seed, epoch, TRAIN, 0, process)
+                global_step += train_inner_epoch(
+                    config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
+                    samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler,
+                )
 
             # 5. Log, save samples, checkpoint.
             done = epoch + 1
@@ -440,7 +404,7 @@ def train(config: DDPOConfig) -> Path:
                 logs.update(tracker.stats())
             if main and periodic_evaluation_due(config.eval_every_epochs, done, config.num_epochs):
                 logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.num_inference_steps,
-                                                            config.evaluation_guidance, run.path, done)
+                                                            config.guidance_scale, run.path, done)
             if main:
                 run.log(done, logs)
                 progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", kl=f"{logs.get('approx_kl', 0):.2e}")
@@ -463,7 +427,7 @@ def train(config: DDPOConfig) -> Path:
         else:
             save_full_unet(trained, final)
         if eval_judge is not None:
-            evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.evaluation_guidance,
+            evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
         write_model_card(final, config, run)
         from align.run_report import write_training_report
@@ -500,11 +464,7 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
     """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
     n, steps_total = samples["timesteps"].shape
     order = torch.randperm(n, generator=gen)
-    if config.branch_sampling:
-        # Each chain's one noisy step: the only one with a log-probability.
-        time_order = torch.isfinite(samples["log_probs"]).to(torch.uint8).argmax(dim=1, keepdim=True)
-    else:
-        time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
+    time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
     per_update = config.train_batch_size * config.gradient_accumulation_steps
     updates = 0
     for u0 in range(0, n, per_update):
@@ -636,14 +596,10 @@ def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
         if config.finetune == "lora"
         else "a diffusers `unet/` folder"
     )
-    lora_plus = f"; LoRA B matrices x {config.lora_plus_ratio:g} (LoRA+)" if config.lora_plus_ratio != 1.0 else ""
     tail = ""
     if config.deterministic_tail:
-        tail_steps = config.tail_steps or config.num_untrained_timesteps
-        tail = f" on the first {config.num_train_timesteps} steps, then {tail_steps} deterministic (eta 0) steps"
-    if config.branch_sampling:
-        tail = (f" at one step per group of {config.images_per_prompt} (branching, among the first "
-                f"{config.branch_window}), eta 0 elsewhere")
+        tail = (f" on the first {config.num_train_timesteps} steps, then {config.num_untrained_timesteps} "
+                "deterministic (eta 0) steps")
     text = f"""---
 base_model: {config.model}
 tags: [text-to-image, diffusers, ddpo, reinforcement-learning]
@@ -656,12 +612,11 @@ Weights: {weights}.
 | setting | value |
 |---|---|
 | sampling | DDIM, {config.num_inference_steps} steps, eta {config.eta}{tail}, guidance {config.guidance_scale} |
-| held-out evaluation guidance | {config.evaluation_guidance} |
-| trained steps per sample | {config.trained_steps_per_sample} ({config.timestep_selection}) |
+| trained steps per sample | {config.num_train_timesteps} ({config.timestep_selection}) |
 | epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
 | advantages | {config.advantage} |
 | PPO | clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef} |
-| learning rate | {config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps{lora_plus}) |
+| learning rate | {config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps) |
 | reward mean, first epoch | {first.get('reward_mean', float('nan')):.4f} |
 | reward mean, last epoch | {last.get('reward_mean', float('nan')):.4f} |
 """
@@ -669,7 +624,7 @@ Weights: {weights}.
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(DDPOConfig, argv)
+    config = parse_config(DDPOConfig, argv, description=__doc__)
     try:
         train(config)
     except (ConfigError, RunFolderError) as err:

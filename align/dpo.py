@@ -246,7 +246,7 @@ def train(config: DPOConfig) -> Path:
     # 2. The trained UNet and its reference.
     unet = pipe.unet
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.lora_targets.split(","))
+        add_lora(unet, rank=config.lora_rank)
         reference = None  # same UNet, adapter off
     else:
         unet.requires_grad_(True)
@@ -266,10 +266,7 @@ def train(config: DPOConfig) -> Path:
         except ImportError:
             die("--use_8bit_adam needs bitsandbytes (pip install bitsandbytes)")
         optimizer_class = bnb.optim.AdamW8bit
-    optimizer = optimizer_class(
-        params, lr=lr, betas=(config.adam_beta1, config.adam_beta2),
-        weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
-    )
+    optimizer = optimizer_class(params, lr=lr, weight_decay=config.adam_weight_decay)  # β 0.9 / 0.999, ε 1e-8
     lr_scheduler = get_scheduler(
         config.lr_scheduler, optimizer=optimizer,
         num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
@@ -477,7 +474,7 @@ def write_run_report(run: RunFolder, config: DPOConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(DPOConfig, argv)
+    config = parse_config(DPOConfig, argv, description=__doc__)
     try:
         train(config)
     except (ConfigError, RunFolderError) as err:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align.cli import ConfigError
+from align.cli import ConfigError, option
 from rewards.base import is_pointwise
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
@@ -35,30 +35,39 @@ FID_FEATURES_BUILTIN = ("inception", "pixels")
 @dataclass
 class EvalConfig:
     # --- what to compare
-    models: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # comma list, base first; "name=path" names a model
-    base_model: str | None = None  # pipeline under bare LoRA/UNet folders (default: the first model)
-    judges: str = "clip,pickscore"  # comma list of judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2]
+    models: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "comma list of models, the base first; "
+                         "'name=path' names a model (a hub id, pipeline, run or LoRA folder, or 'testbed')", "model")
+    base_model: str | None = option(None, "pipeline under bare LoRA/UNet folders (None: the first model)", "model")
+    judges: str = option("clip,pickscore", "comma list of judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2]",
+                         "judge")
     # --- prompts and seeds
-    prompts: str = "parti"  # a prompt set (align.prompt_sets): testbed, mjbench, parti, drawbench, a file, ...
-    num_prompts: int | None = 64  # first N prompts (None = all)
-    prompt_seed: int = 0  # seed of sampled prompt sets (testbed)
-    seeds: str = "0"  # comma list; each prompt is generated once per seed, identically for every model
+    prompts: str = option("parti", "a prompt set (align.prompt_sets: testbed, mjbench, parti, drawbench, ...) or a "
+                          "file", "data")
+    num_prompts: int | None = option(64, "the first N prompts (None: all)", "data")
+    prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data")
+    seeds: str = option("0", "comma list of seeds; each prompt is generated once per seed, identically for every "
+                        "model", "sampling")
     # --- sampling (None = the model's testbed.json setting, else SD v1.5's usual 50 steps / 7.5)
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    resolution: int | None = None  # None = the model's native size
-    batch_size: int = 8
-    device: str = "auto"  # auto, cpu, cuda, mps
+    num_inference_steps: int | None = option(None, "DDIM steps (None: the model's testbed.json if any, else 50)",
+                                             "sampling")
+    guidance_scale: float | None = option(None, "classifier-free guidance (None: the model's testbed.json if any, "
+                                          "else 7.5)", "sampling")
+    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
+    batch_size: int = option(8, "images per pipeline call", "sampling")
+    device: str = option("auto", "auto, cpu, cuda or mps", "model")
     # --- distribution metrics
-    fid_reference: str | None = None  # folder of reference images, or "testbed" (true scenes of the prompts)
-    fid_feature: str = "inception"  # inception, pixels, or an embedding judge (clip, shapes-clip)
-    inception_weights: str | None = None  # local InceptionV3 weights for offline FID
-    cmmd: bool = False  # also CMMD (needs fid_reference)
-    cmmd_feature: str = "clip"  # CLIP-like judge whose image embeddings CMMD uses
+    fid_reference: str | None = option(None, "FID reference: a folder of images, or 'testbed' (the true scenes "
+                                       "of the prompts); None: no FID", "evaluation")
+    fid_feature: str = option("inception", "FID features: inception, pixels, or an embedding judge (clip, "
+                              "shapes-clip)", "evaluation")
+    inception_weights: str | None = option(None, "local InceptionV3 weights for offline FID", "evaluation")
+    cmmd: bool = option(False, "also CMMD (needs --fid_reference)", "evaluation")
+    cmmd_feature: str = option("clip", "CLIP-like judge whose image embeddings CMMD uses", "evaluation")
     # --- statistics and report
-    ci: str = "wilson"  # wilson or bootstrap (win-rate confidence intervals, 95%)
-    grid_prompts: int = 8  # prompts shown in the report's image grid
-    output_dir: str = "runs/eval"
+    ci: str = option("wilson", "95% confidence intervals of win rates: wilson or bootstrap", "evaluation")
+    grid_prompts: int = option(8, "prompts shown in the report's image grid", "output")
+    output_dir: str = option("runs/eval", "folder of results.json, results.csv, report.html and the image and "
+                             "score caches", "output")
 
     def validate(self) -> None:
         from align.metrics import CI_METHODS
@@ -635,7 +644,7 @@ def category_table(scores: list, names: list[str], categories: list[str], num_pr
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
 
-    config = parse_config(EvalConfig, argv)
+    config = parse_config(EvalConfig, argv, description=__doc__)
     try:
         check_inputs(config)
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation

@@ -26,32 +26,31 @@ from pathlib import Path
 
 import rewards
 from align import judgebench_metrics as M
-from align.cli import die, parse_config
+from align.cli import die, option, parse_config
 from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
 
 
-def _opt(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
-
-
 @dataclass
 class JudgeBenchConfig:
-    judges: str = _opt(
+    judges: str = option(
         "shapes-oracle,shapes-clip,jpeg-compressibility,random,first-image",
-        "comma-separated judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2],random,first-image",
+        "comma-separated judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2],random,first-image", "judge",
     )
-    data: str = _opt("testbed", "'testbed', a local .parquet/.json/.jsonl, or a hub dataset id owner/name@revision")
-    subsets: str = _opt("alignment,safety,quality,bias", "comma-separated subsets; rows of others are skipped")
-    output_dir: str = _opt("outputs/judgebench", "folder for the leaderboard, plot, report and verdicts")
-    tie_threshold: float = _opt(0.0, "a pointwise judge predicts a tie when |s1 - s0| <= this (MJ-Bench: 0)")
-    limit: int | None = _opt(None, "keep only the first N rows of each subset")
-    batch_size: int = _opt(32, "images per judge call")
-    testbed_pairs: int = _opt(50, "testbed: pairs per alignment subcategory and per quality degradation")
-    testbed_bias_groups: int = _opt(24, "testbed: colourless captions, each scored in all 6 colours")
-    testbed_image_size: int = _opt(32, "testbed: image side in pixels")
-    seed: int = _opt(0, "testbed benchmark seed")
-    overwrite: bool = _opt(False, "replace the outputs of an earlier benchmark in --output-dir")
+    data: str = option("testbed", "'testbed', a local .parquet/.json/.jsonl, or a hub dataset id "
+                       "owner/name@revision", "data")
+    subsets: str = option("alignment,safety,quality,bias", "comma-separated subsets; rows of others are skipped",
+                          "data")
+    output_dir: str = option("outputs/judgebench", "folder for the leaderboard, plot, report and verdicts", "output")
+    tie_threshold: float = option(0.0, "a pointwise judge predicts a tie when |s1 - s0| <= this (MJ-Bench: 0)",
+                                  "judge")
+    limit: int | None = option(None, "keep only the first N rows of each subset", "data")
+    batch_size: int = option(32, "images per judge call", "judge")
+    testbed_pairs: int = option(50, "testbed: pairs per alignment subcategory and per quality degradation", "data")
+    testbed_bias_groups: int = option(24, "testbed: colourless captions, each scored in all 6 colours", "data")
+    testbed_image_size: int = option(32, "testbed: image side in pixels", "data")
+    seed: int = option(0, "testbed benchmark seed", "data")
+    overwrite: bool = option(False, "replace the outputs of an earlier benchmark in --output_dir", "output")
 
 
 @dataclass
@@ -627,7 +626,7 @@ def _pct(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(JudgeBenchConfig, argv)
+    config = parse_config(JudgeBenchConfig, argv, description=__doc__)
     benchmark(config)
 
 

@@ -203,16 +203,6 @@ def check_scheduler_steps(scheduler, num_inference_steps: int, eta: float) -> No
         )
 
 
-def chain_timesteps(scheduler_timesteps: torch.Tensor, stochastic_steps: int | None, tail_steps: int | None) -> torch.Tensor:
-    """The timesteps a chain visits: the first ``stochastic_steps`` of the schedule, then ``tail_steps``
-    evenly spaced ones of the rest (None: all of them)."""
-    if stochastic_steps is None or tail_steps is None:
-        return scheduler_timesteps
-    head, tail = scheduler_timesteps[:stochastic_steps], scheduler_timesteps[stochastic_steps:]
-    keep = sorted({round(i * len(tail) / tail_steps) for i in range(min(tail_steps, len(tail)))})
-    return torch.cat([head, tail[keep]])
-
-
 @torch.no_grad()
 def sample_with_logprob(
     unet,
@@ -226,17 +216,15 @@ def sample_with_logprob(
     latents: torch.Tensor,
     generator: torch.Generator | None = None,
     stochastic_steps: int | None = None,
-    tail_steps: int | None = None,
 ) -> Trajectory:
     """Run the full DDIM chain from the initial noise ``latents`` [B, C, H, W] and record it.
 
     ``stochastic_steps``: only the first (noisiest) this many steps draw noise with ``eta``; the rest
     are deterministic DDIM steps (η = 0) whose log-probability is undefined and recorded as NaN.
-    None: every step is stochastic. ``tail_steps``: take those deterministic steps on a coarser
-    schedule of this many steps (MixGRPO-Flash); the trajectory then has fewer steps.
+    None: every step is stochastic.
     """
     scheduler.set_timesteps(num_inference_steps, device=latents.device)
-    chain = chain_timesteps(scheduler.timesteps, stochastic_steps, tail_steps)
+    chain = scheduler.timesteps
     latents = latents * scheduler.init_noise_sigma
     all_latents, log_probs = [latents], []
     for i, t in enumerate(chain):
@@ -254,71 +242,4 @@ def sample_with_logprob(
         log_probs.append(log_prob)
     batch = latents.shape[0]
     timesteps = chain.to(latents.device).unsqueeze(0).expand(batch, -1)
-    return Trajectory(torch.stack(all_latents, dim=1), timesteps.clone(), torch.stack(log_probs, dim=1))
-
-
-@torch.no_grad()
-def sample_branched_with_logprob(
-    unet,
-    scheduler,
-    prompt_embeds: torch.Tensor,
-    negative_prompt_embeds: torch.Tensor,
-    *,
-    num_inference_steps: int,
-    guidance_scale: float,
-    eta: float,
-    group_latents: torch.Tensor,
-    branch_steps: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> Trajectory:
-    """Trajectory branching (TempFlow-GRPO): one noisy step per chain, shared by its group.
-
-    ``group_latents`` [G, C, H, W] holds one starting noise per group; the batch ([B] rows of
-    ``prompt_embeds``, B a multiple of G) is G groups of B / G consecutive rows, each group one prompt.
-    Every chain takes deterministic DDIM steps (η = 0) except at its group's step ``branch_steps[g]``,
-    where each row draws its own noise with ``eta``: reward differences within a group then come from
-    that one step alone, the step the policy gradient credits. Only that step has a log-probability
-    (NaN elsewhere). Until a group branches its rows are identical, so the UNet runs once for it.
-    """
-    groups = group_latents.shape[0]
-    batch = prompt_embeds.shape[0]
-    if batch % groups or branch_steps.shape != (groups,):
-        raise ValueError(
-            f"need a batch ({batch}) that is a whole number of groups ({groups}) and one branch step per group, "
-            f"got branch_steps of shape {tuple(branch_steps.shape)}"
-        )
-    group_size = batch // groups
-    scheduler.set_timesteps(num_inference_steps, device=group_latents.device)
-    step_size = scheduler.config.num_train_timesteps // scheduler.num_inference_steps
-    rows_all = torch.arange(batch, device=group_latents.device)
-    group_of_row = rows_all // group_size
-    leader_of_row = group_of_row * group_size
-    is_leader = leader_of_row == rows_all
-    branch_of_row = branch_steps.to(group_latents.device)[group_of_row]
-    latents = (group_latents * scheduler.init_noise_sigma).repeat_interleave(group_size, dim=0)
-    all_latents, log_probs = [latents], []
-    for i, t in enumerate(scheduler.timesteps):
-        # Rows still before their branch follow their group's first row; only it runs the UNet.
-        runs = is_leader | (branch_of_row <= i)
-        rows = runs.nonzero().squeeze(1)
-        current = latents[rows]
-        noise_pred = guided_noise_prediction(
-            unet, scheduler.scale_model_input(current, t), t, prompt_embeds[rows], negative_prompt_embeds[rows],
-            guidance_scale,
-        )
-        noisy = branch_of_row[rows] == i
-        stepped = torch.empty_like(current)
-        step_log_prob = torch.full((batch,), float("nan"), device=latents.device)
-        if noisy.any():
-            stepped[noisy], step_log_prob[rows[noisy]] = ddim_step_with_logprob(
-                scheduler, noise_pred[noisy], t, current[noisy], eta, generator=generator
-            )
-        if not noisy.all():
-            stepped[~noisy] = ddim_deterministic_jump(scheduler, noise_pred[~noisy], t, current[~noisy], int(t) - step_size)
-        latents = torch.empty_like(latents)
-        latents[rows] = stepped
-        latents[~runs] = latents[leader_of_row[~runs]]
-        all_latents.append(latents)
-        log_probs.append(step_log_prob)
-    timesteps = scheduler.timesteps.to(latents.device).unsqueeze(0).expand(batch, -1)
     return Trajectory(torch.stack(all_latents, dim=1), timesteps.clone(), torch.stack(log_probs, dim=1))

@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.cli import ConfigError, die, option, parse_config  # noqa: E402
 from align.reward_losses import (  # noqa: E402
     binary_cross_entropy_loss,
     bradley_terry_loss,
@@ -51,51 +51,57 @@ TESTBED_ORACLE = "testbed-oracle:"
 @dataclass
 class RewardTrainConfig:
     # --- data (Pick-a-Pic schema: caption, jpg_0, jpg_1, label_0, label_1)
-    dataset: str | None = None  # parquet/folder/HF id of pairs (e.g. a dpo run's feedback/pairs.parquet),
-    # or testbed-oracle:<n>[:<seed>]: n shapes-world pairs (render vs near miss) labelled by shapes-oracle
-    dataset_split: str = "train"
-    eval_dataset: str | None = None  # held-out pairs (same forms as --dataset); default: eval_fraction of --dataset
-    eval_fraction: float = 0.1
-    max_pairs: int | None = None
-    tie_policy: str = "drop"
-    unpaired: str | None = None  # parquet with caption, jpg, label (1 good / 0 bad): BCE term
-    bce_weight: float = 1.0
+    dataset: str | None = option(
+        None, "preference pairs (required): a parquet/folder/HF id (e.g. a dpo run's feedback/pairs.parquet), or "
+        "testbed-oracle:<n>[:<seed>]: n shapes-world pairs (render vs near miss) labelled by shapes-oracle", "data")
+    dataset_split: str = option("train", "split of --dataset", "data")
+    eval_dataset: str | None = option(None, "held-out pairs (the same forms as --dataset); None: --eval_fraction "
+                                      "of --dataset", "data")
+    eval_fraction: float = option(0.1, "share of --dataset held out when no --eval_dataset is given", "data")
+    max_pairs: int | None = option(None, "cap on the pairs used (None: all)", "data")
+    tie_policy: str = option("drop", "tied pairs: drop or keep_first", "data")
+    unpaired: str | None = option(None, "parquet with caption, jpg, label (1 good / 0 bad) for a BCE term", "data")
+    bce_weight: float = option(1.0, "weight of the BCE term on --unpaired labels", "optimisation")
     # --- model
-    backbone: str = "clip"  # clip or blip (MLP head, VP-Score / ImageReward style) or mllm (LLaVA-Reward)
-    model: str = "openai/clip-vit-large-patch14"  # backbone: hub id, folder, "testbed" (shapes-clip) or testbed:scratch
-    trust_remote_code: bool = False  # needed by Phi-3.5-vision (mllm); off unless asked
-    skip_cross_attention: bool = True  # mllm: SkipCA before the value head
-    head_hidden: str = "256,64"  # clip: MLP hidden sizes
-    head_dropout: float = 0.1
-    finetune: str = "lora"  # lora (paper), full, or head (backbone frozen)
-    lora_rank: int = 128  # LLaVA-Reward: r 128, alpha 256, dropout 0.05
-    lora_alpha: float = 256.0
-    lora_dropout: float = 0.05
+    backbone: str = option("clip", "clip or blip (an MLP head, VP-Score / ImageReward style) or mllm "
+                           "(LLaVA-Reward)", "model")
+    model: str = option("openai/clip-vit-large-patch14", "the backbone: a hub id, a folder, 'testbed' (shapes-clip) "
+                        "or testbed:scratch", "model")
+    trust_remote_code: bool = option(False, "run the model repository's own code (Phi-3.5-vision, mllm); off unless "
+                                     "asked", "model")
+    skip_cross_attention: bool = option(True, "mllm: SkipCA before the value head (LLaVA-Reward)", "model")
+    head_hidden: str = option("256,64", "clip/blip: the MLP head's hidden sizes", "model")
+    head_dropout: float = option(0.1, "dropout of the MLP head", "model")
+    finetune: str = option("lora", "lora (the paper), full, or head (the backbone frozen)", "model")
+    lora_rank: int = option(128, "LoRA rank (LLaVA-Reward: r 128, alpha 256, dropout 0.05)", "model")
+    lora_alpha: float = option(256.0, "LoRA alpha", "model")
+    lora_dropout: float = option(0.05, "LoRA dropout", "model")
     # --- objective
-    tau: float = 0.1  # Bradley-Terry temperature: P(a > b) = sigmoid((r_a - r_b) / tau)
+    tau: float = option(0.1, "Bradley-Terry temperature: P(a > b) = sigmoid((r_a - r_b) / tau)", "optimisation")
     # --- optimisation
-    learning_rate: float = 2e-4  # LLaVA-Reward's LoRA recipe
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    lr_scheduler: str = "cosine"
-    lr_warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-    train_batch_size: int = 8  # pairs per process per micro-step
-    gradient_accumulation_steps: int = 1
-    num_epochs: float = 3.0
-    max_steps: int | None = None  # overrides num_epochs
-    mixed_precision: str = "no"
+    learning_rate: float = option(2e-4, "AdamW learning rate (LLaVA-Reward's LoRA recipe)", "optimisation")
+    weight_decay: float = option(0.0, "AdamW weight decay", "optimisation")
+    adam_beta1: float = option(0.9, "AdamW β1", "optimisation")
+    adam_beta2: float = option(0.95, "AdamW β2", "optimisation")
+    lr_scheduler: str = option("cosine", "diffusers' get_scheduler: cosine, constant, linear, ...", "optimisation")
+    lr_warmup_ratio: float = option(0.03, "share of the steps spent warming the learning rate up", "optimisation")
+    max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation")
+    train_batch_size: int = option(8, "pairs per process per micro-step", "optimisation")
+    gradient_accumulation_steps: int = option(1, "micro-steps per optimiser step", "optimisation")
+    num_epochs: float = option(3.0, "passes over the training pairs (fractions allowed)", "optimisation")
+    max_steps: int | None = option(None, "optimiser steps in all; overrides --num_epochs", "optimisation")
+    mixed_precision: str = option("no", "no, fp16 or bf16", "model")
     # --- output
-    output_dir: str = "runs/reward"
-    resume: str | None = None
-    overwrite: bool = False
-    seed: int = 0
-    report_to: str = "none"
-    checkpointing_steps: int = 200
-    checkpoints_total_limit: int = 2
-    calibrate: bool = True
-    name: str | None = None  # judge name; default: the output folder's name
+    output_dir: str = option("runs/reward", "the run folder; final/ loads with rewards.load(folder)", "output")
+    resume: str | None = option(None, "continue a run: 'latest' or a checkpoint folder", "output")
+    overwrite: bool = option(False, "replace a run already in --output_dir", "output")
+    seed: int = option(0, "seed of the split, pair order and initialisation", "optimisation")
+    report_to: str = option("none", "tracker: tensorboard, wandb, all, or none", "output")
+    checkpointing_steps: int = option(200, "save a resumable checkpoint every N optimiser steps", "output")
+    checkpoints_total_limit: int = option(2, "checkpoints kept (older ones are deleted)", "output")
+    calibrate: bool = option(True, "fit a temperature on the held-out pairs at the end so that P(a > b) is "
+                             "calibrated", "evaluation")
+    name: str | None = option(None, "the judge's name (None: the output folder's name)", "output")
 
     def validate(self) -> None:
         if not self.dataset:
@@ -623,7 +629,7 @@ The reliability diagram of the held-out pairs is `reliability.png`.
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(RewardTrainConfig, argv)
+    config = parse_config(RewardTrainConfig, argv, description=__doc__)
     try:
         train(config)
     except (ConfigError, RunFolderError) as err:

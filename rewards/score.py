@@ -22,15 +22,18 @@ from rewards.weights import MissingWeightsError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rewards.score",
-        description="Score images against a prompt with a judge (higher is better).",
+        description="Score images against a prompt with a judge (higher is better): one line per image, the "
+                    "score, a tab, the file name. Judges: python -c 'import rewards; print(rewards.available())'.",
     )
-    parser.add_argument("--judge", required=True, help="judge name or spec, e.g. clip, hps, 'clip[variant=clip-s]'")
-    parser.add_argument("--prompt", required=True, help="the prompt every image is scored against")
+    parser.add_argument("--judge", required=True, help="judge name or spec, e.g. clip, hps, 'clip[variant=clip-s]' "
+                        "(required)")
+    parser.add_argument("--prompt", required=True, help="the prompt every image is scored against (required)")
     parser.add_argument("images", nargs="+", help="image files (PNG, JPEG, ...)")
-    parser.add_argument("--model", help="weights to use instead of the judge's default (hub id, folder or file)")
+    parser.add_argument("--model", help="weights to use instead of the judge's default (hub id, folder or file; "
+                        "default: the judge's own)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float16 on GPU, float32 on CPU)")
-    parser.add_argument("--batch-size", type=int, help="images per forward pass")
+    parser.add_argument("--batch-size", type=int, help="images per forward pass (default: the judge's own)")
     return parser
 
 

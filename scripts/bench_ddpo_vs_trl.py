@@ -141,7 +141,7 @@ def run_ours(args) -> dict:
         train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.grad_accum,
         timestep_fraction=args.timestep_fraction, lora_rank=args.lora_rank, learning_rate=args.lr,
         num_epochs=args.epochs, checkpointing_epochs=10**6, num_logged_images=0,
-        stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch, cpu_threads=args.threads,
+        stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch,
         compile_sampling=args.compile_sampling, lora_merged_forward=not args.peft_forward,
     )
     anonymous = AnonymousMemoryPeak()

@@ -169,6 +169,7 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
     module = importlib.import_module(f"align.{config.trainer}")
     config_class = getattr(module, TRAINERS[config.trainer])
     values = yaml.safe_load(Path(config.trainer_config).read_text()) if config.trainer_config else {}
+    values.pop("env", None)  # a trainer YAML's environment (OMP_NUM_THREADS): this script sets its own threads
     values.update(parse_overrides(config.trainer_overrides))
     names = {f.name for f in fields(config_class)}
     unknown = set(values) - names

@@ -45,7 +45,7 @@ def parse_args(argv=None):
 def gradient_estimate(pipe, judge, prompts, negative, args, steps, guidance, seed, shared_noise, selection):
     """One flattened gradient of the PPO objective at ratio 1 (i.e. the policy gradient), and the mean reward."""
     from align.advantages import group_advantages
-    from align.ddpo import DDPOConfig, draw_prompts, initial_noise, train_timestep_indices
+    from align.ddpo import DDPOConfig, draw_prompts, train_timestep_indices
     from align.pipeline import decode_latents, encode_prompts
     from align.sampling import (
         ddim_step_mean_std,
@@ -56,11 +56,14 @@ def gradient_estimate(pipe, judge, prompts, negative, args, steps, guidance, see
 
     unet, g = pipe.unet, torch.Generator().manual_seed(seed)
     # The trainer's own draws: one sampling batch of the whole estimate
-    sampling = DDPOConfig(prompts="-", sample_batch_size=args.samples, images_per_prompt=args.images_per_prompt,
-                          shared_group_noise=shared_noise)
+    sampling = DDPOConfig(prompts="-", sample_batch_size=args.samples, images_per_prompt=args.images_per_prompt)
     batch = draw_prompts(prompts, sampling, g)
     shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
-    x_T = initial_noise(len(batch), shape, sampling, g)
+    if shared_noise:  # one starting noise per group of a prompt's images (DanceGRPO; not a trainer option)
+        x_T = torch.randn((len(batch) // args.images_per_prompt, *shape), generator=g)
+        x_T = x_T.repeat_interleave(args.images_per_prompt, dim=0)
+    else:
+        x_T = torch.randn((len(batch), *shape), generator=g)
     embeds = encode_prompts(pipe, batch)
     with torch.no_grad():
         chain = sample_with_logprob(unet, pipe.scheduler, embeds, negative.expand(len(batch), -1, -1),

@@ -9,13 +9,11 @@ from diffusers import DDIMScheduler, UNet2DConditionModel
 from scipy.stats import norm
 
 from align.sampling import (
-    chain_timesteps,
     check_scheduler_steps,
     ddim_deterministic_jump,
     ddim_step_mean_std,
     ddim_step_with_logprob,
     guided_noise_prediction,
-    sample_branched_with_logprob,
     sample_with_logprob,
 )
 
@@ -208,75 +206,6 @@ def test_a_coarse_deterministic_jump_is_diffusers_step_on_the_coarser_schedule()
     torch.testing.assert_close(ddim_deterministic_jump(make_scheduler(20), model_output, 701, sample, 501), expected)
     last = coarse.step(model_output, 101, sample, eta=0.0).prev_sample  # 101 - 200 < 0: the final alpha
     torch.testing.assert_close(ddim_deterministic_jump(make_scheduler(20), model_output, 101, sample, -1), last)
-
-
-def test_chain_timesteps_keeps_the_stochastic_head_and_thins_the_tail():
-    schedule = make_scheduler(20).timesteps
-    assert torch.equal(chain_timesteps(schedule, None, None), schedule)
-    assert torch.equal(chain_timesteps(schedule, 5, None), schedule)
-    assert chain_timesteps(schedule, 5, 5).tolist() == [951, 901, 851, 801, 751, 701, 551, 401, 251, 101]
-    assert torch.equal(chain_timesteps(schedule, 5, 15), schedule)
-
-
-def test_coarse_tail_trajectory_records_only_the_steps_taken(tiny_unet):
-    cond, uncond = torch.randn(2, 2, 5, 16).unbind(0)
-    traj = sample_with_logprob(
-        tiny_unet, DDIMScheduler(**SD_SCHEDULER), cond, uncond, num_inference_steps=8, guidance_scale=3.0,
-        eta=1.0, latents=torch.randn(2, 4, 8, 8), generator=torch.Generator().manual_seed(0),
-        stochastic_steps=4, tail_steps=2,
-    )
-    assert traj.all_latents.shape[1] == 7 and traj.timesteps[0].tolist() == [876, 751, 626, 501, 376, 126]
-    assert torch.isfinite(traj.log_probs[:, :4]).all() and traj.log_probs[:, 4:].isnan().all()
-
-
-def test_branched_chains_follow_diffusers_with_noise_at_their_groups_step_only(tiny_unet):
-    steps, guidance, eta, group = 6, 4.0, 0.8, 3
-    branch = torch.tensor([1, 4])  # group 0 branches at step 1, group 1 at step 4
-    group_noise = torch.randn(2, 4, 8, 8)
-    prompts = torch.randn(2, 5, 16).repeat_interleave(group, dim=0)  # one prompt per group
-    uncond = torch.randn(1, 5, 16).expand(2 * group, -1, -1)
-    traj = sample_branched_with_logprob(
-        tiny_unet, DDIMScheduler(**SD_SCHEDULER), prompts, uncond, num_inference_steps=steps,
-        guidance_scale=guidance, eta=eta, group_latents=group_noise, branch_steps=branch,
-        generator=torch.Generator().manual_seed(5),
-    )
-    assert traj.all_latents.shape == (2 * group, steps + 1, 4, 8, 8)
-    steps_with_log_prob = torch.isfinite(traj.log_probs)
-    assert steps_with_log_prob.sum(dim=1).tolist() == [1] * (2 * group)
-    assert steps_with_log_prob.float().argmax(dim=1).tolist() == [1, 1, 1, 4, 4, 4]
-
-    reference = DDIMScheduler(**SD_SCHEDULER)
-    reference.set_timesteps(steps)
-    for row in range(2 * group):
-        g, k = row // group, int(branch[row // group])
-        members = traj.all_latents[g * group : (g + 1) * group]
-        # A group's chains are one chain up to their branch step and part there.
-        assert (members[:, : k + 1] == members[:1, : k + 1]).all()
-        assert not torch.allclose(members[0, k + 1], members[1, k + 1])
-        x = group_noise[g : g + 1].clone()
-        for i, t in enumerate(reference.timesteps):
-            with torch.no_grad():
-                pred = guided_noise_prediction(tiny_unet, x, t, prompts[row : row + 1], uncond[:1], guidance)
-            if i == k:
-                # The noisy step: diffusers' step with the noise this chain drew, and its Gaussian log-density.
-                mean, std = ddim_step_mean_std(reference, pred, t, x, eta)
-                drawn = (traj.all_latents[row, i + 1] - mean[0]) / std[0]
-                x_next = reference.step(pred, t, x, eta=eta, variance_noise=drawn[None]).prev_sample
-                _, log_prob = ddim_step_with_logprob(reference, pred, t, x, eta, prev_sample=x_next)
-                torch.testing.assert_close(log_prob[0], traj.log_probs[row, i], atol=1e-5, rtol=1e-5)
-            else:
-                x_next = reference.step(pred, t, x, eta=0.0).prev_sample
-            torch.testing.assert_close(traj.all_latents[row, i + 1], x_next[0], atol=1e-5, rtol=1e-5)
-            x = traj.all_latents[row : row + 1, i + 1]
-
-
-def test_branched_sampling_rejects_a_batch_that_is_not_whole_groups(tiny_unet):
-    with pytest.raises(ValueError, match="whole number of groups"):
-        sample_branched_with_logprob(
-            tiny_unet, DDIMScheduler(**SD_SCHEDULER), torch.randn(5, 5, 16), torch.randn(5, 5, 16),
-            num_inference_steps=4, guidance_scale=3.0, eta=1.0, group_latents=torch.randn(2, 4, 8, 8),
-            branch_steps=torch.tensor([0, 1]),
-        )
 
 
 def test_sampling_with_the_lora_merged_matches_the_adapter_and_restores_the_weights(tiny_unet):
