@@ -9,8 +9,10 @@ the sections, a description, exit 0 for --help, and one clear line and exit 2 fo
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import dataclasses
+import re
 import sys
 from dataclasses import field
 from pathlib import Path
@@ -157,7 +159,9 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            die(f"config file {path} is not valid YAML: {err}")
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            die(f"config file {path} is not valid YAML{where}: {getattr(err, 'problem', None) or ' '.join(str(err).split())}")
         if not isinstance(data, dict):
             die(f"config file {path} must hold a mapping of {config_class.__name__} fields")
         unknown = sorted(set(data) - fields - {"env"})
@@ -173,6 +177,9 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
         # --help exits 0; argparse already printed its one-line message for a bad flag or value (exit 2).
         raise SystemExit(0 if exit_.code in (0, None) else 2) from None
     except (ValueError, TypeError) as err:
+        leftover = re.search(r"not used by the HfArgumentParser: (\[.*\])", str(err))
+        if leftover:  # HfArgumentParser's words for an unknown flag
+            die(f"unknown option(s) {' '.join(ast.literal_eval(leftover.group(1)))} (see {parser.prog} --help)")
         die(str(err))
     return config
 
