@@ -35,7 +35,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.cli import ConfigError, die, option, parse_config  # noqa: E402
 
 TRAINERS = {"dpo": "DPOConfig", "ddpo": "DDPOConfig"}  # align.<trainer> and its config class
 
@@ -43,27 +43,35 @@ TRAINERS = {"dpo": "DPOConfig", "ddpo": "DDPOConfig"}  # align.<trainer> and its
 @dataclass
 class CompareConfig:
     # judges to compare (comma list; options in brackets), and the ground truth they are measured against
-    judges: str = "shapes-oracle,shapes-clip,shapes-oracle[noise=0.3],shapes-oracle[position_bias=0.7],random"
-    oracle: str = "shapes-oracle"
-    model: str = "testbed"  # the base every judge fine-tunes
+    judges: str = option("shapes-oracle,shapes-clip,shapes-oracle[noise=0.3],shapes-oracle[position_bias=0.7],random",
+                         "comma list of the judges to compare (options in brackets)", "judge")
+    oracle: str = option("shapes-oracle", "the ground truth the judges' labels are measured against", "judge")
+    model: str = option("testbed", "the base model every judge fine-tunes", "model")
     # --- fine-tuning (identical for every judge)
-    trainer: str = "dpo"  # dpo (Diffusion-DPO) or ddpo
-    trainer_config: str | None = None  # the trainer's YAML (its keys are the trainer's config fields)
-    trainer_overrides: str | None = None  # "key=value,key=value" on top of the YAML, e.g. learning_rate=1e-4,finetune=lora
-    train_prompts: str = "testbed:128"  # prompts for AI feedback
-    max_steps: int | None = None  # overrides the trainer YAML's budget
-    seed: int = 0
-    images_per_prompt: int = 2  # K base-model images per feedback prompt (2: every judge labels the same pairs)
+    trainer: str = option("dpo", "dpo (Diffusion-DPO on each judge's labels) or ddpo (the judge as the online "
+                          "reward)", "optimisation")
+    trainer_config: str | None = option(None, "the trainer's YAML (its keys are the trainer's config fields)",
+                                        "optimisation")
+    trainer_overrides: str | None = option(None, "'key=value,key=value' on top of the YAML, e.g. "
+                                           "learning_rate=1e-4,finetune=lora", "optimisation")
+    train_prompts: str = option("testbed:128", "prompts for AI feedback", "data")
+    max_steps: int | None = option(None, "overrides the trainer YAML's budget (Diffusion-DPO)", "optimisation")
+    seed: int = option(0, "seed of the base-model images and of every fine-tuning run", "optimisation")
+    images_per_prompt: int = option(2, "K base-model images per feedback prompt (2: every judge labels the same "
+                                    "pairs)", "data")
     # --- downstream evaluation (align.evaluate)
-    eval_prompts: str = "testbed"
-    eval_num_prompts: int = 64
-    eval_prompt_seed: int = 1000
-    eval_seeds: str = "0"
-    fid_feature: str = "shapes-clip"  # inception for SD; shapes-clip or pixels on the testbed
-    fid_reference: str | None = "testbed"
-    batch_size: int = 32
-    device: str = "cpu"
-    output_dir: str = "runs/compare-judges"
+    eval_prompts: str = option("testbed", "held-out prompt set of the downstream evaluation", "evaluation")
+    eval_num_prompts: int = option(64, "held-out prompts evaluated", "evaluation")
+    eval_prompt_seed: int = option(1000, "seed of the sampled held-out prompts (testbed)", "evaluation")
+    eval_seeds: str = option("0", "comma list of image seeds per held-out prompt", "evaluation")
+    fid_feature: str = option("shapes-clip", "FID features: inception for SD; shapes-clip or pixels on the testbed",
+                              "evaluation")
+    fid_reference: str | None = option("testbed", "FID reference images: a folder or 'testbed' (None: no FID)",
+                                       "evaluation")
+    batch_size: int = option(32, "images per pipeline call", "sampling")
+    device: str = option("cpu", "cpu, cuda or mps", "model")
+    output_dir: str = option("runs/compare-judges", "folder of the feedback, runs, evaluation, tables and report",
+                             "output")
 
     def validate(self) -> None:
         from align.evaluate import split_list
@@ -310,7 +318,7 @@ def slug_name(spec: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(CompareConfig, argv)
+    config = parse_config(CompareConfig, argv, description=__doc__)
     try:
         payload = compare(config)  # validates first
     except ConfigError as err:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from align.best_of_n import BestOfNConfig
 from align.cli import GROUPS, first_paragraph, option, parse_config
@@ -21,7 +22,8 @@ from align.judgebench import JudgeBenchConfig
 from align.train_reward import RewardTrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG_CLASSES = (DPOConfig, DDPOConfig, EvalConfig, BestOfNConfig, JudgeBenchConfig, RewardTrainConfig)
+CompareConfig = load_script("compare_judges").CompareConfig
+CONFIG_CLASSES = (DPOConfig, DDPOConfig, EvalConfig, BestOfNConfig, JudgeBenchConfig, RewardTrainConfig, CompareConfig)
 
 # Valid values other than the default for fields that take one of a few words.
 CHOICES = {
@@ -31,7 +33,7 @@ CHOICES = {
     "timestep_selection": ("random", "high_noise"), "lr_scheduler": ("constant", "cosine"),
     "backbone": ("clip", "blip", "mllm"), "search": ("random", "zero-order"), "ci": ("wilson", "bootstrap"),
     "device": ("auto", "cpu"), "fid_feature": ("inception", "pixels"), "cmmd_feature": ("clip", "shapes-clip"),
-    "resume": ("latest",), "subsets": ("alignment,safety,quality,bias", "alignment"),
+    "resume": ("latest",), "subsets": ("alignment,safety,quality,bias", "alignment"), "trainer": ("dpo", "ddpo"),
 }
 
 
@@ -127,15 +129,14 @@ def check_help(text: str, config_class, module_doc: str | None) -> None:
         assert " ".join(field.metadata["help"].split()[:3]) in entry
 
 
-@pytest.mark.parametrize("script, config_class", [("align/dpo.py", DPOConfig), ("align/ddpo.py", DDPOConfig)])
+@pytest.mark.parametrize("script, config_class", [("align/dpo.py", DPOConfig), ("align/ddpo.py", DDPOConfig),
+                                                  ("scripts/compare_judges.py", CompareConfig)])
 def test_trainer_help_runs_as_a_script_and_explains_every_flag(script, config_class):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "100"}
     result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    import importlib
-
-    check_help(result.stdout, config_class, importlib.import_module(script[:-3].replace("/", ".")).__doc__)
+    check_help(result.stdout, config_class, (ROOT / script).read_text().split('"""')[1])
 
 
 @pytest.mark.parametrize("module_name, config_class", [
