@@ -13,8 +13,8 @@ The algorithm box, per epoch:
     3. advantages: gather rewards from all processes, normalise them per prompt (DDPO's stat
        tracker) or per group (GRPO), give each process its share back;
     4. train: shuffle samples and, per sample, the order of its timesteps; for a fraction of the
-       timesteps re-score the stored step under the current model and take the PPO-clip loss (plus, optionally, the
-       KL to the reference model, as Flow-GRPO does);
+       timesteps re-score the stored step under the current model and take the PPO-clip loss (plus,
+       optionally, the KL to the reference model, as Flow-GRPO does);
        gradients accumulate over the timesteps and ``gradient_accumulation_steps`` batches.
 """
 
@@ -295,9 +295,7 @@ def train(config: DDPOConfig) -> Path:
                   f"at least {per_epoch:,} comparisons per epoch ({per_epoch * config.num_epochs:,} in all; more when a "
                   "caption is drawn twice in a batch; API and VLM judges ask each in both image orders)", flush=True)
 
-    optimizer = torch.optim.AdamW(
-        [{"params": params}], lr=config.learning_rate, weight_decay=config.adam_weight_decay,
-    )
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.adam_weight_decay)  # β, ε: PyTorch's
     lr_scheduler = get_scheduler(
         config.lr_scheduler, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
         num_training_steps=config.num_epochs * updates_per_epoch * accelerator.num_processes,
