@@ -1,4 +1,5 @@
-"""Behaviour of trainer flags that no other test exercises: weight decay, sample logging, checkpoint rotation."""
+"""Behaviour of trainer flags no other test exercises: weight decay, sample logging, checkpoint rotation,
+latent caching, validation prompts, feedback pairing."""
 
 from __future__ import annotations
 
@@ -72,3 +73,48 @@ def test_ddpo_logs_samples_every_sample_log_epochs_and_keeps_checkpoints_total_l
 def test_dpo_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):
     run = dpo.train(dpo_config(tiny_model, prompt_file, tmp_path / "run", max_steps=3, checkpoints_total_limit=1))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000003"]
+
+
+@pytest.mark.parametrize("cache_latents", [True, False])
+def test_cache_latents_encodes_each_pair_and_flip_once(cache_latents, monkeypatch):
+    import align.data
+    import align.pipeline
+
+    calls = []
+
+    def fake_pixels(pair, resolution, flip):
+        return torch.full((3, 4, 4), float(pair)), torch.full((3, 4, 4), -float(pair) - flip)
+
+    def fake_encode(pipe, pixels):
+        calls.append(pixels)
+        return pixels * 2
+
+    monkeypatch.setattr(align.data, "pair_pixels", fake_pixels)
+    monkeypatch.setattr(align.pipeline, "encode_images", fake_encode)
+    store = dpo.LatentStore(pipe=None, pairs=[0, 1], resolution=4, enabled=cache_latents)
+    first = [store.get(i, flip) for i, flip in ((0, False), (1, True), (0, False), (1, True), (1, False))]
+    assert len(calls) == (3 if cache_latents else 5)  # cached: one VAE pass per (pair, flip)
+    for (w, lat), (w2, lat2) in zip(first[:2], first[2:4]):
+        assert torch.equal(w, w2) and torch.equal(lat, lat2)  # the same latents either way
+    assert torch.equal(first[1][1], torch.full((3, 4, 4), -4.0))
+
+
+def test_validation_prompts_win_over_held_out_and_training_prompts(tmp_path):
+    files = {}
+    for name in ("validation", "held_out", "training"):
+        files[name] = tmp_path / f"{name}.txt"
+        files[name].write_text("\n".join(f"{name} {i}" for i in range(5)))
+    base = dict(reward="random", prompts=str(files["training"]), num_validation_images=3)
+    config = DPOConfig(validation_prompts=str(files["validation"]), eval_prompts=str(files["held_out"]), **base)
+    assert dpo._validation_prompts(config) == ["validation 0", "validation 1", "validation 2"]
+    assert dpo._validation_prompts(DPOConfig(eval_prompts=str(files["held_out"]), **base))[0] == "held_out 0"
+    assert dpo._validation_prompts(DPOConfig(**base)) == ["training 0", "training 1", "training 2"]
+
+
+def test_feedback_pairing_all_labels_every_pair_of_a_prompts_images(tiny_model, prompt_file, tmp_path):
+    import pyarrow.parquet as pq
+
+    run = dpo.train(dpo_config(tiny_model, prompt_file, tmp_path / "all", images_per_prompt=3, feedback_pairing="all"))
+    rows = pq.read_table(run / "feedback" / "pairs.parquet").to_pylist()
+    # 3 prompts x 3 pairs of 3 images (best_worst would give one pair per prompt); a tie would be dropped.
+    assert len(rows) == 9 and all(sum(r["caption"] == c for r in rows) == 3 for c in {r["caption"] for r in rows})
