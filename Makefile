@@ -28,7 +28,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python align/dpo.py --config configs/testbed_dpo.yaml --output-dir runs/testbed-dpo --overwrite true
 
 test: $(STAMP)
-	$(BIN)/python -m ruff check align rewards scripts tests
+	$(BIN)/python -m ruff check align rewards scripts experiments tests
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 test-all: $(STAMP)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from script_loader import load_script
+from script_loader import load_experiment
 
 from align import ddpo
 from align.ddpo import DDPOConfig
@@ -589,7 +589,7 @@ def test_an_update_whose_advantages_are_all_zero_still_steps_with_a_zero_gradien
 
 
 def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file, capsys):
-    ddpo_gradient_snr = load_script("ddpo_gradient_snr")
+    ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")
     ddpo_gradient_snr.main(["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", prompt_file,
                             "--samples", "4", "--images-per-prompt", "2", "--estimates", "2", "--steps", "4",
                             "--guidance", "2.0"])

@@ -1,4 +1,4 @@
-"""scripts/heldout_gap.py: the split of the held-out shortfall into a caption part and a seed part."""
+"""experiments/heldout_gap.py: the split of the held-out shortfall into a caption part and a seed part."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 import yaml
-from script_loader import load_script
+from script_loader import load_experiment
 
-heldout_gap = load_script("heldout_gap")
+heldout_gap = load_experiment("heldout_gap")
 
 
 def test_gap_parts_match_hand_computed_values():

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from script_loader import load_script
+from script_loader import load_experiment, load_script
 
 from align.testbed import models, weights
 from align.testbed.scene import corrupt_caption, render, sample_captions
@@ -204,7 +204,7 @@ def test_bundled_shapes_clip_loads_through_rewards():
 
 
 def test_headroom_script_scores_renders_perfectly_and_the_base_models_generations_lower(capsys):
-    testbed_headroom = load_script("testbed_headroom")
+    testbed_headroom = load_experiment("testbed_headroom")
     testbed_headroom.main(["--captions", "testbed:6:777"])
     rows = {line[:26].strip(): line[26:].split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert set(rows) == {"true renders", "renders through the VAE", "model generations"}
@@ -218,7 +218,7 @@ def test_headroom_scripts_stochastic_sampler_reduces_to_the_pipelines_sampler_wi
     from align.evaluate import EvalConfig, sampling_settings
     from align.pipeline import generate_images, load_trained
 
-    testbed_headroom = load_script("testbed_headroom")
+    testbed_headroom = load_experiment("testbed_headroom")
     pipe = load_trained("testbed")
     pipe.set_progress_bar_config(disable=True)
     settings = sampling_settings(EvalConfig(), "testbed")

@@ -1,18 +1,18 @@
-"""scripts/testbed_sft_ceiling.py: true training pairs, held-out captions kept out, a budgeted run's curve."""
+"""experiments/testbed_sft_ceiling.py: true training pairs, held-out captions kept out, a budgeted run's curve."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from script_loader import load_script
+from script_loader import load_experiment
 
 import rewards
 
 
 @pytest.fixture(scope="module")
 def sft_ceiling():
-    return load_script("testbed_sft_ceiling")
+    return load_experiment("testbed_sft_ceiling")
 
 
 def test_training_scenes_are_true_to_their_captions_and_leave_the_held_out_captions_out(sft_ceiling):

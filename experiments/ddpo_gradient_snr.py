@@ -1,7 +1,7 @@
 """Is a reward learnable by DDPO at a given batch size? Agreement of independent policy-gradient estimates.
 
-    python scripts/ddpo_gradient_snr.py                       # testbed + shapes-oracle, 64 samples per estimate
-    python scripts/ddpo_gradient_snr.py --samples 256 --eta 0.5 --reward jpeg-compressibility
+    python experiments/ddpo_gradient_snr.py                       # testbed + shapes-oracle, 64 samples per estimate
+    python experiments/ddpo_gradient_snr.py --samples 256 --eta 0.5 --reward jpeg-compressibility
 
 Each estimate is the gradient of DDPO's first-minibatch objective, -mean(A · log p(x_{t-1} | x_t)),
 with group-relative advantages, on its own fresh batch of prompts and samples, all from the same

@@ -1,7 +1,7 @@
 """How much room does a UNet-only trainer have on the shapes testbed? Oracle scores by fact category.
 
-    python scripts/testbed_headroom.py                    # 200 held-out captions (seed 777), seeds 0..199
-    python scripts/testbed_headroom.py --model runs/testbed-dpo      # a run folder
+    python experiments/testbed_headroom.py                    # 200 held-out captions (seed 777), seeds 0..199
+    python experiments/testbed_headroom.py --model runs/testbed-dpo      # a run folder
 
 Three rows (four with --stochastic-eta), each the mean oracle score and the share of facts that hold per category (pooled over
 captions): the true renders (1.0 by construction), the true renders encoded and decoded by the

@@ -1,7 +1,7 @@
 """What the testbed model reaches in a CPU budget when taught with perfect data: a reference for DDPO's target.
 
-    python scripts/testbed_sft_ceiling.py                      # LoRA r8 on the UNet, as DDPO's default trains
-    python scripts/testbed_sft_ceiling.py --finetune full      # every UNet weight
+    python experiments/testbed_sft_ceiling.py                      # LoRA r8 on the UNet, as DDPO's default trains
+    python experiments/testbed_sft_ceiling.py --finetune full      # every UNet weight
 
 Fine-tunes the bundled testbed pipeline with the ordinary denoising loss on freshly rendered scenes
 whose captions are all true (the base model saw a quarter of its scenes under another scene's caption),

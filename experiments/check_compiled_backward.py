@@ -1,6 +1,6 @@
 """Does torch.compile's backward give the eager gradients for our UNets on this machine?
 
-    python scripts/check_compiled_backward.py
+    python experiments/check_compiled_backward.py
 
 Why the DDPO training step stays eager: with torch 2.13 on a CPU, inductor's generated backward of
 the tiny SD-architecture UNet our tests use is wrong (the gradient of the input latents ~50% off,

@@ -1,6 +1,6 @@
 """Where the held-out score falls short of perfect: captions no seed gets right, or seeds that miss.
 
-    python scripts/heldout_gap.py runs/testbed-ddpo [more run folders]
+    python experiments/heldout_gap.py runs/testbed-ddpo [more run folders]
 
 For a judge whose best score is 1 (the shapes oracle: the share of a caption's facts that hold), each
 caption's shortfall 1 - mean over its seeds splits exactly into
