@@ -19,8 +19,15 @@ from rewards.mllm import JudgeNotReadyError
 from rewards.weights import MissingWeightsError
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad or missing flag: one line and exit 2 (argparse would print the whole usage first)."""
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="python -m rewards.score",
         description="Score images against a prompt with a judge (higher is better): one line per image, the "
                     "score, a tab, the file name. Judges: python -c 'import rewards; print(rewards.available())'.",

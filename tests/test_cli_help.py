@@ -164,6 +164,10 @@ def test_score_help_exits_0_with_its_defaults(capsys):
     for flag in ("--judge", "--prompt", "--model", "--device", "--dtype", "--batch-size"):
         assert flag in out
     assert "(default: cuda when available)" in out and "(default: the judge's own)" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--prompt", "x", "a.png"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "--judge" in err
 
 
 @pytest.mark.parametrize("argv, message", [
