@@ -1,5 +1,5 @@
 """Behaviour of trainer flags no other test exercises: weight decay, sample logging, checkpoint rotation,
-latent caching, validation prompts, feedback pairing."""
+latent caching, validation prompts, feedback pairing, the held-out judge."""
 
 from __future__ import annotations
 
@@ -118,3 +118,14 @@ def test_feedback_pairing_all_labels_every_pair_of_a_prompts_images(tiny_model, 
     rows = pq.read_table(run / "feedback" / "pairs.parquet").to_pylist()
     # 3 prompts x 3 pairs of 3 images (best_worst would give one pair per prompt); a tie would be dropped.
     assert len(rows) == 9 and all(sum(r["caption"] == c for r in rows) == 3 for c in {r["caption"] for r in rows})
+
+
+def test_ddpo_eval_judge_scores_the_held_out_images_instead_of_the_reward(tiny_model, prompt_file, tmp_path):
+    # Before training both runs hold the base model and draw the same held-out images (eval_seed): the
+    # incompressibility judge's scores are exactly minus the compressibility reward's.
+    settings = dict(eval_prompts=prompt_file, num_epochs=1)
+    by_reward = ddpo.train(ddpo_config(tiny_model, prompt_file, tmp_path / "reward", **settings))
+    by_judge = ddpo.train(ddpo_config(tiny_model, prompt_file, tmp_path / "judge", eval_judge="jpeg-incompressibility",
+                                      **settings))
+    before = [json.loads((run / "eval_before.json").read_text())["scores"] for run in (by_reward, by_judge)]
+    assert len(before[0]) == 3 and before[1] == pytest.approx([-s for s in before[0]], abs=0)
