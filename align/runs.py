@@ -322,9 +322,10 @@ class RunFolder:
         return None
 
     def prune_checkpoints(self, keep: int) -> None:
+        """Delete all but the newest ``keep`` intact checkpoints (a damaged one never counts among them)."""
         if keep <= 0:
             return
-        for old in self.checkpoints()[:-keep]:
+        for old in [p for p in self.checkpoints() if p not in self.damaged][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
 
