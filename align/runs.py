@@ -132,7 +132,12 @@ def publish_folder(staged: Path, path: Path) -> None:
         shutil.rmtree(old)
     if path.exists():
         os.replace(path, old)
-    os.replace(staged, path)
+    try:
+        os.replace(staged, path)
+    except BaseException:
+        if old.exists() and not path.exists():
+            os.replace(old, path)  # else clean_interrupted_writes puts it back when the run is next opened
+        raise
     _fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
 
@@ -234,6 +239,8 @@ class RunFolder:
         """Create the folder (main process only). An old run set aside by an --overwrite start that never
         finished is given back first; with --overwrite, the old run's outputs are set aside (set_aside)."""
         recover_set_aside_run(self.path)
+        if self.path.is_dir():
+            clean_interrupted_writes(self.path)
         if self.overwrite:
             self.set_aside_old_run()
         self.path.mkdir(parents=True, exist_ok=True)
@@ -327,6 +334,27 @@ class RunFolder:
             return
         for old in [p for p in self.checkpoints() if p not in self.damaged][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+_STAGED_NAME = re.compile(r"^\..+\.(tmp|partial)$")  # atomic_path / atomic_folder / checkpoint staging
+_REPLACED_NAME = re.compile(r"^\.(.+)\.replaced$")  # publish_folder: the old folder while the new one moves in
+
+
+def clean_interrupted_writes(path: Path) -> None:
+    """Remove what writes killed midway left in a run folder (temporary files, staged folders; the
+    finished files beside them were never touched), and put back a folder whose replacement was
+    interrupted between its two renames."""
+    for leftover in sorted(path.rglob(".*"), key=lambda p: len(p.parts)):
+        if SET_ASIDE in leftover.relative_to(path).parts or not leftover.exists():
+            continue
+        if replaced := _REPLACED_NAME.match(leftover.name):
+            original = leftover.with_name(replaced.group(1))
+            if original.exists():
+                _remove(leftover)
+            else:
+                os.replace(leftover, original)
+        elif _STAGED_NAME.match(leftover.name):
+            _remove(leftover)
 
 
 def recover_set_aside_run(path: Path) -> None:

@@ -115,8 +115,12 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int, extra_fil
     if accelerator.is_main_process:
         for name, text in (extra_files or {}).items():
             atomic_write_text(staged / name, text)
-        atomic_write_text(staged / CHECKPOINT_STATE, json.dumps({"step": step, "files": folder_manifest(staged)}))
-        publish_folder(staged, folder)
+        try:
+            atomic_write_text(staged / CHECKPOINT_STATE, json.dumps({"step": step, "files": folder_manifest(staged)}))
+            publish_folder(staged, folder)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)  # e.g. a full disk: the checkpoints before stay as they were
+            raise
         run.damaged.pop(folder, None)
         run.let_go_of_old_run()
         run.prune_checkpoints(keep)

@@ -279,3 +279,18 @@ def test_degenerate_images_are_nan_or_mostly_blank():
     assert "1 of 4 images hold NaN" in degenerate_reason(nan)
     assert not weights_finite([torch.ones(3), torch.tensor([1.0, float("inf")])])
     assert weights_finite([torch.ones(3)])
+
+
+def test_opening_a_run_clears_what_killed_writes_left_and_puts_back_a_half_replaced_folder(tmp_path):
+    run = RunFolder(tmp_path / "run")
+    run.prepare()
+    (tmp_path / "run" / ".metrics.jsonl.abc.tmp").write_text("half")
+    (tmp_path / "run" / "checkpoints" / ".step_0000004.partial").mkdir(parents=True)
+    (tmp_path / "run" / ".final.replaced").mkdir()  # killed between moving the old final/ aside and the new one in
+    (tmp_path / "run" / ".final.replaced" / "weights").write_bytes(b"old")
+    (tmp_path / "run" / "feedback" / ".pairs.parquet.x.tmp").parent.mkdir()
+    (tmp_path / "run" / "feedback" / ".pairs.parquet.x.tmp").write_bytes(b"half")
+    RunFolder(tmp_path / "run", resume="latest").prepare()
+    assert sorted(str(p.relative_to(tmp_path / "run")) for p in (tmp_path / "run").rglob("*")) == [
+        "checkpoints", "feedback", "final", "final/weights"]
+    assert (tmp_path / "run" / "final" / "weights").read_bytes() == b"old"
