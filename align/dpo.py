@@ -146,6 +146,7 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
 
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
+    stopped = None
     if accelerator.is_main_process:
         was_training = pipe.unet.training
         pipe.unet.eval()
@@ -157,13 +158,22 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
             asks = f"{len(labelled) * len(pairwise_scheme(config.images_per_prompt)):,} comparisons (adjacent pairs)"
         print(f"[feedback] {len(labelled):,} prompts x {config.images_per_prompt} images: {judge.name} is asked {asks} "
               "(prompts labelled by an earlier, interrupted run are skipped)", flush=True)
-        stats = generate_feedback(
-            generate_images, judge, labelled, path,
-            images_per_prompt=config.images_per_prompt, seed=config.seed + round_index, pairing=config.feedback_pairing,
-        )
+        try:
+            stats = generate_feedback(
+                generate_images, judge, labelled, path,
+                images_per_prompt=config.images_per_prompt, seed=config.seed + round_index, pairing=config.feedback_pairing,
+            )
+            label = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
+            print(f"[feedback]{label} {stats.summary()}", flush=True)
+        except TrainingStopped as err:  # degenerate images: every process stops (none waits for the main one for ever)
+            stopped = str(err)
         pipe.unet.train(was_training)
-        label = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
-        print(f"[feedback]{label} {stats.summary()}", flush=True)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        stopped = broadcast_object_list([stopped], from_process=0)[0]
+    if stopped:
+        raise TrainingStopped(stopped)
     accelerator.wait_for_everyone()
     pairs, stats = load_pairs(str(path), tie_policy=config.tie_policy, max_pairs=config.max_pairs)
     if accelerator.is_main_process:

@@ -130,3 +130,18 @@ def test_evaluation_refuses_a_diverged_base_in_one_line(tmp_path, three_models):
     base, tuned, diverged = three_models
     with pytest.raises(ConfigError, match="the base model 'diverged' gives degenerate images"):
         ev.evaluate(_eval_config(tmp_path, f"diverged={diverged},tuned={tuned}", base_model=str(base)))
+
+
+def test_dpo_stops_before_judging_degenerate_feedback_images(tiny_model, prompt_file, tmp_path, monkeypatch):  # noqa: F811
+    from PIL import Image
+
+    import align.feedback
+
+    def black_generator(pipe, **kwargs):  # a base model full of NaNs draws black images once they are PIL images
+        return lambda prompts, seeds: [Image.new("RGB", (16, 16)) for _ in prompts]
+
+    monkeypatch.setattr(align.feedback, "make_pipeline_generator", black_generator)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match=r"degenerate images while labelling feedback \(6 of 6 images are blank"):
+        dpo.train(small_config(tiny_model, out, reward="jpeg-compressibility", prompts=prompt_file))
+    assert not (out / "feedback" / "pairs.parquet").exists() and not (out / "checkpoints").exists()
