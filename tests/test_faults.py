@@ -267,6 +267,8 @@ def test_a_full_disk_while_saving_leaves_the_previous_files_and_the_run_resumabl
                  "checkpoints/step_0000004/trainable_weights.safetensors"):
         assert after[name] == before[name], name
     assert [p.name for p in out.rglob(".*")] == []
+    again = dpo.train(dpo_config(tiny_model, prompt_file, out, resume="latest"))  # room again: it finishes, unchanged
+    assert_finished_like(again, dpo_straight, [1, 2, 3, 4])
 
 
 # ------------------------------------------------------------------ --overwrite
