@@ -42,7 +42,14 @@ from align.ddpo_config import DDPOConfig  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
 from align.evaluate import load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
-from align.runs import COMPILED, RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.runs import (  # noqa: E402
+    COMPILED,
+    RunFolder,
+    RunFolderError,
+    atomic_folder,
+    atomic_write_text,
+    restores_old_run_on_failure,
+)
 from align.sampling import (  # noqa: E402
     check_scheduler_steps,
     ddim_step_mean_std,
@@ -62,6 +69,7 @@ from align.training import (  # noqa: E402
     require_pointwise_eval_judge,
     save_checkpoint,
     save_image_row,
+    stop_unless_weights_finite,
     tracker_config,
 )
 
@@ -205,6 +213,7 @@ def gather_rewards(accelerator, futures) -> tuple[torch.Tensor | None, dict[str,
 # Training
 
 
+@restores_old_run_on_failure
 def train(config: DDPOConfig) -> Path:
     """Run DDPO; returns the run folder."""
     from accelerate import Accelerator
@@ -333,6 +342,7 @@ def train(config: DDPOConfig) -> Path:
             run.truncate_metrics(start_epoch)
             print(f"[ddpo] resumed from {checkpoint} at epoch {start_epoch}", flush=True)
     elif config.resume and main:
+        run.truncate_metrics(0)
         print("[ddpo] --resume latest: no checkpoint yet, starting from epoch 0", flush=True)
     if log_with:
         accelerator.init_trackers("ddpo", config=tracker_config(config))
@@ -354,6 +364,7 @@ def train(config: DDPOConfig) -> Path:
                     pipe, sampling_unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape
                 )
             local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
+            stop_on_nonfinite_images(accelerator, batches, epoch, last_good)
             if error:
                 raise TrainingStopped(
                     f"reward failed at epoch {epoch}: {error}. Stopped before the update; the last good checkpoint is "
@@ -387,6 +398,7 @@ def train(config: DDPOConfig) -> Path:
 
             # 5. Log, save samples, checkpoint.
             done = epoch + 1
+            stop_unless_weights_finite(params, f"epoch {epoch}", last_good)
             logs = {k: float(np.mean(v)) for k, v in stats.items()}
             logs = {k: float(accelerator.reduce(torch.tensor(v, device=accelerator.device), "mean")) for k, v in logs.items()}
             logs.update(reward_parts)
@@ -414,27 +426,42 @@ def train(config: DDPOConfig) -> Path:
     finally:
         background.shutdown()
 
-    # 6. Final weights, after-evaluation, model card, report.
+    # 6. After-evaluation, final weights with their model card (one folder, written as a whole), report.
+    #    Each step is redone by --resume latest from the last checkpoint if the run stops before its end.
     accelerator.wait_for_everyone()
     check_weights_in_sync(accelerator, params)
     if main:
-        final = run.path / "final"
-        trained = accelerator.unwrap_model(train_unet)
-        if config.finetune == "lora":
-            save_lora(trained, final)
-        else:
-            save_full_unet(trained, final)
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
-        write_model_card(final, config, run)
+        trained = accelerator.unwrap_model(train_unet)
+        with atomic_folder(run.path / "final") as final:
+            if config.finetune == "lora":
+                save_lora(trained, final)
+            else:
+                save_full_unet(trained, final)
+            write_model_card(final, config, run)
         from align.run_report import write_training_report
 
         write_training_report(run.path, title=f"DDPO: {config.model}", metric_keys=("reward_mean", "approx_kl", "clipfrac", "policy_loss"))
+        run.let_go_of_old_run()
     reward_fn.close()
     del train_unet, optimizer, lr_scheduler
     end_training(accelerator)
     return run.path
+
+
+def stop_on_nonfinite_images(accelerator, batches, epoch: int, last_good) -> None:
+    """A NaN/inf image sampled on any process (a diverged model) stops every process before the update, as a
+    failed reward does."""
+    from align.health import images_finite
+
+    bad = 0.0 if all(images_finite(b.images) for b in batches) else 1.0
+    if accelerator.gather(torch.tensor([bad], device=accelerator.device)).max() > 0:
+        raise TrainingStopped(
+            f"non-finite generated images at epoch {epoch}; stopped before the update. The last good checkpoint is "
+            f"{last_good or 'none (no checkpoint was written yet)'} (lower --learning_rate, continue with --resume latest)"
+        )
 
 
 def check_weights_in_sync(accelerator, params) -> None:
@@ -557,15 +584,10 @@ class ScoreOnly:
 
 
 def save_ddpo_checkpoint(accelerator, run: RunFolder, epoch: int, global_step: int, tracker, keep: int) -> Path:
-    """accelerate's state (LoRA or UNet, optimiser, RNG) plus the epoch and the reward statistics.
-
-    The DDPO state is written before save_checkpoint's state.json, which marks the folder complete.
-    """
-    folder = run.checkpoint_dir(epoch)
-    if accelerator.is_main_process:
-        state = {"epoch": epoch, "global_step": global_step, "tracker": tracker.state_dict()}
-        atomic_write_text(folder / STATE_FILE, json.dumps(state))
-    return save_checkpoint(accelerator, run, epoch, keep)
+    """accelerate's state (LoRA or UNet, optimiser, RNG) plus the epoch and the reward statistics
+    (ddpo_state.json, inside the checkpoint's manifest)."""
+    state = {"epoch": epoch, "global_step": global_step, "tracker": tracker.state_dict()}
+    return save_checkpoint(accelerator, run, epoch, keep, extra_files={STATE_FILE: json.dumps(state)})
 
 
 def log_samples(accelerator, run: RunFolder, batches, rewards: torch.Tensor, count: int, epoch: int) -> None:

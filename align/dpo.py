@@ -31,7 +31,13 @@ from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.dpo_config import DPOConfig  # noqa: E402
 from align.evaluate import load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
-from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.runs import (  # noqa: E402
+    RunFolder,
+    RunFolderError,
+    atomic_folder,
+    atomic_write_text,
+    restores_old_run_on_failure,
+)
 from align.training import (  # noqa: E402
     TrainingStopped,
     end_training,
@@ -44,6 +50,7 @@ from align.training import (  # noqa: E402
     require_pointwise_eval_judge,
     save_checkpoint,
     save_image_row,
+    stop_unless_weights_finite,
     tracker_config,
 )
 from rewards.base import is_pointwise  # noqa: E402
@@ -139,10 +146,11 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
 
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
+    stopped = None
     if accelerator.is_main_process:
         was_training = pipe.unet.training
         pipe.unet.eval()
-        generate_images = make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance)
+        generate_images = healthy_images_only(make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance))
         labelled = round_prompts(prompts, round_index, rounds)
         if is_pointwise(judge):
             asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
@@ -150,18 +158,44 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
             asks = f"{len(labelled) * len(pairwise_scheme(config.images_per_prompt)):,} comparisons (adjacent pairs)"
         print(f"[feedback] {len(labelled):,} prompts x {config.images_per_prompt} images: {judge.name} is asked {asks} "
               "(prompts labelled by an earlier, interrupted run are skipped)", flush=True)
-        stats = generate_feedback(
-            generate_images, judge, labelled, path,
-            images_per_prompt=config.images_per_prompt, seed=config.seed + round_index, pairing=config.feedback_pairing,
-        )
+        try:
+            stats = generate_feedback(
+                generate_images, judge, labelled, path,
+                images_per_prompt=config.images_per_prompt, seed=config.seed + round_index, pairing=config.feedback_pairing,
+            )
+            label = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
+            print(f"[feedback]{label} {stats.summary()}", flush=True)
+        except TrainingStopped as err:  # degenerate images: every process stops (none waits for the main one for ever)
+            stopped = str(err)
         pipe.unet.train(was_training)
-        label = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
-        print(f"[feedback]{label} {stats.summary()}", flush=True)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        stopped = broadcast_object_list([stopped], from_process=0)[0]
+    if stopped:
+        raise TrainingStopped(stopped)
     accelerator.wait_for_everyone()
     pairs, stats = load_pairs(str(path), tie_policy=config.tie_policy, max_pairs=config.max_pairs)
     if accelerator.is_main_process:
         print(f"[data] {stats.summary()}", flush=True)
     return pairs
+
+
+def healthy_images_only(generate_images):
+    """The feedback image source, stopping training at a degenerate batch (NaN images, which the PIL
+    conversion turns black, or blank ones: align/health.py): a diverged model's images are not judged."""
+    from align.health import degenerate_reason
+    from rewards.images import to_tensor
+
+    def generate(prompts, seeds):
+        images = generate_images(prompts, seeds)
+        problem = degenerate_reason(images if isinstance(images, torch.Tensor) else to_tensor(images))
+        if problem:
+            raise TrainingStopped(f"degenerate images while labelling feedback ({problem}); stopped before judging "
+                                  "them; the checkpoints written so far are kept")
+        return images
+
+    return generate
 
 
 def training_caches(pipe, pairs, resolution: int, config: DPOConfig):
@@ -177,6 +211,7 @@ def training_caches(pipe, pairs, resolution: int, config: DPOConfig):
 # Training
 
 
+@restores_old_run_on_failure
 def train(config: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the run folder."""
     from accelerate import Accelerator
@@ -287,15 +322,18 @@ def train(config: DPOConfig) -> Path:
             run.truncate_metrics(start_step)
             print(f"[dpo] resumed from {checkpoint} at step {start_step}", flush=True)
     elif config.resume and main:
+        run.truncate_metrics(0)
         print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
 
     # 5. The pairs of the current round: AI feedback from the model as it stands (the base model, or the
     #    resumed one; later online rounds are labelled in the loop), then the caches: text embeddings of
     #    every caption (and ""), VAE latents of every pair image.
-    if judge is not None:
+    training_left = start_step < config.max_steps  # else only the final save, evaluation and report remain
+    if judge is not None and training_left:
         pairs = label_round(accelerator, pipe, judge, config, prompts, start_step // steps_per_round, run.path, steps, guidance)
-    text_cache, latents, order = training_caches(pipe, pairs, resolution, config)
-    if main:  # derived batch sizes, printed so they can be checked against the paper's 2048
+    if training_left:
+        text_cache, latents, order = training_caches(pipe, pairs, resolution, config)
+    if main and training_left:  # derived batch sizes, printed so they can be checked against the paper's 2048
         print(
             f"[dpo] pairs: {len(pairs)} | per process per micro-step: {config.train_batch_size} | processes: "
             f"{accelerator.num_processes} | accumulation: {config.gradient_accumulation_steps} | pairs per step: "
@@ -374,6 +412,7 @@ def train(config: DPOConfig) -> Path:
                 optimizer.zero_grad(set_to_none=True)
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 logs[key] = logs.get(key, 0.0) + float(value) / config.gradient_accumulation_steps
+        stop_unless_weights_finite(params, f"step {step}", last_good)
 
         logs = {k: float(accelerator.reduce(torch.tensor(v, device=accelerator.device), "mean")) for k, v in logs.items()}
         logs["lr"] = lr_scheduler.get_last_lr()[0]
@@ -392,19 +431,21 @@ def train(config: DPOConfig) -> Path:
         if main and config.validation_steps > 0 and (done % config.validation_steps == 0 or done == config.max_steps):
             save_validation_grid(pipe, config, steps, guidance, run.path / "samples" / f"step_{done:07d}.png")
 
-    # 8. Final weights, after-evaluation, model card, report.
+    # 8. After-evaluation, final weights with their model card (one folder, written as a whole), report.
+    #    Each step is redone by --resume latest from the last checkpoint if the run stops before its end.
     accelerator.wait_for_everyone()
     if main:
-        final = run.path / "final"
-        trained = accelerator.unwrap_model(unet)
-        if config.finetune == "lora":
-            save_lora(trained, final)
-        else:
-            save_full_unet(trained, final)
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
-        write_model_card(final, config, run)
+        trained = accelerator.unwrap_model(unet)
+        with atomic_folder(run.path / "final") as final:
+            if config.finetune == "lora":
+                save_lora(trained, final)
+            else:
+                save_full_unet(trained, final)
+            write_model_card(final, config, run)
         write_run_report(run, config)
+        run.let_go_of_old_run()
     for used in {id(j): j for j in (judge, eval_judge) if j is not None}.values():
         used.close()  # API judges print their token and cost counts here
     del unet, optimizer, lr_scheduler

@@ -464,7 +464,8 @@ def evaluate(config: EvalConfig) -> dict:
         generated[model.name] = generate_missing(cache, model, items, settings, base_for_adapters, device, config.batch_size)
         images[model.name] = cache.load(items)
         paths[model.name] = [cache.path(p, s) for p, s in items]
-    names = [m.name for m in models]
+    degenerate = degenerate_models(images, [m.name for m in models])
+    names = [m.name for m in models if m.name not in degenerate]  # only these are scored and ranked
 
     judges = {}
     for spec, judge in loaded.items():
@@ -494,7 +495,8 @@ def evaluate(config: EvalConfig) -> dict:
         }
     results = {
         "config": asdict(config),
-        "models": [{"name": m.name, "path": m.path, "base": i == 0, "images_generated": generated[m.name]} for i, m in enumerate(models)],
+        "models": [{"name": m.name, "path": m.path, "base": i == 0, "images_generated": generated[m.name],
+                    "degenerate": degenerate.get(m.name)} for i, m in enumerate(models)],
         "prompt_set": prompt_set.name,
         "prompts": prompts,
         "categories": prompt_set.categories,
@@ -511,10 +513,27 @@ def evaluate(config: EvalConfig) -> dict:
     return results
 
 
+def degenerate_models(images: dict, names: list[str]) -> dict[str, str]:
+    """{model: why} for models whose images are degenerate (NaN, or mostly blank: a diverged model's black
+    images); they are not scored or ranked as if they were merely bad. The base must be sound: win rates
+    are against it."""
+    from align.health import degenerate_reason
+
+    found = {n: reason for n in names if (reason := degenerate_reason(images[n]))}
+    if names[0] in found:
+        raise ConfigError(f"the base model {names[0]!r} gives degenerate images ({found[names[0]]}): there is nothing "
+                          "to compare the other models against; check its weights")
+    for name, reason in found.items():
+        print(f"[evaluate] {name}: DEGENERATE images ({reason}): not scored or ranked", flush=True)
+    return found
+
+
 def rank_table(results: dict) -> list[dict]:
     """The downstream table: one row per model (the same rows go to the CSV and the report)."""
     rows = []
     for model in results["models"]:
+        if model.get("degenerate"):  # not scored: listed apart in the report (align/health.py)
+            continue
         name = model["name"]
         row = {"model": name}
         if name in results["overall"]:
@@ -582,7 +601,8 @@ def write_eval_report(path: Path, results: dict, images: dict, names: list[str],
                 "averaged over prompts (and over judges for the 'all judges' columns). Win rate: share of (prompt, seed) "
                 "pairs the model wins against the base, ties counted 1/2. Lower FID/CMMD = closer to the reference images."
             )
-            + report.table_html(results["table"], table_id="rank-table"),
+            + report.table_html(results["table"], table_id="rank-table")
+            + degenerate_note(results["models"]),
         ),
     ]
     for spec, judge in results["judges"].items():
@@ -628,6 +648,17 @@ def write_eval_report(path: Path, results: dict, images: dict, names: list[str],
     report.write_report(path, sections, title="Model evaluation")
 
 
+def degenerate_note(models: list[dict]) -> str:
+    """The models left out of the rank table because their images are degenerate, and why."""
+    from align import report
+
+    left_out = [m for m in models if m.get("degenerate")]
+    if not left_out:
+        return ""
+    return report.paragraph("Not ranked, DEGENERATE images (a diverged model, e.g. NaN weights): "
+                            + "; ".join(f"{m['name']}: {m['degenerate']}" for m in left_out))
+
+
 def category_table(scores: list, names: list[str], categories: list[str], num_prompts: int) -> str:
     """Mean score per prompt category and model (MJ-Bench's categories for the bundled sets)."""
     from align import report
@@ -654,6 +685,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[evaluate] wrote {out / 'results.json'}, {out / 'results.csv'} and {out / 'report.html'}")
     for row in results["table"]:
         print("  " + ", ".join(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
+    for model in results["models"]:
+        if model.get("degenerate"):
+            print(f"  {model['name']}: not ranked, degenerate images ({model['degenerate']})")
 
 
 if __name__ == "__main__":

@@ -27,13 +27,19 @@ def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[st
     if before.is_file() and after.is_file():
         results = {"before": json.loads(before.read_text()), "after": json.loads(after.read_text())}
         rows = [{"model": label, "mean score": r["mean"], "standard error": r.get("sem")} for label, r in results.items()]
-        rows.append({"model": "change", "mean score": results["after"]["mean"] - results["before"]["mean"], "standard error": None})
+        both_scored = all(r["mean"] is not None for r in results.values())
+        change = results["after"]["mean"] - results["before"]["mean"] if both_scored else None
+        rows.append({"model": "change", "mean score": change, "standard error": None})
         body = table_html(rows, digits=4)
+        for label, r in results.items():  # align/health.py: a diverged model's images are not scored
+            if r.get("degenerate"):
+                body += paragraph(f"DEGENERATE: the {label} model's images were not scored: {r['degenerate']}")
         during = held_out_evals(run_dir)
         if during:  # --eval_every_steps / --eval_every_epochs: the held-out score along the run
             scored = [(eval_step(p), json.loads(p.read_text())) for p in during]
             last_step = max([r["step"] for r in records] + [step for step, _ in scored])
             points = [(0, results["before"]), *scored, (last_step, results["after"])]
+            points = [(x, r) for x, r in points if r.get("mean") is not None]
             curve = ([x for x, _ in points], [r["mean"] for _, r in points], [r.get("sem") or 0.0 for _, r in points])
             body += img_tag(line_plot({"held-out score": curve}, title="held-out score (same prompts and seeds)",
                                       xlabel="step", size=(4.0, 3.0)), alt="held-out score along the run")

@@ -1,9 +1,17 @@
 """Run folders: one folder per run holding the resolved config (no secrets), metrics.jsonl,
-checkpoints for exact resume, final weights, samples and the report. Writes are atomic."""
+checkpoints for exact resume, final weights, samples and the report.
+
+Nothing already written is lost (docs/guarantees.md): every file is written atomically (a temporary
+file beside it, fsynced, then renamed over it), folders (checkpoints, final weights) likewise as a
+whole, metrics.jsonl is appended line by line and read back without a torn last line, checkpoints
+carry a manifest of their files' sizes and hashes so a damaged one is recognised and skipped, and
+``--overwrite`` sets the old run aside until the new one has written its first checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
 import re
@@ -23,6 +31,15 @@ CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
 COMPILED = "compiled"  # --compile_sampling: the compiled sampling UNet, reused on --resume
 JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so a resumed run asks nothing twice
+CHECKPOINT_STATE = "state.json"  # written last into a checkpoint: its step and the manifest of its files
+SET_ASIDE = ".overwritten_run"  # --overwrite: the old run's outputs, until the new run has a checkpoint
+_SET_ASIDE_LIST = "moved.json"  # inside SET_ASIDE: which outputs were being moved there
+# Everything a run writes into its folder (other files, e.g. the user's notes, are never touched).
+RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
+               "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED)
+_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+# Run folders whose old run this process set aside and has not yet let go (see restores_old_run_on_failure).
+_SET_ASIDE_HERE: set[Path] = set()
 
 
 def eval_file_name(step: int) -> str:
@@ -86,25 +103,127 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` (and the folders' entries) to disk before it is published."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        _fsync_dir(sub)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a folder be opened for fsync
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def publish_folder(staged: Path, path: Path) -> None:
+    """Make the complete folder ``staged`` become ``path`` (same parent folder): fsynced, then renamed; an
+    existing ``path`` is renamed aside first and removed only once the new one is in place."""
+    _fsync_tree(staged)
+    os.chmod(staged, 0o777 & ~_UMASK)  # mkdtemp makes 0700 folders
+    old = path.parent / f".{path.name}.replaced"
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        os.replace(path, old)
+    try:
+        os.replace(staged, path)
+    except BaseException:
+        if old.exists() and not path.exists():
+            os.replace(old, path)  # else clean_interrupted_writes puts it back when the run is next opened
+        raise
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | Path):
+    """Yield an empty temporary folder beside ``path``; once the block succeeds it becomes ``path`` (see
+    publish_folder). On error it is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield staged
+        publish_folder(staged, path)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def folder_manifest(folder: Path) -> dict[str, dict]:
+    """{relative path: {size, sha256}} of every file in a checkpoint folder (but its state.json)."""
+    return {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder) != Path(CHECKPOINT_STATE)
+    }
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (a file missing, truncated or changed since it was
+    written), or None. Checkpoints written before manifests existed are trusted as they are."""
+    try:
+        state = json.loads((folder / CHECKPOINT_STATE).read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{CHECKPOINT_STATE} is unreadable ({type(err).__name__})"
+    for name, expected in (state.get("files") or {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} is {size} bytes, {expected['size']} were written"
+        if file_sha256(path) != expected["sha256"]:
+            return f"{name} has changed since it was written (hash mismatch)"
+    return None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of a run folder's metrics.jsonl (none if it has no such file)."""
+    """The records of a run folder's metrics.jsonl (none if it has no such file). A last line cut short
+    (the process was killed while appending it) is left out; damage anywhere else is an error."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise RunFolderError(f"{path}: line {number} is not a JSON record") from None
+    return records
 
 
 class RunFolder:
     """The output folder of one run.
 
     A folder that already holds a run (its config.yaml) is refused unless ``resume`` is set
-    (continue it) or ``overwrite`` is set (start afresh; old checkpoints are removed).
+    (continue it) or ``overwrite`` is set (start afresh: the old run's outputs are set aside, and
+    deleted only once the new run has written its first checkpoint; a start that fails gives them back).
     """
 
     def __init__(self, output_dir: str | Path, resume: str | None = None, overwrite: bool = False):
         self.path = Path(output_dir)
         self.resume = resume
-        holds_run = (self.path / CONFIG_FILE).is_file() or (self.path / CHECKPOINTS).is_dir()
+        self.damaged: dict[Path, str] = {}  # checkpoints found damaged (skipped by latest_checkpoint)
+        holds_run = any((self.path / name).exists() for name in (CONFIG_FILE, CHECKPOINTS, SET_ASIDE))
         if self.path.exists() and not self.path.is_dir():
             raise RunFolderError(f"output path {self.path} exists and is not a folder")
         if holds_run and not resume and not overwrite:
@@ -117,26 +236,46 @@ class RunFolder:
         self.overwrite = overwrite and not resume
 
     def prepare(self) -> None:
-        """Create the folder (main process only). With --overwrite, clear old run outputs."""
+        """Create the folder (main process only). An old run set aside by an --overwrite start that never
+        finished is given back first; with --overwrite, the old run's outputs are set aside (set_aside)."""
+        recover_set_aside_run(self.path)
+        if self.path.is_dir():
+            clean_interrupted_writes(self.path)
         if self.overwrite:
-            outputs = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
-                       "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS,
-                       JUDGE_ANSWERS)
-            for name in outputs:
-                target = self.path / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
+            self.set_aside_old_run()
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def set_aside_old_run(self) -> None:
+        """Move the old run's outputs into <run>/.overwritten_run (renames: nothing is copied or changed)."""
+        names = [name for name in RUN_OUTPUTS if (self.path / name).exists()]
+        if not names:
+            return
+        aside = self.path / SET_ASIDE
+        aside.mkdir()
+        atomic_write_text(aside / _SET_ASIDE_LIST, json.dumps(names))  # before any move: what restore may undo
+        for name in names:
+            os.replace(self.path / name, aside / name)
+        _SET_ASIDE_HERE.add(self.path.resolve())
+        print(f"[run] --overwrite: the old run in {self.path} is set aside ({', '.join(names)}) until this run "
+              "writes its first checkpoint; if this run fails to start it is given back", flush=True)
+
+    def let_go_of_old_run(self) -> None:
+        """The new run stands (it has a checkpoint): delete the old run set aside by --overwrite."""
+        aside = self.path / SET_ASIDE
+        if aside.is_dir():
+            shutil.rmtree(aside)
+        _SET_ASIDE_HERE.discard(self.path.resolve())
 
     def save_config(self, config: dict) -> None:
         atomic_write_text(self.path / CONFIG_FILE, yaml.safe_dump(scrub_secrets(config), sort_keys=False))
 
     def log(self, step: int, metrics: dict) -> None:
+        """Append one record (one write of one line, flushed to disk; a torn last line is skipped on read)."""
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.path / METRICS_FILE, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
 
     def read_metrics(self) -> list[dict]:
         return read_metrics(self.path)
@@ -154,29 +293,130 @@ class RunFolder:
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / CHECKPOINTS / f"step_{step:07d}"
 
+    def staging_dir(self, step: int) -> Path:
+        """Where checkpoint ``step`` is written before it is renamed into place (the same on every process)."""
+        return self.path / CHECKPOINTS / f".step_{step:07d}.partial"
+
     def checkpoints(self) -> list[Path]:
+        """Complete checkpoints (a step_N folder with its state.json), oldest first."""
         folder = self.path / CHECKPOINTS
         if not folder.is_dir():
             return []
-        done = [p for p in folder.iterdir() if p.is_dir() and (p / "state.json").is_file()]
+        done = [p for p in folder.iterdir()
+                if _CHECKPOINT_NAME.match(p.name) and p.is_dir() and (p / CHECKPOINT_STATE).is_file()]
         return sorted(done, key=lambda p: int(p.name.split("_")[-1]))
 
     def latest_checkpoint(self) -> Path | None:
-        found = self.checkpoints()
+        found = [p for p in self.checkpoints() if p not in self.damaged]
         return found[-1] if found else None
 
     def resume_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from: the one named, or the newest intact one (a damaged newer one is
+        reported in one line and skipped, not deleted)."""
         if not self.resume:
             return None
-        if self.resume == "latest":
-            return self.latest_checkpoint()
-        return Path(self.resume)
+        if self.resume != "latest":
+            named = Path(self.resume)
+            if problem := checkpoint_problem(named):
+                raise RunFolderError(f"--resume {self.resume}: checkpoint is damaged: {problem}")
+            return named
+        for candidate in reversed(self.checkpoints()):
+            problem = checkpoint_problem(candidate)
+            if problem is None:
+                return candidate
+            self.damaged[candidate] = problem
+            print(f"[run] checkpoint {candidate} is damaged ({problem}); trying the one before it", flush=True)
+        return None
 
     def prune_checkpoints(self, keep: int) -> None:
+        """Delete all but the newest ``keep`` intact checkpoints (a damaged one never counts among them)."""
         if keep <= 0:
             return
-        for old in self.checkpoints()[:-keep]:
+        for old in [p for p in self.checkpoints() if p not in self.damaged][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+_STAGED_NAME = re.compile(r"^\..+\.(tmp|partial)$")  # atomic_path / atomic_folder / checkpoint staging
+_REPLACED_NAME = re.compile(r"^\.(.+)\.replaced$")  # publish_folder: the old folder while the new one moves in
+
+
+def clean_interrupted_writes(path: Path) -> None:
+    """Remove what writes killed midway left in a run folder (temporary files, staged folders; the
+    finished files beside them were never touched), and put back a folder whose replacement was
+    interrupted between its two renames."""
+    for leftover in sorted(path.rglob(".*"), key=lambda p: len(p.parts)):
+        if SET_ASIDE in leftover.relative_to(path).parts or not leftover.exists():
+            continue
+        if replaced := _REPLACED_NAME.match(leftover.name):
+            original = leftover.with_name(replaced.group(1))
+            if original.exists():
+                _remove(leftover)
+            else:
+                os.replace(leftover, original)
+        elif _STAGED_NAME.match(leftover.name):
+            _remove(leftover)
+
+
+def recover_set_aside_run(path: Path) -> None:
+    """An --overwrite start that was interrupted (killed before its first checkpoint) left the old run
+    set aside: give it back (the interrupted run's outputs go). If the new run got as far as a checkpoint
+    or its final weights, it stands and the old run is deleted, as it would have been."""
+    aside = path / SET_ASIDE
+    if not aside.is_dir() or path.resolve() in _SET_ASIDE_HERE:
+        return
+    new_run = RunFolder.__new__(RunFolder)
+    new_run.path, new_run.damaged = path, {}
+    if new_run.checkpoints():
+        print(f"[run] {path}: an earlier --overwrite run had written its checkpoint; the old run it had set "
+              "aside is now deleted", flush=True)
+        shutil.rmtree(aside)
+        return
+    restore_set_aside_run(path)
+    print(f"[run] {path}: an earlier --overwrite run stopped before its first checkpoint; the old run it had "
+          "set aside is back in place", flush=True)
+
+
+def restore_set_aside_run(path: Path) -> None:
+    """Put the outputs in <path>/.overwritten_run back where they were, byte for byte (renames), and remove
+    what the new run had written in their place."""
+    aside = path / SET_ASIDE
+    listing = aside / _SET_ASIDE_LIST
+    if listing.is_file():
+        moved = set(json.loads(listing.read_text()))
+        for name in RUN_OUTPUTS:
+            old, current = aside / name, path / name
+            if old.exists() or name not in moved:  # else it was never moved: ``current`` is the old one
+                _remove(current)
+            if old.exists():
+                os.replace(old, current)
+        listing.unlink()
+    shutil.rmtree(aside)
+    _SET_ASIDE_HERE.discard(path.resolve())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def restores_old_run_on_failure(train):
+    """Decorate a trainer's ``train(config)``: if it fails after --overwrite set the old run aside and before
+    the new run's first checkpoint, the old run is put back byte for byte before the error goes on."""
+
+    @functools.wraps(train)
+    def guarded(config, *args, **kwargs):
+        try:
+            return train(config, *args, **kwargs)
+        except BaseException:
+            path = Path(config.output_dir)
+            if path.resolve() in _SET_ASIDE_HERE and (path / SET_ASIDE).is_dir():
+                restore_set_aside_run(path)
+                print(f"[run] the run did not start; the old run in {path} is back in place", flush=True)
+            raise
+
+    return guarded
 
 
 def _plain(value):

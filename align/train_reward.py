@@ -39,7 +39,13 @@ from align.reward_losses import (  # noqa: E402
     pairwise_accuracy,
     reliability_bins,
 )
-from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.runs import (  # noqa: E402
+    RunFolder,
+    RunFolderError,
+    atomic_folder,
+    atomic_write_text,
+    restores_old_run_on_failure,
+)
 from align.training import TrainingStopped, end_training, register_trainable_checkpoint_hooks, save_checkpoint  # noqa: E402
 
 BACKBONES = ("clip", "blip", "mllm")
@@ -372,6 +378,7 @@ def check_inputs(config: RewardTrainConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
+@restores_old_run_on_failure
 def train(config: RewardTrainConfig) -> Path:
     """Train a reward model; returns the final folder (loadable with rewards.load)."""
     from accelerate import Accelerator
@@ -505,23 +512,23 @@ def train(config: RewardTrainConfig) -> Path:
         trained = accelerator.unwrap_model(model)
         r_w, r_l = pair_rewards(trained, eval_pairs, config.train_batch_size * 2)
         calibration = calibrate(r_w, r_l, config.tau, fit=config.calibrate)
-        final.mkdir(parents=True, exist_ok=True)
-        meta = trained.save(final)
-        save_reliability_plot(calibration, final / "reliability.png")
-        meta.update(
-            name=config.name or run.path.name,
-            tau=config.tau,
-            calibration=calibration,
-            eval_accuracy=pairwise_accuracy(r_w, r_l),
-            eval_pairs=len(eval_pairs),
-            train_pairs=len(train_pairs),
-            trained_on=config.dataset,
-            backbone_model=config.model,
-        )
-        write_model_card(final, config, meta)
         from rewards.trained import write_marker
 
-        write_marker(final, meta)
+        with atomic_folder(final) as staged:  # the whole final/ at once: a half-written one never loads
+            meta = trained.save(staged)
+            save_reliability_plot(calibration, staged / "reliability.png")
+            meta.update(
+                name=config.name or run.path.name,
+                tau=config.tau,
+                calibration=calibration,
+                eval_accuracy=pairwise_accuracy(r_w, r_l),
+                eval_pairs=len(eval_pairs),
+                train_pairs=len(train_pairs),
+                trained_on=config.dataset,
+                backbone_model=config.model,
+            )
+            write_model_card(staged, config, meta, final)
+            write_marker(staged, meta)
         print(f"[reward] held-out accuracy {meta['eval_accuracy']:.4f}; calibration temperature "
               f"{calibration['temperature']:.4g} (ECE {calibration['ece_before']:.4f} -> {calibration['ece_after']:.4f}); "
               f"load it with rewards.load({str(final)!r})", flush=True)
@@ -530,6 +537,7 @@ def train(config: RewardTrainConfig) -> Path:
         write_training_report(run.path, title=f"Reward model: {config.model}",
                               metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"),
                               extra_sections=[calibration_section(meta, final / "reliability.png")])
+        run.let_go_of_old_run()
     del model, optimizer, scheduler
     end_training(accelerator)
     return final
@@ -606,12 +614,14 @@ def calibration_section(meta: dict, plot: Path):
     return Section("Held-out pairs and calibration", table_html(rows) + img_tag(plot.read_bytes(), alt="reliability diagram"))
 
 
-def write_model_card(folder: Path, config: RewardTrainConfig, meta: dict) -> None:
+def write_model_card(folder: Path, config: RewardTrainConfig, meta: dict, final: Path | None = None) -> None:
+    """README.md in ``folder``; ``final``: where the folder will live (it is written in a staging folder)."""
     calibration = meta["calibration"]
+    shown = final or folder
     text = f"""# Reward model `{meta['name']}`
 
 Trained with `python -m align.train_reward` on preference pairs from `{config.dataset}`.
-Load it with `rewards.load("{folder}")`; use it in training with `--reward {folder}`.
+Load it with `rewards.load("{shown}")`; use it in training with `--reward {shown}`.
 
 | setting | value |
 |---|---|

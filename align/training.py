@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from align.cli import ConfigError
-from align.runs import EVALS, RunFolder, RunFolderError, atomic_write_text, eval_file_name, scrub_secrets
+from align.runs import (
+    CHECKPOINT_STATE,
+    EVALS,
+    RunFolder,
+    RunFolderError,
+    atomic_path,
+    atomic_write_text,
+    eval_file_name,
+    folder_manifest,
+    publish_folder,
+    scrub_secrets,
+)
 
 
 class TrainingStopped(RuntimeError):
@@ -87,28 +99,57 @@ def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> No
     accelerator.register_load_state_pre_hook(load_hook)
 
 
-def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int) -> Path:
-    """Model, optimizer, LR scheduler and RNG states; state.json is written last and marks it complete."""
-    folder = run.checkpoint_dir(step)
-    accelerator.save_state(str(folder))
+def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int, extra_files: dict[str, str] | None = None) -> Path:
+    """Model, optimizer, LR scheduler and RNG states (plus a trainer's own ``extra_files``, name -> text).
+
+    Written into a staging folder, sealed by state.json (the step and every file's size and hash, checked
+    on resume), then renamed into place: a checkpoint folder is complete or absent, never half written.
+    The first checkpoint of an --overwrite run lets go of the old run it had set aside.
+    """
+    folder, staged = run.checkpoint_dir(step), run.staging_dir(step)
+    if accelerator.is_main_process and staged.exists():
+        shutil.rmtree(staged)  # left by a run killed while writing this checkpoint
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staged))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        atomic_write_text(folder / "state.json", json.dumps({"step": step}))
+        for name, text in (extra_files or {}).items():
+            atomic_write_text(staged / name, text)
+        try:
+            atomic_write_text(staged / CHECKPOINT_STATE, json.dumps({"step": step, "files": folder_manifest(staged)}))
+            publish_folder(staged, folder)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)  # e.g. a full disk: the checkpoints before stay as they were
+            raise
+        run.damaged.pop(folder, None)
+        run.let_go_of_old_run()
         run.prune_checkpoints(keep)
     accelerator.wait_for_everyone()
     return folder
 
 
+def stop_unless_weights_finite(params, step_name: str, last_good) -> None:
+    """After an optimiser step: NaN/inf in a trainable weight stops training before it is checkpointed."""
+    from align.health import weights_finite
+
+    if not weights_finite(params):
+        raise TrainingStopped(
+            f"non-finite trainable weights after {step_name}; stopped before they were saved. The last good "
+            f"checkpoint is {last_good or 'none (no checkpoint was written yet)'}; lower --learning_rate"
+        )
+
+
 def save_image_row(images: torch.Tensor, path: Path) -> None:
     from align.report import image_grid
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, ncols=len(images), pad=0).save(path)
+    with atomic_path(path) as tmp:
+        image_grid(images, ncols=len(images), pad=0).save(tmp, format="PNG")
 
 
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
     """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
     ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
+    from align.health import degenerate_reason
     from align.metrics import mean_and_sem
     from align.pipeline import generate_images, merged_adapter
 
@@ -120,6 +161,13 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     with merged_adapter(pipe.unet):  # a LoRA folded into the weights: the same images up to float rounding, faster
         images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance,
                                  batch_size=config.eval_batch_size)
+    degenerate = degenerate_reason(images)
+    if degenerate:  # a diverged model's images are marked, not scored as if the model were merely bad
+        atomic_write_text(path, json.dumps({"mean": None, "sem": None, "scores": None, "degenerate": degenerate,
+                                            "prompts": prompts, "seeds": seeds}))
+        save_image_row(torch.nan_to_num(images[: config.num_validation_images * 4]), path.with_suffix(".png"))
+        print(f"[eval] {label}: DEGENERATE images ({degenerate}): not scored", flush=True)
+        return float("nan")
     scores = judge.score(prompts, images).float().tolist()
     mean, sem = mean_and_sem(scores)
     atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds}))

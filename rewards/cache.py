@@ -69,6 +69,7 @@ class JudgeCache:
         self._conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
         with self._lock:
             self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")  # each committed answer survives a power cut, not only a crash
             self._conn.execute(_SCHEMA)
             self._conn.commit()
 

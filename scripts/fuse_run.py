@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def fuse_run(run: str, out: Path, base: str | None = None) -> Path:
     """Save ``run``'s trained pipeline to ``out`` with any LoRA folded into the UNet weights."""
     from align.pipeline import base_of, load_trained, resolve_model
+    from align.runs import atomic_folder
     from align.testbed.weights import TESTBED_SETTINGS_FILE
 
     if out.exists() and any(out.iterdir()):
@@ -28,10 +29,11 @@ def fuse_run(run: str, out: Path, base: str | None = None) -> Path:
     if pipe.get_active_adapters():  # a LoRA run (a full fine-tune has none)
         pipe.fuse_lora()
         pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
-    pipe.save_pretrained(out)
     settings = Path(resolve_model(base or base_of(run))) / TESTBED_SETTINGS_FILE
-    if settings.is_file():
-        shutil.copy(settings, out / TESTBED_SETTINGS_FILE)
+    with atomic_folder(out) as staged:  # the whole pipeline folder at once: a half-written one never loads
+        pipe.save_pretrained(staged)
+        if settings.is_file():
+            shutil.copy(settings, staged / TESTBED_SETTINGS_FILE)
     return out
 
 
