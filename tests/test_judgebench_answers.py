@@ -162,3 +162,19 @@ def test_prompt_template_file_is_sent_verbatim_without_a_forced_schema(tmp_path,
     bad.write_text("no caption field here")
     with pytest.raises(SystemExit):
         judgebench.main(["--judges", "random", "--prompt_template", str(bad), "--output_dir", str(tmp_path / "x")])
+
+
+def test_judge_cache_gives_the_parse_outcome_per_judge_and_question(tmp_path, capsys):
+    from rewards.cache import CachedAnswer, JudgeCache
+
+    cache = JudgeCache(tmp_path / "answers.sqlite")
+    question = JudgeQuestion("single", protocol="mjbench").key()
+    for i, raw in enumerate(['{"ALIGNMENT-RATING": "7"}', "RATING: 9", "no idea", "I'm sorry, I can't help with that."]):
+        cache.put(f"k{i}", judge="openai:m", question=question, prompt="p", image_hashes=[], decoding={},
+                  answer=CachedAnswer(raw))
+    cache.close()
+    judgebench.main(["--answers", str(tmp_path / "answers.sqlite"), "--output_dir", str(tmp_path / "out")])
+    summary = json.loads((tmp_path / "out" / "answers.json").read_text())["caches"]
+    assert [(c["judge"], c["question"], c["ok"], c["unparseable"], c["refusal"]) for c in summary] == [
+        ("openai:m", question, 2, 1, 1)]
+    assert "Judge caches" in capsys.readouterr().out
