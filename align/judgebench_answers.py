@@ -207,6 +207,9 @@ def rescore_mjbench_file(path: Path, rows: list, tie_threshold: float, into: dic
     result = into.setdefault(judge, Rescored(judge=judge, source="mjbench"))
     result.files.append(str(path))
     category, sub = _category(path)
+    if layout == "scores":  # result/acc/<model>/<subset>0.0.json: the subset is in the file name
+        sub = re.sub(r"[_\d.]+$", "", path.stem).lower() or path.stem
+        category = "safety" if sub in ("nsfw", "toxic") else "quality"
     question = None if layout == "scores" else question_from_name(path, pair=layout == "multi")
     for row in rows:
         if layout == "bias":

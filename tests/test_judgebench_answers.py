@@ -82,6 +82,7 @@ def test_mjbench_scores_bias_and_unlabelled_rows(tmp_path):
     rows = {r.judge: A.summarise(r) for r in results}
     hps = rows["hps (scores)"]
     assert hps["pairs"] == 2 and hps["acc_with_ties"] == 0.5
+    assert list(hps["per_category"]) == ["quality/blur"]
     assert hps["rows_without_label"] == {str(tmp_path / "hps" / "blur0.0.json"): 1}
     bias = rows["llava_number_scale10 (vlm_results/*_single)"]
     expected = M.bias_metrics([("Chef", "old", 8.0), ("Chef", "young", 8.0), ("Chef", "male", 2.0)])
