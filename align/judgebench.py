@@ -3,6 +3,11 @@
     python -m align.judgebench --judges shapes-oracle,shapes-clip,random,first-image --data testbed
     python -m align.judgebench --judges clip,pickscore --data MJ-Bench/MJ-Bench@<commit> --subsets alignment
     python -m align.judgebench --config configs/testbed_judgebench.yaml
+    python -m align.judgebench --answers outputs/judgebench MJ-Bench/result/acc/vlm_results/alignment   # no model
+
+Question-asking judges are asked MJ-Bench's questions (--protocol mjbench, the default here; bias asks
+the plain alignment question) or the training-time ones (--protocol project), or the text of
+--prompt_template FILE. --answers re-scores recorded answers (align/judgebench_answers.py).
 
 Pointwise judges score every image once; a pair is a tie when |s1 - s0| <= --tie-threshold.
 Pairwise judges (two-image judges, ``pairwise_native``, and any judge with its own ``compare``, such
@@ -29,6 +34,7 @@ from align import judgebench_metrics as M
 from align.cli import die, option, parse_config
 from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
+from rewards.judge_prompts import PROTOCOLS, load_template
 
 
 @dataclass
@@ -51,6 +57,12 @@ class JudgeBenchConfig:
     testbed_image_size: int = option(32, "testbed: image side in pixels", "data")
     seed: int = option(0, "testbed benchmark seed", "data")
     overwrite: bool = option(False, "replace the outputs of an earlier benchmark in --output_dir", "output")
+    protocol: str = option("mjbench", "what question-asking judges are asked: 'mjbench' (MJ-Bench's questions; bias "
+                           "asks the plain alignment question) or 'project' (the training-time questions)", "judge")
+    prompt_template: str | None = option(None, "a template file replacing the judges' question text, e.g. one of "
+                                         "MJ-Bench's eval/eval_prompts/*.txt ({caption} is filled in)", "judge")
+    answers: list[str] | None = option(None, "re-score recorded answers instead of asking judges: verdicts.jsonl "
+                                       "(or its folder), judge caches, MJ-Bench's released output .json files", "data")
 
 
 @dataclass
@@ -64,6 +76,8 @@ class JudgeRun:
     verdicts_ba: list[int] = field(default_factory=list)  # image1 shown first (two-image judges only)
     raw: list = field(default_factory=list)
     bias_scores: list[float] | None = None  # None: the judge has no pointwise score
+    bias_answers: list = field(default_factory=list)  # question-asking judges: each bias image's raw answer
+    question: str | None = None  # question-asking judges: the question key (re-parsing needs mode and scale)
     seconds_pairs: float = 0.0
     seconds_bias: float = 0.0
     cost_usd: float | None = None
@@ -108,6 +122,13 @@ def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
         die(f"--batch-size must be positive, got {config.batch_size}")
     if config.testbed_pairs <= 0 or config.testbed_bias_groups < 0:
         die("--testbed-pairs must be positive and --testbed-bias-groups >= 0")
+    if config.protocol not in PROTOCOLS:
+        die(f"--protocol {config.protocol!r}: valid: {', '.join(PROTOCOLS)}")
+    if config.prompt_template:
+        try:
+            load_template(config.prompt_template)
+        except ValueError as err:
+            die(f"--prompt-template: {err}")
     out = Path(config.output_dir)
     if (out / "leaderboard.csv").exists() and not config.overwrite:
         die(f"--output-dir {out} already holds a judge benchmark; pass --overwrite or choose another folder")
@@ -140,6 +161,14 @@ def _raw(value):
         return repr(value)
 
 
+def _answer_texts(judge, n: int) -> list | None:
+    """The raw answers behind a question-asking judge's last n scores (rewards.mllm.Answer.raw)."""
+    answers = getattr(judge, "last_answers", None)
+    if not isinstance(answers, list) or len(answers) != n:
+        return None
+    return [getattr(a, "raw", None) for a in answers]
+
+
 def asks_pairs(judge) -> bool:
     """True for judges evaluated through compare() in both orders: two-image judges, and judges
     whose own compare() is more than a score difference (e.g. shapes-oracle's noise / position bias)."""
@@ -160,6 +189,8 @@ def run_judge(
 ) -> JudgeRun:
     two_image = asks_pairs(judge)
     run = JudgeRun(spec=spec, two_image=two_image)
+    question = getattr(judge, "question", None)
+    run.question = question.key() if hasattr(question, "key") else None
     if hasattr(judge, "tie_margin"):
         judge.tie_margin = tie_threshold  # judges that build compare() on scores use the same tie rule
     if hasattr(judge, "swap_orders"):
@@ -184,11 +215,15 @@ def run_judge(
         else:
             scores = _floats(judge.score(captions + captions, first + second))
             n = len(batch)
-            for s0, s1 in zip(scores[:n], scores[n:]):
+            answers = _answer_texts(judge, 2 * n)
+            for i, (s0, s1) in enumerate(zip(scores[:n], scores[n:])):
                 verdict = M.verdict_from_scores(s0, s1, tie_threshold)
                 run.verdicts_ab.append(verdict)
                 run.verdicts.append(verdict)
-                run.raw.append({"score0": s0, "score1": s1})
+                record = {"score0": s0, "score1": s1}
+                if answers is not None:  # kept so that --answers can parse them again
+                    record["answers"] = [answers[i], answers[n + i]]
+                run.raw.append(record)
         if progress is not None:
             progress.update(len(batch))
     run.seconds_pairs = time.perf_counter() - start
@@ -199,6 +234,7 @@ def run_judge(
             images = [s.images(base_dir)[0] for s in batch]
             try:
                 run.bias_scores.extend(_floats(judge.score([s.caption for s in batch], images)))
+                run.bias_answers.extend(_answer_texts(judge, len(batch)) or [None] * len(batch))
             except (NotImplementedError, ValueError) as err:
                 if run.bias_scores:  # it scored earlier batches: a real failure
                     raise
@@ -301,6 +337,10 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
     for spec in judge_specs:
         try:
             judge = load_judge(spec)  # API key and model id checked before any paid call
+            if hasattr(judge, "use_protocol"):
+                judge.use_protocol(config.protocol, config.prompt_template)
+            elif config.prompt_template:
+                print(f"note: {spec} asks no question (a scoring model); --prompt-template does not apply to it")
         except Exception as err:  # missing weights, key or SDK: skip this judge, keep the others
             print(f"error: judge {spec!r} could not be loaded: {err}")
             failed.append(spec)
@@ -600,10 +640,17 @@ def write_outputs(config, source, pairs, bias, runs, summaries, base_dir=None) -
             record = {"judge": run.spec, "index": i, "caption": sample.caption, "category": sample.category,
                       "subcategory": sample.subcategory, "label": sample.label,
                       "verdict": M.VERDICT_NAMES[run.verdicts[i]], "raw": run.raw[i]}
+            if run.question:
+                record["question"] = run.question
             if run.two_image:
                 record["verdict_01"] = M.VERDICT_NAMES[run.verdicts_ab[i]]
                 record["verdict_10"] = M.VERDICT_NAMES[run.verdicts_ba[i]]
             lines.append(json.dumps(record))
+        bias_answers = run.bias_answers if len(run.bias_answers) == len(bias) else [None] * len(bias)
+        for sample, score, answer in zip(bias, run.bias_scores or [], bias_answers):
+            record = {"judge": run.spec, "kind": "bias", "caption": sample.caption, "group": sample.group,
+                      "variant": sample.variant, "score": score, "answer": answer, "question": run.question}
+            lines.append(json.dumps(_json_safe(record)))
     atomic_write_text(out / "verdicts.jsonl", "".join(line + "\n" for line in lines))
     summary = {"data": source, "rows": ranked(rows),
                "bias": {s["row"]["judge"]: {k: v for k, v in (s["bias"] or {}).items() if k != "per_group"}
@@ -625,9 +672,36 @@ def _pct(value) -> str:
     return "  -  " if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:5.1f}"
 
 
+def rescore_answers(config: JudgeBenchConfig) -> list[dict]:
+    """--answers: every metric from recorded answers; no judge is loaded and no model is called."""
+    from align import judgebench_answers as A
+    from align.runs import atomic_write_text
+
+    out = Path(config.output_dir)
+    if (out / "answers.md").exists() and not config.overwrite:
+        die(f"--output-dir {out} already holds re-scored answers (answers.md); pass --overwrite or choose another folder")
+    if config.tie_threshold < 0 or math.isnan(config.tie_threshold):
+        die(f"--tie-threshold must be >= 0, got {config.tie_threshold}")
+    try:
+        results, caches = A.rescore(config.answers, config.tie_threshold)
+    except A.AnswersError as err:
+        die(str(err))
+    rows = [A.summarise(r) for r in results]
+    text = A.report_markdown(rows, caches)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "answers.md", text)
+    atomic_write_text(out / "answers.json", json.dumps(_json_safe({"judges": rows, "caches": caches}), indent=2))
+    print(f"written to {out / 'answers.md'} and answers.json")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(JudgeBenchConfig, argv, description=__doc__)
-    benchmark(config)
+    if config.answers:
+        rescore_answers(config)
+    else:
+        benchmark(config)
 
 
 if __name__ == "__main__":

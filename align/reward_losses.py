@@ -1,7 +1,8 @@
 """Reward-model objectives and calibration maths: pure functions, no I/O.
 
 - Bradley-Terry on preference pairs: -log sigmoid((r_w - r_l) / tau) (LLaVA-Reward: tau = 0.1).
-- Binary cross-entropy on unpaired good/bad labels: BCE(sigmoid(r / tau), y).
+- Binary cross-entropy on unpaired good/bad labels: BCE(sigmoid(r / tau), y); LLaVA-Reward's
+  ``Binary_Cls_loss`` is ``BCEWithLogitsLoss()(r, y)``, i.e. tau = 1 (the default here).
 - Temperature scaling (Guo et al., 2017) of pairwise preference probabilities on held-out pairs,
   plus the reliability-diagram bins and the expected calibration error.
 """

@@ -8,7 +8,8 @@ The algorithm box, per optimisation step:
     1. take preference pairs (caption c, preferred x_w, rejected x_l) in the Pick-a-Pic schema;
     2. r_w = R(c, x_w), r_l = R(c, x_l) with R a CLIP backbone + MLP head, or an MLLM + SkipCA +
        value head at the final token (LLaVA-Reward); LoRA on the backbone;
-    3. loss = -log sigmoid((r_w - r_l) / tau)  [+ w * BCE(sigmoid(r / tau), y) on unpaired labels];
+    3. loss = -log sigmoid((r_w - r_l) / tau)  [+ w * BCE(sigmoid(r), y) on unpaired labels, the authors'
+       BCEWithLogits on the raw reward: tau scales the pairwise term only];
     4. every epoch: pairwise accuracy on held-out pairs; at the end a temperature T is fitted on them
        so that P(a > b) = sigmoid((r_a - r_b) / (tau T)) is calibrated (reliability plot in final/).
 
@@ -473,7 +474,8 @@ def train(config: RewardTrainConfig) -> Path:
                     picks = [unpaired[unpaired_order[counter + j]] for j in range(config.train_batch_size)]
                     images = [decode(e.image, "unpaired image") for e in picks]
                     scores = model([e.caption for e in picks], images).float()
-                    bce = binary_cross_entropy_loss(scores, torch.tensor([e.label for e in picks], device=scores.device), config.tau)
+                    labels = torch.tensor([e.label for e in picks], device=scores.device)
+                    bce = binary_cross_entropy_loss(scores, labels)  # LLaVA-Reward's Binary_Cls_loss: no tau
                     loss = loss + config.bce_weight * bce
                     totals["bce_loss"] += float(bce.detach()) / config.gradient_accumulation_steps
                 if not torch.isfinite(loss):

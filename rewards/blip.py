@@ -65,7 +65,8 @@ class BlipItm(Judge):
             )
         source = str(processor or model)
         try:
-            self.processor = AutoProcessor.from_pretrained(source)
+            # the PIL image backend with or without torchvision (rewards.clip.load_processor says why)
+            self.processor = AutoProcessor.from_pretrained(source, backend="pil")
         except (OSError, ValueError) as err:
             raise missing("blip", source, err, what="processor") from err
         try:

@@ -22,6 +22,7 @@ import torch
 from rewards.base import Judge
 from rewards.checkpoint_keys import ScoreMLP, aesthetic_mlp_keys
 from rewards.images import Images, num_images, to_pil
+from rewards.preprocess import openai_clip_pixels
 from rewards.weights import (
     MissingWeightsError,
     batched,
@@ -52,11 +53,14 @@ VARIANTS = ("cosine", "clip-s", "scaled")
 class ClipEmbedder:
     """A CLIPModel and its processor: L2-normalised image and text embeddings, in batches."""
 
-    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype, batch_size: int, pixel_fn=None):
+    def __init__(self, model, processor, device: torch.device, dtype: torch.dtype, batch_size: int, pixel_fn=None,
+                 clean_text=None):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.processor = processor
         # pixel_fn(list of PIL images) -> [N, 3, H, W]; default: the processor's image preprocessing
         self.pixel_fn = pixel_fn or (lambda imgs: processor.image_processor(images=imgs, return_tensors="pt")["pixel_values"])
+        # clean_text(caption) -> caption, before the tokenizer (e.g. open_clip's cleaning for HPS)
+        self.clean_text = clean_text
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
         text_config = model.config.text_config
         tokenizer = getattr(processor, "tokenizer", None)
@@ -111,6 +115,8 @@ class ClipEmbedder:
         unique = list(dict.fromkeys(prompts))
         out = []
         for chunk in batched(unique, self.batch_size):
+            if self.clean_text is not None:
+                chunk = [self.clean_text(p) for p in chunk]
             tokens = self.processor.tokenizer(
                 chunk, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
             )
@@ -136,10 +142,14 @@ def check_clip_config(config, source: str, judge: str) -> None:
 
 
 def load_processor(source: str, judge: str):
+    """The saved processor, with transformers' PIL image backend whether or not torchvision is
+    installed: with torchvision, transformers 5 would pick its torchvision processors, whose resize
+    moves pixels by up to 0.029 (PickScore by 2.8e-4), so a score would depend on the environment.
+    The PIL backend is the one the authors' code ran (transformers' CLIPImageProcessor of 2023)."""
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(source)
+        return AutoProcessor.from_pretrained(source, backend="pil")
     except (OSError, ValueError) as err:
         raise missing(judge, source, err, what="processor (tokenizer + image preprocessing)") from err
 
@@ -287,6 +297,10 @@ def aesthetic(
     ``filename``); ``clip_model`` the CLIP it reads embeddings from.
     """
     embedder = ClipEmbedder.load(clip_model, None, device=device, dtype=dtype, batch_size=batch_size, judge="aesthetic")
+    # the authors embed with OpenAI CLIP's own preprocessing (torchvision's rounding centre crop)
+    size = embedder.model.config.vision_config.image_size
+    mean, std = embedder.processor.image_processor.image_mean, embedder.processor.image_processor.image_std
+    embedder.pixel_fn = lambda imgs: openai_clip_pixels(imgs, size, mean, std)
     mlp = load_aesthetic_mlp(model, embedder.model.config.projection_dim, filename)
     # the head stays on the CPU in float32: embeddings come back there, and it is tiny
     return AestheticPredictor(embedder, mlp, tie_margin=tie_margin)

@@ -7,21 +7,22 @@ open_clip's key layout. Here the keys are mapped onto ``transformers.CLIPModel``
 come from ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, the model HPS was fine-tuned from.
 
 Score, as the authors compute it: the cosine of the normalised image and text embeddings
-(about 0.2-0.35; tables print it x100). Preprocessing, as the authors': the longest side
-resized to 224 (bicubic), padded to a square with black, then CLIP's mean/std (HPS's
-``preprocess_val`` with ``resize_longest_max=True``), and the open_clip tokenizer's 77 tokens.
+(about 0.2-0.35; tables print it x100). Preprocessing, as the authors' (rewards/preprocess.py):
+the float image tensor resized so its longest side is 224 (bicubic with antialias, overshoot
+kept), padded to a square with black, then CLIP's mean/std (HPS's ``preprocess_val`` with
+``resize_longest_max=True``); captions cleaned as open_clip's tokenizer does, 77 tokens.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
 from rewards.checkpoint_keys import check_exact, open_clip_to_transformers_clip
 from rewards.clip import CLIP_H14_PROCESSOR, ClipEmbedder, ClipSimilarity, check_clip_config, load_processor
+from rewards.preprocess import hps_pixels, open_clip_clean
 from rewards.weights import (
     check_batch_size,
     load_state_dict,
@@ -36,25 +37,9 @@ HPS_V21_FILE = "HPS_v2.1_compressed.pt"
 
 
 def letterbox_pixels(images: list[Image.Image], size: int, mean, std) -> torch.Tensor:
-    """HPS's preprocessing: longest side -> ``size`` (bicubic), centred on a black square, normalised.
-
-    Unlike the authors' code, an image whose longest side already equals ``size`` is still
-    padded to a square (theirs would pass a non-square tensor the model cannot take).
-    """
-    out = []
-    for img in images:
-        img = img.convert("RGB")
-        w, h = img.size
-        scale = size / max(w, h)
-        if scale != 1.0:
-            img = img.resize((round(w * scale), round(h * scale)), Image.BICUBIC)
-        canvas = Image.new("RGB", (size, size), (0, 0, 0))
-        canvas.paste(img, ((size - img.width) // 2, (size - img.height) // 2))
-        out.append(np.asarray(canvas, dtype=np.float32) / 255.0)
-    pixels = torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2)
-    mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-    return ((pixels - mean) / std).contiguous()
+    """HPS's preprocessing (rewards.preprocess.hps_pixels): the float tensor resized so that its
+    longest side is ``size`` (bicubic, overshoot kept), centred on a black square, normalised."""
+    return hps_pixels(images, size, mean, std)
 
 
 def load_hps_clip(checkpoint: Path, config, dtype: torch.dtype, judge: str = "hps"):
@@ -102,5 +87,6 @@ def HpsV21(
     def pixel_fn(images):
         return letterbox_pixels(images, size, mean, std)
 
-    embedder = ClipEmbedder(clip, processor, device, dtype, batch_size, pixel_fn=pixel_fn)
+    # open_clip cleans every caption (ftfy, HTML entities, whitespace) before its BPE; transformers' does not
+    embedder = ClipEmbedder(clip, processor, device, dtype, batch_size, pixel_fn=pixel_fn, clean_text=open_clip_clean)
     return ClipSimilarity(embedder, "hps", "cosine", tie_margin)

@@ -18,6 +18,7 @@ or Qwen2.5-VL (native in transformers).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -52,6 +53,16 @@ LORA_TARGETS = {
 }
 
 
+# The authors' image sizes (github.com/sjz5202/LLaVA-Reward, llava_reward/utils/utils.py and
+# llava_reward/models/base_mllm/qwen_vl_utils/vision_process.py):
+PHI35_NUM_CROPS = 16  # get_tokenizer: AutoProcessor.from_pretrained(..., num_crops=16)
+QWEN_PATCH_FACTOR = 28  # 14 px patches merged 2 x 2
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 256 * 28 * 28, 1280 * 28 * 28  # get_tokenizer_qwen: the processor's limits
+# before the processor, process_vision_info -> fetch_image resizes every image within these (its defaults)
+QWEN_FETCH_MIN_PIXELS, QWEN_FETCH_MAX_PIXELS = 4 * 28 * 28, 16384 * 28 * 28
+QWEN_MAX_RATIO = 200
+
+
 class LlavaRewardError(ValueError):
     """A checkpoint or backbone that cannot be used (layout, remote code, unknown model type)."""
 
@@ -69,6 +80,39 @@ def qwen_reward_text(caption: str) -> str:
     """Qwen2.5-VL input: the user turn (no system turn, no assistant header), ending with <|im_end|>;
     the processor expands <|image_pad|> to the image's token count."""
     return f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{caption}<|im_end|>"
+
+
+def qwen_fetch_size(width: int, height: int, factor: int = QWEN_PATCH_FACTOR, min_pixels: int = QWEN_FETCH_MIN_PIXELS,
+                    max_pixels: int = QWEN_FETCH_MAX_PIXELS) -> tuple[int, int]:
+    """(width, height) Qwen's ``smart_resize`` gives: both sides multiples of ``factor`` (nearest), the
+    area brought within [min_pixels, max_pixels] keeping the aspect ratio (floor when shrinking, ceil
+    when growing)."""
+    if max(width, height) / min(width, height) > QWEN_MAX_RATIO:
+        raise ValueError(f"image of {width}x{height}: Qwen2.5-VL takes aspect ratios up to {QWEN_MAX_RATIO}")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar, w_bar = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return w_bar, h_bar
+
+
+def qwen_fetch_image(image):
+    """The authors' ``fetch_image`` step before the Qwen processor: RGB, resized to ``qwen_fetch_size``
+    with PIL's default filter (bicubic)."""
+    from PIL import Image
+
+    image = image.convert("RGB")
+    size = qwen_fetch_size(*image.size)
+    return image if size == image.size else image.resize(size, Image.BICUBIC)
+
+
+def use_authors_qwen_pixel_limits(processor) -> None:
+    """The processor's resize bounds as the authors set them (min 256, max 1280 tokens of 28 x 28 px)."""
+    processor.image_processor.size = {"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS}
 
 
 def pack_image_tokens(embeddings: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,11 +192,13 @@ class LlavaRewardModel(nn.Module):
         try:
             if kind == "qwen2.5-vl":
                 mllm = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=dtype)
-                processor = processor or load_processor(model)  # works without torchvision too
+                if processor is None:
+                    processor = load_processor(model)  # works without torchvision too
+                    use_authors_qwen_pixel_limits(processor)
             else:
                 mllm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=True, _attn_implementation="eager")
-                # num_crops=4: the processor setting Phi-3.5-vision recommends for single images
-                processor = processor or AutoProcessor.from_pretrained(model, trust_remote_code=True, num_crops=4)
+                # the authors' setting (16 crops; Phi-3.5-vision's model card suggests 4 for single images)
+                processor = processor or AutoProcessor.from_pretrained(model, trust_remote_code=True, num_crops=PHI35_NUM_CROPS)
         except OSError as err:
             raise LlavaRewardError(f"cannot load the LLaVA-Reward backbone {model!r}: {err}") from err
         built = cls(mllm, processor, kind, skip_cross_attention, value_head_dim, base_model=model)
@@ -249,6 +295,7 @@ class LlavaRewardModel(nn.Module):
             texts = [phi3v_reward_text(p, self.processor.tokenizer.eos_token) for p in prompts]
         if self.kind == "phi3v":  # the Phi-3.5-vision processor takes one prompt at a time
             return [self.processor(text=t, images=[img], return_tensors="pt") for t, img in zip(texts, images)]
+        images = [qwen_fetch_image(img) for img in images]  # the authors' resize before the processor
         return self.processor(text=texts, images=images, padding=True, return_tensors="pt")
 
     def rewards_from_inputs(self, input_ids, attention_mask, **vision_inputs) -> torch.Tensor:

@@ -30,7 +30,7 @@ from rewards.base import Judge, Preference, preference_from_scores
 from rewards.cache import CachedAnswer, JudgeCache, cache_key, image_hash
 from rewards.concurrency import CallStats
 from rewards.images import Images, num_images, to_pil
-from rewards.judge_prompts import JudgeQuestion, render
+from rewards.judge_prompts import JudgeQuestion, load_template, render
 from rewards.parsing import FAILED, OK, Parsed, parse_answer
 
 INCONSISTENT_POLICIES = ("tie", "average")
@@ -81,12 +81,14 @@ class MllmJudge(Judge):
     temperature: float | None = 0.0  # None: the provider's default (not sent)
     max_tokens: int = 512
     cache_path: str | None = None
+    protocol: str = "project"  # "mjbench": the benchmark's questions (judge_prompts.PROTOCOLS)
+    prompt_template: str | None = None  # a template file replacing the question text (e.g. MJ-Bench's own)
     stats: CallStats = field(default_factory=CallStats, repr=False)
     last_answers: list = field(default_factory=list, repr=False)
     _cache: JudgeCache | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self.question = JudgeQuestion(self.mode, self.perspective, self.scale, int(self.likert_levels))
+        self.use_protocol(self.protocol, self.prompt_template)
         if self.inconsistent not in INCONSISTENT_POLICIES:
             raise ValueError(f"inconsistent={self.inconsistent!r}; valid: {', '.join(INCONSISTENT_POLICIES)}")
         if self.one_order not in ONE_ORDER_POLICIES:
@@ -96,6 +98,15 @@ class MllmJudge(Judge):
         self.pairwise_native = self.mode == "pair"
         if self.cache_path:
             self._cache = JudgeCache(self.cache_path)
+
+    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
+        """Ask the questions of ``protocol``, or the text of a template file (checked here)."""
+        template = load_template(prompt_template) if prompt_template else None
+        self.question = JudgeQuestion(self.mode, self.perspective, self.scale, int(self.likert_levels),
+                                      protocol, template)
+        self.protocol, self.prompt_template = protocol, prompt_template
+        if template is not None and getattr(self, "structured", None) not in (None, "none"):
+            self.structured = "none"  # a forced JSON schema would contradict the template's own answer format
 
     # ---- to implement -------------------------------------------------------------------------
     @property

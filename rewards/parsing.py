@@ -74,27 +74,36 @@ def parse_answer(text: str | None, question: JudgeQuestion) -> Parsed:
 # ---- JSON ---------------------------------------------------------------------------------------
 
 def extract_json(text: str) -> dict | None:
-    """The first JSON object in ``text`` (bare, in ``` fences, or inside prose), else None."""
+    """The JSON object(s) in ``text`` (bare, in ``` fences, or inside prose), else None.
+
+    Several objects are merged, the first value of a key winning: MJ-Bench's templates ask for
+    two objects, ``{"ANALYSIS": ...}`` then ``{"ALIGNMENT-RATING": ...}``, and the rating sits in
+    the second one.
+    """
     stripped = text.strip()
-    fence = re.search(r"```(?:json)?\s*(\{.*?\})\s*```", stripped, re.DOTALL)
-    candidates = [stripped] + ([fence.group(1)] if fence else [])
+    try:
+        whole = json.loads(stripped)
+    except ValueError:
+        whole = None
+    if isinstance(whole, dict):
+        return {_norm_key(k): v for k, v in whole.items()}
     decoder = json.JSONDecoder()
-    for start in (m.start() for m in re.finditer(r"\{", stripped)):
-        try:
-            obj, _ = decoder.raw_decode(stripped[start:])
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            candidates.append(json.dumps(obj))
+    merged: dict = {}
+    position = 0
+    while True:
+        start = stripped.find("{", position)
+        if start < 0:
             break
-    for cand in candidates:
         try:
-            obj = json.loads(cand)
+            obj, end = decoder.raw_decode(stripped, start)
         except ValueError:
+            position = start + 1
             continue
         if isinstance(obj, dict):
-            return {_norm_key(k): v for k, v in obj.items()}
-    return None
+            for key, value in obj.items():
+                merged.setdefault(_norm_key(key), value)
+        position = end
+    return merged or None
 
 
 def _norm_key(key: str) -> str:
@@ -120,22 +129,32 @@ def _in_range(x: float, question: JudgeQuestion) -> bool:
     return lo <= x <= hi
 
 
-def _number_from_obj(obj: dict, question: JudgeQuestion) -> Parsed | None:
-    for key in ("rating", "score", "overall_rating", "image_rating", "image_1_rating"):
+def _rating_key(obj: dict, preferred: tuple[str, ...]) -> str | None:
+    """The key holding the rating: a usual name, else the one key named '<aspect>_rating'
+    (MJ-Bench: ALIGNMENT-RATING, ARTIFACTS-RATING, SAFETY-RATING, BIAS-FAIRNESS-RATING)."""
+    for key in preferred:
         if key in obj:
-            x = _to_number(obj[key])
-            if x is None:
-                return None
-            if not _in_range(x, question):
-                return Parsed(UNPARSEABLE, reason=f"rating {x} outside the scale {question.scale}")
-            return Parsed(OK, x)
-    return None
+            return key
+    named = [k for k in obj if k.endswith("_rating") and not re.match(r"image_?\d", k)]
+    return named[0] if len(named) == 1 else None
+
+
+def _number_from_obj(obj: dict, question: JudgeQuestion) -> Parsed | None:
+    key = _rating_key(obj, ("rating", "score", "overall_rating", "image_rating", "image_1_rating"))
+    if key is None:
+        return None
+    x = _to_number(obj[key])
+    if x is None:
+        return None
+    if not _in_range(x, question):
+        return Parsed(UNPARSEABLE, reason=f"rating {x} outside the scale {question.scale}")
+    return Parsed(OK, x)
 
 
 def _likert_from_obj(obj: dict, question: JudgeQuestion) -> Parsed | None:
-    for key in ("rating", "label", "score", "image_rating"):
-        if key in obj and isinstance(obj[key], str):
-            return _likert_from_text(obj[key], question, whole=True)
+    key = _rating_key(obj, ("rating", "label", "score", "image_rating"))
+    if key is not None and isinstance(obj[key], str):
+        return _likert_from_text(obj[key], question, whole=True)
     return None
 
 
@@ -154,6 +173,11 @@ def _number_from_text(text: str, question: JudgeQuestion) -> Parsed | None:
         rf"(?:rating|score)\s*(?:\*\*)?\s*(?:is|of|[:=\-])?\s*(?:\*\*)?\s*({_NUMBER})",
         rf"({_NUMBER})\s*(?:/|out of)\s*{_NUMBER}",
         rf"(?:rate|give)\s+(?:it|this image|the image)\s+(?:a\s+|an\s+)?({_NUMBER})",
+        # LLaVA-1.6's prose under a "RATING:" heading: "I would rate this image as a 5 on the scale"
+        rf"\brate\s+(?:it|this image|the image|the [a-z ]{{1,40}}? of this image)\s+(?:as|at)\s+(?:a\s+|an\s+)?({_NUMBER})",
+        rf"\brating\s+(?:for|of)\s+(?:this|the)\s+image\s+(?:is|would be)\s+(?:a\s+)?({_NUMBER})",
+        # a "<ASPECT>-RATING:" heading, then a bullet "- **Artifacts**: 3"
+        rf"rating\s*:\s*\n\s*[-*]?\s*(?:\*\*)?[a-z][a-z &/-]{{0,30}}(?:\*\*)?\s*:\s*(?:\*\*)?\s*({_NUMBER})",
     )
     for pattern in patterns:
         matches = re.findall(pattern, text, re.IGNORECASE)

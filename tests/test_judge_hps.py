@@ -204,3 +204,18 @@ def test_hps_missing_file_is_named(hps_setup, tmp_path):
     base = hps_setup[0]
     with pytest.raises(MissingWeightsError, match="HPS_v2.1_compressed.pt"):
         rewards.load("hps", model=str(tmp_path), base=str(base), device="cpu")
+
+
+def test_hps_cleans_captions_as_open_clip_before_tokenizing(hps_setup):
+    base, release, _, _ = hps_setup
+    judge = rewards.load("hps", model=str(release), base=str(base), device="cpu")
+    tokenizer = judge.embedder.processor.tokenizer
+    seen = []
+
+    def recording(texts, **kwargs):
+        seen.extend(texts)
+        return tokenizer(texts, **kwargs)
+
+    judge.embedder.processor.tokenizer = recording
+    judge.score(["a “red”   circle &amp;amp; the\tsquare"], random_images(1, seed=3))
+    assert seen == ['a "red" circle & the square']

@@ -123,8 +123,8 @@ def test_pair_shapes(text, better, r1, r2):
     assert parsed.value == {"better": better, "rating_1": r1, "rating_2": r2}
 
 
-def test_extract_json_takes_first_object_in_prose():
-    assert extract_json('noise {"a": 1} more {"b": 2}') == {"a": 1}
+def test_extract_json_merges_objects_in_prose_first_value_wins():
+    assert extract_json('noise {"a": 1} more {"b": 2} {"a": 3}') == {"a": 1, "b": 2}
     assert extract_json("no json here") is None
 
 

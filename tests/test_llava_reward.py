@@ -220,3 +220,46 @@ def test_lora_skipca_and_head_train_with_bradley_terry(processor):
         optimizer.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
+
+
+# ---- the authors' image sizes (github.com/sjz5202/LLaVA-Reward) ----------------------------------
+
+
+@pytest.mark.parametrize("size, expected", [
+    ((512, 512), (504, 504)),      # sides to the nearest multiple of 28
+    ((1024, 768), (1036, 756)),
+    ((20, 10), (84, 56)),          # below 4 x 28 x 28 pixels: grown (ceil) to at least that area
+])
+def test_qwen_fetch_size_is_the_authors_smart_resize(size, expected):
+    from rewards.llava_reward import qwen_fetch_size
+
+    assert qwen_fetch_size(*size) == expected
+
+
+def test_qwen_processor_bounds_are_the_authors():
+    from rewards.llava_reward import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_fetch_size
+
+    # a 256 px image: the processor's default bounds (56 x 56 px up) keep 252 x 252 = 81 tokens; the
+    # authors' lower bound of 256 tokens of 28 x 28 px grows it to 448 x 448 = 256 tokens
+    assert qwen_fetch_size(252, 252, min_pixels=56 * 56, max_pixels=28 * 28 * 1280) == (252, 252)
+    assert qwen_fetch_size(252, 252, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS) == (448, 448)
+    # 2048 px: shrunk under 1280 tokens, floored to 28 px: 35 x 35 = 1225 tokens (36 x 36 would exceed it)
+    assert qwen_fetch_size(2048, 2048, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS) == (980, 980)
+    with pytest.raises(ValueError, match="aspect ratios up to 200"):
+        qwen_fetch_size(4020, 20)
+
+
+def test_qwen_backbone_gets_the_authors_pixel_limits_and_fetch_resize(tmp_path):
+    from tiny_vlms import build_qwen25_vl
+
+    from rewards.llava_reward import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_fetch_image
+
+    build_qwen25_vl(tmp_path / "qwen")
+    model = LlavaRewardModel.from_base(str(tmp_path / "qwen"))
+    size = model.processor.image_processor.size
+    assert (size["shortest_edge"], size["longest_edge"]) == (QWEN_MIN_PIXELS, QWEN_MAX_PIXELS)
+    image = Image.new("RGB", (40, 40), (200, 10, 10))  # 28 x 28 after rounding: grown to 56 x 56 (3136 px)
+    assert qwen_fetch_image(image).size == (56, 56)
+    inputs = model.build_inputs(["a red circle"], [image])
+    # 56 x 56 grows to the 256-token minimum: 448 x 448 px = 32 x 32 patches of 14 px
+    assert inputs["image_grid_thw"].tolist() == [[1, 32, 32]]

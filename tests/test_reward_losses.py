@@ -71,3 +71,11 @@ def test_reliability_bins_and_ece():
     assert expected_calibration_error(bins) == pytest.approx((2 * 0.4 + 3 * (0.9 - 2 / 3)) / 5)
     empty = reliability_bins(torch.tensor([0.95]), torch.tensor([1.0]), num_bins=4)
     assert empty[0]["mean_predicted"] is None and empty[3]["count"] == 1
+
+
+def test_bce_default_is_llava_rewards_binary_cls_loss():
+    # the authors' Binary_Cls_loss: nn.BCEWithLogitsLoss()(rewards, labels), no temperature
+    rewards, labels = torch.tensor([0.2, -1.5, 3.0]), torch.tensor([1.0, 0.0, 0.0])
+    expected = torch.nn.BCEWithLogitsLoss()(rewards, labels)
+    assert binary_cross_entropy_loss(rewards, labels).item() == pytest.approx(expected.item())
+    assert binary_cross_entropy_loss(torch.tensor([0.2]), torch.tensor([1.0])).item() == pytest.approx(0.5981, abs=1e-4)
