@@ -33,7 +33,7 @@ CHOICES = {
     "timestep_selection": ("random", "high_noise"), "lr_scheduler": ("constant", "cosine"),
     "backbone": ("clip", "blip", "mllm"), "search": ("random", "zero-order"), "ci": ("wilson", "bootstrap"),
     "device": ("auto", "cpu"), "fid_feature": ("inception", "pixels"), "cmmd_feature": ("clip", "shapes-clip"),
-    "resume": ("latest",), "subsets": ("alignment,safety,quality,bias", "alignment"), "trainer": ("dpo", "ddpo"),
+    "resume": ("latest",), "protocol": ("project", "mjbench"), "subsets": ("alignment,safety,quality,bias", "alignment"), "trainer": ("dpo", "ddpo"),
 }
 
 
@@ -43,6 +43,8 @@ def other_value(field: dataclasses.Field):
     if field.name in CHOICES:
         return next(c for c in CHOICES[field.name] if c != default)
     kind = str(field.type)
+    if kind.startswith("list"):
+        return ["value-other"]
     if "bool" in kind:
         return not default
     if "int" in kind:
@@ -71,7 +73,8 @@ def test_option_refuses_an_unknown_group_or_an_empty_help():
 def test_every_field_parses_from_its_flag(config_class):
     fields = dataclasses.fields(config_class)
     wanted = {f.name: other_value(f) for f in fields}
-    argv = [token for name, value in wanted.items() for token in (f"--{name}", str(value))]
+    argv = [token for name, value in wanted.items()
+            for token in (f"--{name}", *(map(str, value) if isinstance(value, list) else [str(value)]))]
     config = parse_config(config_class, argv)
     for name, value in wanted.items():
         assert getattr(config, name) == value, name
