@@ -468,7 +468,8 @@ def train(config: DDPOConfig) -> Path:
         write_model_card(final, config, run)
         from align.run_report import write_training_report
 
-        write_training_report(run.path, title=f"DDPO: {config.model}", metric_keys=("reward_mean", "approx_kl", "clipfrac", "policy_loss"))
+        write_training_report(run.path, title=f"DDPO: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
+                              metric_keys=("reward_mean", "approx_kl", "kl_to_reference", "clipfrac", "policy_loss"))
     reward_fn.close()
     del train_unet, optimizer, lr_scheduler
     end_training(accelerator)

@@ -435,6 +435,7 @@ def save_validation_grid(pipe, config: DPOConfig, steps: int, guidance: float, p
     seeds = [config.eval_seed + i for i in range(len(prompts))]
     images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
     save_image_row(images, path)
+    atomic_write_text(path.with_suffix(".json"), json.dumps([{"prompt": p, "seed": s} for p, s in zip(prompts, seeds)], indent=1))
 
 
 def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
@@ -473,7 +474,8 @@ Weights: {weights}.
 def write_run_report(run: RunFolder, config: DPOConfig) -> None:
     from align.run_report import write_training_report
 
-    write_training_report(run.path, title=f"Diffusion-DPO: {config.model}", metric_keys=("loss", "implicit_acc", "model_mse", "ref_mse"))
+    write_training_report(run.path, title=f"Diffusion-DPO: {config.model}", judge=config.eval_judge or config.reward,
+                          metric_keys=("loss", "implicit_acc", "reward_margin", ("model_mse", "ref_mse")))
 
 
 def main(argv: list[str] | None = None) -> None:

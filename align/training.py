@@ -122,8 +122,10 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
                                  batch_size=config.eval_batch_size)
     scores = judge.score(prompts, images).float().tolist()
     mean, sem = mean_and_sem(scores)
-    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds}))
-    save_image_row(images[: config.num_validation_images * 4], path.with_suffix(".png"))
+    shown = images[: config.num_validation_images * 4]  # the report splits this row back into images
+    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds,
+                                        "row_images": len(shown)}))
+    save_image_row(shown, path.with_suffix(".png"))
     print(f"[eval] {label}: mean {judge.name} score on {len(held_out)} held-out prompts x {repeats} seed(s) = "
           f"{mean:.4f} (standard error {sem:.4f})", flush=True)
     return mean
