@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,7 @@ class BestOfNConfig:
     device: str = "auto"
     output_dir: str = "runs/best_of_n"
     cache_dir: str | None = None  # generated candidates (PNG); share it between runs with other judges
+    quiet: bool = field(default=False, metadata={"help": "no progress bars (they are also off when stderr is not a terminal)"})
 
     def validate(self) -> None:
         if self.n < 1:
@@ -154,11 +155,14 @@ def seed_noise(seed: int, shape: tuple) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings: dict, batch_size: int) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1] from explicit initial noises [N, C, h, w]."""
+def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings: dict, batch_size: int,
+                        progress: str | None = None) -> torch.Tensor:
+    """Images [N, 3, H, W] in [0, 1] from explicit initial noises [N, C, h, w]; ``progress``: a bar's label."""
+    from align.progress import progress_bar
+
     out = []
     device = pipe.unet.device
-    for start in range(0, len(prompts), batch_size):
+    for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
         result = pipe(
             prompt=list(prompts[chunk]),
@@ -229,7 +233,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
         shape = latent_shape(pipe, settings["resolution"])
     if todo:
         noises = torch.stack([seed_noise(s, shape) for _, s in todo])
-        for (prompt, s), image in zip(todo, generate_from_noise(pipe, [p for p, _ in todo], noises, settings, config.batch_size)):
+        for (prompt, s), image in zip(todo, generate_from_noise(pipe, [p for p, _ in todo], noises, settings, config.batch_size,
+                                                                         progress="candidates")):
             cache.save(prompt, s, image)
     print(f"[best_of_n] {len(todo)} candidates generated, {len(items) - len(todo)} cached", flush=True)
     images = cache.load(items)
@@ -396,8 +401,10 @@ def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chos
 
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
+    from align.quiet import quiet_output
 
     config = parse_config(BestOfNConfig, argv)
+    quiet_output(config.quiet)
     try:
         check_inputs(config)
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation

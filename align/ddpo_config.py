@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from align.advantages import MODES
 from align.cli import ConfigError
@@ -24,6 +24,7 @@ class DDPOConfig:
     overwrite: bool = False  # replace a run already in output_dir
     seed: int = 0
     report_to: str = "tensorboard"  # tensorboard, wandb, all, or none
+    quiet: bool = field(default=False, metadata={"help": "no progress bars (they are also off when stderr is not a terminal)"})
     # --- model and adapter
     finetune: str = "lora"  # "lora" (paper) or "full"
     lora_rank: int = 4

@@ -31,6 +31,8 @@ from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.dpo_config import DPOConfig  # noqa: E402
 from align.evaluate import load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
+from align.progress import progress_bar  # noqa: E402
+from align.quiet import quiet_output  # noqa: E402
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.training import (  # noqa: E402
     TrainingStopped,
@@ -182,7 +184,6 @@ def train(config: DPOConfig) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
-    from tqdm.auto import tqdm
 
     from align.data import load_pairs
     from align.pipeline import (
@@ -317,7 +318,7 @@ def train(config: DPOConfig) -> Path:
 
     # 7. The loop.
     merged_lora = config.finetune == "lora" and config.lora_merged_forward
-    progress = tqdm(range(start_step, config.max_steps), disable=not accelerator.is_local_main_process, desc="dpo")
+    progress = progress_bar(range(start_step, config.max_steps), desc="dpo", unit="step", enabled=accelerator.is_local_main_process)
     last_good = run.latest_checkpoint()
     for step in progress:
         if step > start_step and step % steps_per_round == 0:  # online DPO: the next round's pairs
@@ -480,6 +481,7 @@ def write_run_report(run: RunFolder, config: DPOConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(DPOConfig, argv)
+    quiet_output(config.quiet)
     try:
         train(config)
     except (ConfigError, RunFolderError) as err:

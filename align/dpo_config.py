@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from align.cli import ConfigError
 from align.training import check_lr_schedule, check_periodic_evaluation
@@ -31,6 +31,7 @@ class DPOConfig:
     overwrite: bool = False  # replace a run already in output_dir
     seed: int = 0
     report_to: str = "tensorboard"  # tensorboard, wandb, all, or none
+    quiet: bool = field(default=False, metadata={"help": "no progress bars (they are also off when stderr is not a terminal)"})
     # --- model and adapter
     finetune: str = "full"  # "full" (paper: frozen copy as reference) or "lora" (adapter off = reference)
     lora_rank: int = 8

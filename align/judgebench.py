@@ -29,6 +29,8 @@ from align import judgebench_metrics as M
 from align.cli import die, parse_config
 from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
+from align.progress import progress_bar
+from align.quiet import quiet_output
 
 
 def _opt(default, help_text: str):
@@ -52,6 +54,7 @@ class JudgeBenchConfig:
     testbed_image_size: int = _opt(32, "testbed: image side in pixels")
     seed: int = _opt(0, "testbed benchmark seed")
     overwrite: bool = _opt(False, "replace the outputs of an earlier benchmark in --output-dir")
+    quiet: bool = field(default=False, metadata={"help": "no progress bars (they are also off when stderr is not a terminal)"})
 
 
 @dataclass
@@ -282,8 +285,6 @@ def prepare_data(config: JudgeBenchConfig, subsets: tuple[str, ...]) -> tuple[li
 
 def benchmark(config: JudgeBenchConfig) -> list[dict]:
     """Run every judge on the benchmark and write the leaderboard; returns the summaries."""
-    from tqdm.auto import tqdm
-
     judge_specs, subsets = check_config(config)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     try:
@@ -308,7 +309,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
             continue
         try:
             total = len(pairs) + len(bias)
-            with tqdm(total=total, desc=spec, leave=False) as bar:
+            with progress_bar(total=total, desc=spec, unit="image", leave=False) as bar:
                 run = run_judge(spec, judge, pairs, bias, base_dir, config.tie_threshold, config.batch_size, bar)
         except Exception as err:  # e.g. an oracle that cannot parse this data's captions
             print(f"error: judge {spec!r} failed on the benchmark: {type(err).__name__}: {err}")
@@ -628,6 +629,7 @@ def _pct(value) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(JudgeBenchConfig, argv)
+    quiet_output(config.quiet)
     benchmark(config)
 
 

@@ -165,6 +165,10 @@ def line_plot(
             ax.plot(xs, ys, marker="o", label=str(name))
     if logx:
         ax.set_xscale("log", base=2)
+    elif all(float(x).is_integer() for values in series.values() for x in values[0]):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and epochs: no 2.5 ticks
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -119,7 +119,7 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     seeds = [config.eval_seed + i for i in range(len(prompts))]
     with merged_adapter(pipe.unet):  # a LoRA folded into the weights: the same images up to float rounding, faster
         images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance,
-                                 batch_size=config.eval_batch_size)
+                                 batch_size=config.eval_batch_size, progress=f"held-out evaluation ({label})")
     scores = judge.score(prompts, images).float().tolist()
     mean, sem = mean_and_sem(scores)
     shown = images[: config.num_validation_images * 4]  # the report splits this row back into images
