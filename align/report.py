@@ -42,7 +42,7 @@ p.note { color: #555; font-size: 0.9em; }
 .card img, table.strip img { image-rendering: pixelated; display: block; margin: auto; }
 .up { color: #1a7f37; font-weight: bold; } .down { color: #c62828; font-weight: bold; } .quiet { color: #777; }
 .plots { display: flex; flex-wrap: wrap; gap: 8px; }
-table.strip td { text-align: center; vertical-align: top; font-size: 0.75em; max-width: 110px; }
+table.strip th { font-size: 0.75em; max-width: 110px; text-align: center; } table.strip td { text-align: center; vertical-align: top; font-size: 0.75em; max-width: 110px; }
 div.config { columns: 3; column-gap: 2em; font-size: 0.85em; } div.config div { break-inside: avoid; overflow-wrap: anywhere; }
 """
 

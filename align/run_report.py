@@ -150,7 +150,7 @@ def _before_after_cards(run_dir: Path, before: dict, after: dict) -> str:
 
 # Plot titles (by a plot's first key) and legend names.
 _TITLES = {
-    "loss": "DPO loss", "implicit_acc": "implicit accuracy (preferred image denoised better)",
+    "loss": "DPO loss", "implicit_acc": "implicit accuracy",
     "reward_margin": "implicit reward margin", "model_mse": "denoising error on the pairs",
     "reward_mean": "reward (mean over the epoch's samples)", "approx_kl": "approximate KL to the sampling policy",
     "kl_to_reference": "KL to the reference model", "clipfrac": "fraction of clipped ratios", "policy_loss": "policy loss",
@@ -195,28 +195,36 @@ def _reward_band_plot(records: list[dict], title: str, step_name: str) -> bytes:
 
 
 def _samples(run_dir: Path, limit: int = 8) -> str:
-    """Rows saved during training (samples/*.png), the first, the last and a few between, with their captions."""
+    """Rows saved during training (samples/*.png): the first, the last and two between, with their prompts
+    (once, as column heads, when every row drew the same prompts: the trainers' validation images) and rewards."""
     folder = run_dir / "samples"
     rows = sorted(folder.glob("*.png")) if folder.is_dir() else []
     if not rows:
         return ""
     if len(rows) > 4:
         rows = [rows[0], *rows[1:-1][-2:], rows[-1]]
-    html_rows = []
+    captions = {}
     for path in rows:
         captions_file = path.with_suffix(".json")
-        captions = json.loads(captions_file.read_text()) if captions_file.is_file() else None
-        images = split_row(path, len(captions) if captions else None)[:limit]
+        captions[path] = json.loads(captions_file.read_text()) if captions_file.is_file() else []
+    prompts = [[str(c.get("prompt", "")) for c in captions[path][:limit]] for path in rows]
+    shared = prompts[0] if prompts[0] and all(p == prompts[0] for p in prompts) else None
+    head = "<tr><th></th>" + "".join(f"<th>{html.escape(p)}</th>" for p in shared) + "</tr>" if shared else ""
+    html_rows = []
+    for path, row_prompts in zip(rows, prompts):
+        entries = captions[path]
+        images = split_row(path, len(entries) or None)[:limit]
         cells = []
         for i, image in enumerate(images):
-            entry = captions[i] if captions and i < len(captions) else {}
-            text = html.escape(str(entry.get("prompt", "")))
+            entry = entries[i] if i < len(entries) else {}
+            text = "" if shared else html.escape(row_prompts[i] if i < len(row_prompts) else "")
             if "reward" in entry:
                 text += f" <b>{entry['reward']:.3f}</b>"
-            cells.append(f"<td>{img_tag(readable(image, target=96), alt=entry.get('prompt', path.stem))}{text}</td>")
+            alt = entry.get("prompt", f"{path.stem} {i}")
+            cells.append(f"<td>{img_tag(readable(image, target=96), alt=alt)}{text}</td>")
         kind, number = path.stem.rsplit("_", 1)
         html_rows.append(f'<tr><th class="text">{kind} {int(number)}</th>{"".join(cells)}</tr>')
-    return f'<table class="strip">{"".join(html_rows)}</table>'
+    return f'<table class="strip">{head}{"".join(html_rows)}</table>'
 
 
 def _config_list(run_dir: Path) -> str:

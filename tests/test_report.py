@@ -157,7 +157,8 @@ def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_co
     for alt in ("loss", "implicit_acc", "reward_margin", "model_mse / ref_mse", "held-out score along the run"):
         assert images[alt].width > 200
     # Validation samples with their prompts; the config as written (config.yaml).
-    assert "step 2" in text and html_lib.escape(json.loads((run / "samples" / "step_0000002.json").read_text())[0]["prompt"]) in text
+    first_prompt = json.loads((run / "samples" / "step_0000002.json").read_text())[0]["prompt"]
+    assert "step 2" in text and f"<th>{html_lib.escape(first_prompt)}</th>" in text  # the same prompts at every step: column heads
     assert "beta:</span> 500" in text and "eval_prompts:</span> testbed:3:2" in text
     assert not list(run.glob(".report.html.*"))  # written atomically: no temporary file left behind
 
@@ -170,14 +171,15 @@ def test_trainer_report_of_a_ddpo_style_folder(tmp_path):
     records = [{"step": e, "reward_mean": 0.1 * e, "reward_std": 0.05, "approx_kl": 1e-4 * e} for e in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "config.yaml").write_text("model: testbed\napi_key: '***'\n")
-    images = torch.rand(3, 3, 8, 8)
-    save_image_row(images, tmp_path / "samples" / "epoch_00003.png")
-    (tmp_path / "samples" / "epoch_00003.json").write_text(json.dumps([{"prompt": f"p<{i}>", "reward": 0.25 * i} for i in range(3)]))
+    for epoch, prompt in ((1, "q"), (3, "p")):  # DDPO's samples: other prompts each epoch, each with its reward
+        save_image_row(torch.rand(3, 3, 8, 8), tmp_path / "samples" / f"epoch_{epoch:05d}.png")
+        captions = [{"prompt": f"{prompt}<{i}>", "reward": 0.25 * i} for i in range(3)]
+        (tmp_path / "samples" / f"epoch_{epoch:05d}.json").write_text(json.dumps(captions))
     for label, seeds in (("before", [1, 2]), ("after", [3, 4])):
         (tmp_path / f"eval_{label}.json").write_text(json.dumps({"mean": 0.5, "sem": 0.1, "scores": [0.4, 0.6], "prompts": ["a", "b"], "seeds": seeds}))
     text = write_training_report(tmp_path, "DDPO", metric_keys=("reward_mean", "approx_kl", "clipfrac"), step_name="epoch").read_text()
     assert "3 epochs logged" in text and "different prompts or seeds" in text
-    assert "p&lt;2&gt; <b>0.500</b>" in text and "epoch 3" in text
+    assert "p&lt;2&gt; <b>0.500</b>" in text and "q&lt;1&gt; <b>0.250</b>" in text and "epoch 1" in text and "epoch 3" in text
     shown = _images_by_alt(text)
     assert set(shown) >= {"reward_mean", "approx_kl", "p<0>", "p<1>", "p<2>"} and "clipfrac" not in shown  # no data, no plot
     assert shown["p<1>"].size == (96, 96)
