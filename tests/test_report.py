@@ -191,3 +191,15 @@ def test_trainer_report_opens_in_headless_chromium(tiny_dpo_run, tmp_path):
     checker = load_script("check_report_in_browser")
     summary = checker.check_report(tiny_dpo_run / "report.html", tmp_path / "shot.png")
     assert summary["images"] >= 12 + 5 and summary["broken"] == 0
+
+
+def test_small_images_are_enlarged_sharply_and_large_ones_shrunk():
+    from align.run_report import readable
+
+    small = Image.new("RGB", (32, 32), (0, 0, 0))
+    small.putpixel((0, 0), (255, 0, 0))
+    big = readable(small)
+    assert big.size == (160, 160)  # a whole factor (5) of 32
+    assert big.getpixel((4, 4)) == (255, 0, 0) and big.getpixel((5, 5)) == (0, 0, 0)  # nearest-neighbour: no blur
+    assert readable(Image.new("RGB", (512, 512))).size == (256, 256)
+    assert readable(Image.new("RGB", (200, 100))).size == (200, 100)
