@@ -71,6 +71,7 @@ class BestOfNConfig:
     output_dir: str = option("runs/best_of_n", "folder of the results, curve and report", "output")
     cache_dir: str | None = option(None, "folder of generated candidates (PNG); share it between runs with other "
                                    "judges", "output")
+    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
 
     def validate(self) -> None:
         if self.n < 1:
@@ -160,11 +161,14 @@ def seed_noise(seed: int, shape: tuple) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings: dict, batch_size: int) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1] from explicit initial noises [N, C, h, w]."""
+def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings: dict, batch_size: int,
+                        progress: str | None = None) -> torch.Tensor:
+    """Images [N, 3, H, W] in [0, 1] from explicit initial noises [N, C, h, w]; ``progress``: a bar's label."""
+    from align.progress import progress_bar
+
     out = []
     device = pipe.unet.device
-    for start in range(0, len(prompts), batch_size):
+    for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
         result = pipe(
             prompt=list(prompts[chunk]),
@@ -235,7 +239,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
         shape = latent_shape(pipe, settings["resolution"])
     if todo:
         noises = torch.stack([seed_noise(s, shape) for _, s in todo])
-        for (prompt, s), image in zip(todo, generate_from_noise(pipe, [p for p, _ in todo], noises, settings, config.batch_size)):
+        for (prompt, s), image in zip(todo, generate_from_noise(pipe, [p for p, _ in todo], noises, settings, config.batch_size,
+                                                                         progress="candidates")):
             cache.save(prompt, s, image)
     print(f"[best_of_n] {len(todo)} candidates generated, {len(items) - len(todo)} cached", flush=True)
     images = cache.load(items)
@@ -402,8 +407,10 @@ def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chos
 
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
+    from align.quiet import quiet_output
 
     config = parse_config(BestOfNConfig, argv, description=__doc__)
+    quiet_output(config.quiet)
     try:
         check_inputs(config)
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation

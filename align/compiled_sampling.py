@@ -70,10 +70,10 @@ def build_package(model: str, shapes: SamplingShapes, device: str, out: Path) ->
     """Export the model's UNet at ``shapes`` and compile it with AOTInductor into ``out`` (the child's job)."""
     from diffusers import UNet2DConditionModel
 
-    from align.pipeline import check_model
+    from align.pipeline import check_model, dtype_argument
 
     dtype = _dtype(shapes.dtype)
-    unet = UNet2DConditionModel.from_pretrained(check_model(model), subfolder="unet", torch_dtype=dtype).to(device).eval()
+    unet = UNet2DConditionModel.from_pretrained(check_model(model), subfolder="unet", **dtype_argument(dtype)).to(device).eval()
     example = (
         torch.zeros(shapes.sample, dtype=dtype, device=device),
         torch.zeros(shapes.timestep, dtype=torch.int64, device=device),

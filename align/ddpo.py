@@ -42,6 +42,8 @@ from align.ddpo_config import DDPOConfig  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
 from align.evaluate import load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
+from align.progress import progress_bar  # noqa: E402
+from align.quiet import quiet_output  # noqa: E402
 from align.runs import (  # noqa: E402
     COMPILED,
     RunFolder,
@@ -219,7 +221,6 @@ def train(config: DDPOConfig) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import gather_object, set_seed
     from diffusers.optimization import get_scheduler
-    from tqdm.auto import tqdm
 
     from align.pipeline import (
         add_lora,
@@ -353,7 +354,7 @@ def train(config: DDPOConfig) -> Path:
     background = BackgroundRewards(reward_fn)
     last_good = run.latest_checkpoint()
     merged_lora = config.finetune == "lora" and config.lora_merged_forward  # the training forward (pipeline.py)
-    progress = tqdm(range(start_epoch, config.num_epochs), disable=not accelerator.is_local_main_process, desc="ddpo")
+    progress = progress_bar(range(start_epoch, config.num_epochs), desc="ddpo", unit="epoch", enabled=accelerator.is_local_main_process)
     try:
         for epoch in progress:
             epoch_start, epoch_cpu_start = time.perf_counter(), time.process_time()
@@ -443,7 +444,8 @@ def train(config: DDPOConfig) -> Path:
             write_model_card(final, config, run)
         from align.run_report import write_training_report
 
-        write_training_report(run.path, title=f"DDPO: {config.model}", metric_keys=("reward_mean", "approx_kl", "clipfrac", "policy_loss"))
+        write_training_report(run.path, title=f"DDPO: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
+                              metric_keys=("reward_mean", "approx_kl", "kl_to_reference", "clipfrac", "policy_loss"))
         run.let_go_of_old_run()
     reward_fn.close()
     del train_unet, optimizer, lr_scheduler
@@ -645,6 +647,7 @@ Weights: {weights}.
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(DDPOConfig, argv, description=__doc__)
+    quiet_output(config.quiet)
     try:
         train(config)
     except (ConfigError, RunFolderError) as err:

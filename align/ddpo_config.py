@@ -32,6 +32,7 @@ class DDPOConfig:
     overwrite: bool = option(False, "replace a run already in --output_dir", "output")
     seed: int = option(0, "seed of the sampling noise, prompt draws and timestep order", "optimisation")
     report_to: str = option("tensorboard", "tracker: tensorboard, wandb, all, or none", "output")
+    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     # --- model and adapter
     finetune: str = option("lora", "'lora' (the paper) or 'full' (every UNet weight)", "model")
     lora_rank: int = option(4, "LoRA rank of the attention projections to_q, to_k, to_v, to_out.0 (alpha = rank, as in diffusers' "

@@ -31,6 +31,8 @@ from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.dpo_config import DPOConfig  # noqa: E402
 from align.evaluate import load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
+from align.progress import progress_bar  # noqa: E402
+from align.quiet import quiet_output  # noqa: E402
 from align.runs import (  # noqa: E402
     RunFolder,
     RunFolderError,
@@ -217,7 +219,6 @@ def train(config: DPOConfig) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
-    from tqdm.auto import tqdm
 
     from align.data import load_pairs
     from align.pipeline import (
@@ -352,7 +353,7 @@ def train(config: DPOConfig) -> Path:
 
     # 7. The loop.
     merged_lora = config.finetune == "lora" and config.lora_merged_forward
-    progress = tqdm(range(start_step, config.max_steps), disable=not accelerator.is_local_main_process, desc="dpo")
+    progress = progress_bar(range(start_step, config.max_steps), desc="dpo", unit="step", enabled=accelerator.is_local_main_process)
     last_good = run.latest_checkpoint()
     for step in progress:
         if step > start_step and step % steps_per_round == 0:  # online DPO: the next round's pairs
@@ -473,6 +474,7 @@ def save_validation_grid(pipe, config: DPOConfig, steps: int, guidance: float, p
     seeds = [config.eval_seed + i for i in range(len(prompts))]
     images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
     save_image_row(images, path)
+    atomic_write_text(path.with_suffix(".json"), json.dumps([{"prompt": p, "seed": s} for p, s in zip(prompts, seeds)], indent=1))
 
 
 def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
@@ -511,11 +513,13 @@ Weights: {weights}.
 def write_run_report(run: RunFolder, config: DPOConfig) -> None:
     from align.run_report import write_training_report
 
-    write_training_report(run.path, title=f"Diffusion-DPO: {config.model}", metric_keys=("loss", "implicit_acc", "model_mse", "ref_mse"))
+    write_training_report(run.path, title=f"Diffusion-DPO: {config.model}", judge=config.eval_judge or config.reward,
+                          metric_keys=("loss", "implicit_acc", "reward_margin", ("model_mse", "ref_mse")))
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(DPOConfig, argv, description=__doc__)
+    quiet_output(config.quiet)
     try:
         train(config)
     except (ConfigError, RunFolderError) as err:

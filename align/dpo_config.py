@@ -42,6 +42,7 @@ class DPOConfig:
     overwrite: bool = option(False, "replace a run already in --output_dir", "output")
     seed: int = option(0, "seed of generation, pair order, timesteps and noise", "optimisation")
     report_to: str = option("tensorboard", "tracker: tensorboard, wandb, all, or none", "output")
+    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     # --- model and adapter
     finetune: str = option("full", "'full' (the paper: a frozen copy is the reference) or 'lora' (the adapter "
                            "off is the reference)", "model")

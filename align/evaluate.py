@@ -68,6 +68,7 @@ class EvalConfig:
     grid_prompts: int = option(8, "prompts shown in the report's image grid", "output")
     output_dir: str = option("runs/eval", "folder of results.json, results.csv, report.html and the image and "
                              "score caches", "output")
+    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
 
     def validate(self) -> None:
         from align.metrics import CI_METHODS
@@ -210,6 +211,7 @@ def sampling_settings(config, model_path: str) -> dict:
 def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings: dict, base: str | None, device: str, batch_size: int) -> int:
     """Generate and cache the (prompt, seed) items not cached yet; returns how many were generated."""
     from align.pipeline import generate_images, load_trained
+    from align.progress import progress_bar
 
     todo = cache.missing(items)
     if not todo:
@@ -217,7 +219,7 @@ def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings:
     print(f"[evaluate] {model.name}: generating {len(todo)} images ({len(items) - len(todo)} cached)", flush=True)
     pipe = load_trained(model.path, device=device, base=base)
     size = settings["resolution"]
-    for start in range(0, len(todo), batch_size):
+    for start in progress_bar(range(0, len(todo), batch_size), desc=f"generate ({model.name})", unit="batch"):
         chunk = todo[start : start + batch_size]
         images = generate_images(
             pipe,
@@ -674,8 +676,10 @@ def category_table(scores: list, names: list[str], categories: list[str], num_pr
 
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
+    from align.quiet import quiet_output
 
     config = parse_config(EvalConfig, argv, description=__doc__)
+    quiet_output(config.quiet)
     try:
         check_inputs(config)
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation

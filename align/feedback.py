@@ -125,9 +125,9 @@ def generate_feedback(
     todo = [i for i in range(len(prompts)) if i not in done]
     stats = FeedbackStats(str(out_path), prompts_total=len(prompts), skipped=len(prompts) - len(todo))
 
-    from tqdm.auto import tqdm
+    from align.progress import progress_bar
 
-    bar = tqdm(total=len(todo), desc=f"feedback ({judge.name})", disable=not progress, unit="prompt")
+    bar = progress_bar(total=len(todo), desc=f"feedback ({judge.name})", unit="prompt", enabled=progress)
     try:
         for start in range(0, len(todo), batch_prompts):
             indices = todo[start : start + batch_prompts]

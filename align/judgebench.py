@@ -34,6 +34,8 @@ from align import judgebench_metrics as M
 from align.cli import die, option, parse_config
 from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
+from align.progress import progress_bar
+from align.quiet import quiet_output
 from rewards.judge_prompts import PROTOCOLS, load_template
 
 
@@ -63,6 +65,7 @@ class JudgeBenchConfig:
                                          "MJ-Bench's eval/eval_prompts/*.txt ({caption} is filled in)", "judge")
     answers: list[str] | None = option(None, "re-score recorded answers instead of asking judges: verdicts.jsonl "
                                        "(or its folder), judge caches, MJ-Bench's released output .json files", "data")
+    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
 
 
 @dataclass
@@ -317,8 +320,6 @@ def prepare_data(config: JudgeBenchConfig, subsets: tuple[str, ...]) -> tuple[li
 
 def benchmark(config: JudgeBenchConfig) -> list[dict]:
     """Run every judge on the benchmark and write the leaderboard; returns the summaries."""
-    from tqdm.auto import tqdm
-
     judge_specs, subsets = check_config(config)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     try:
@@ -347,7 +348,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
             continue
         try:
             total = len(pairs) + len(bias)
-            with tqdm(total=total, desc=spec, leave=False) as bar:
+            with progress_bar(total=total, desc=spec, unit="image", leave=False) as bar:
                 run = run_judge(spec, judge, pairs, bias, base_dir, config.tie_threshold, config.batch_size, bar)
         except Exception as err:  # e.g. an oracle that cannot parse this data's captions
             print(f"error: judge {spec!r} failed on the benchmark: {type(err).__name__}: {err}")
@@ -698,6 +699,7 @@ def rescore_answers(config: JudgeBenchConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(JudgeBenchConfig, argv, description=__doc__)
+    quiet_output(config.quiet)
     if config.answers:
         rescore_answers(config)
     else:

@@ -46,6 +46,14 @@ def check_model(model: str) -> str:
     return resolved
 
 
+def dtype_argument(dtype: torch.dtype) -> dict:
+    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers has it (``torch_dtype=`` is deprecated
+    there and warns), ``torch_dtype=`` on the older releases that know only that name."""
+    from diffusers.utils import deprecation_utils
+
+    return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
+
+
 def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A StableDiffusionPipeline with a DDIM scheduler, safety checker off, on ``device``."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
@@ -53,7 +61,7 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | 
     resolved = check_model(model)
     try:
         pipe = StableDiffusionPipeline.from_pretrained(
-            resolved, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False
+            resolved, **dtype_argument(dtype), safety_checker=None, requires_safety_checker=False
         )
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelLoadError(f"cannot load a Stable Diffusion pipeline from {model!r}: {err}") from err
@@ -242,13 +250,15 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
         if not base:
             raise ModelLoadError(f"{path}: a LoRA folder needs the base model (base=...)")
         pipe = load_pipeline(base, dtype=dtype, device=device)
-        pipe.load_lora_weights(str(p))
+        # Our LoRA files hold UNet weights only: loaded into the UNet alone (pipe.load_lora_weights gives the
+        # same images and warns that the text encoder has no LoRA keys).
+        pipe.unet.load_lora_adapter(str(p), prefix="unet", weight_name=LORA_WEIGHTS)
         return pipe
     if p.is_dir() and (p / "unet" / "config.json").is_file() and not (p / "model_index.json").is_file():
         if not base:
             raise ModelLoadError(f"{path}: a UNet folder needs the base model (base=...)")
         pipe = load_pipeline(base, dtype=dtype, device=device)
-        pipe.unet = UNet2DConditionModel.from_pretrained(p / "unet", torch_dtype=dtype).to(device)
+        pipe.unet = UNet2DConditionModel.from_pretrained(p / "unet", **dtype_argument(dtype)).to(device)
         return pipe
     return load_pipeline(path, dtype=dtype, device=device)
 
@@ -292,12 +302,16 @@ def generate_images(
     height: int | None = None,
     width: int | None = None,
     batch_size: int = 8,
+    progress: str | None = None,
 ) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1]; image i depends only on (prompt i, seed i), not on batching."""
+    """Images [N, 3, H, W] in [0, 1]; image i depends only on (prompt i, seed i), not on batching.
+    ``progress``: the label of a progress bar over the batches (none without it)."""
+    from align.progress import progress_bar
+
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     out = []
-    for start in range(0, len(prompts), batch_size):
+    for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
         generators = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds[chunk]]
         result = pipe(

@@ -34,6 +34,16 @@ th { background: #f3f3f3; } td.text, th.text { text-align: left; }
 table.grid td { text-align: center; vertical-align: top; font-size: 0.8em; }
 table.grid img { image-rendering: pixelated; display: block; margin: auto; }
 p.note { color: #555; font-size: 0.9em; }
+.cards { display: flex; flex-wrap: wrap; gap: 10px; }
+.card { border: 1px solid #ddd; border-radius: 4px; padding: 6px; width: 348px; font-size: 0.85em; }
+.card .prompt { min-height: 2.6em; margin-bottom: 4px; }
+.card .pair { display: flex; gap: 8px; justify-content: center; }
+.card figure { margin: 0; text-align: center; }
+.card img, table.strip img { image-rendering: pixelated; display: block; margin: auto; }
+.up { color: #1a7f37; font-weight: bold; } .down { color: #c62828; font-weight: bold; } .quiet { color: #777; }
+.plots { display: flex; flex-wrap: wrap; gap: 8px; }
+table.strip th { font-size: 0.75em; max-width: 110px; text-align: center; } table.strip td { text-align: center; vertical-align: top; font-size: 0.75em; max-width: 110px; }
+div.config { columns: 3; column-gap: 2em; font-size: 0.85em; } div.config div { break-inside: avoid; overflow-wrap: anywhere; }
 """
 
 
@@ -116,7 +126,7 @@ def image_grid_html(
 # ------------------------------------------------------------------------------------- plots
 
 
-def _figure_png(fig) -> bytes:
+def figure_png(fig) -> bytes:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
@@ -126,7 +136,7 @@ def _figure_png(fig) -> bytes:
     return buf.getvalue()
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -144,7 +154,7 @@ def line_plot(
     size: tuple[float, float] = (6.0, 4.0),
 ) -> bytes:
     """PNG of one line per series: ``{name: (xs, ys)}`` or ``{name: (xs, ys, errors)}`` (error bars)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=size)
     for name, values in series.items():
         xs, ys = np.asarray(values[0], dtype=float), np.asarray(values[1], dtype=float)
@@ -155,13 +165,17 @@ def line_plot(
             ax.plot(xs, ys, marker="o", label=str(name))
     if logx:
         ax.set_xscale("log", base=2)
+    elif all(float(x).is_integer() for values in series.values() for x in values[0]):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and epochs: no 2.5 ticks
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=8)
-    return _figure_png(fig)
+    return figure_png(fig)
 
 
 def bar_plot(
@@ -174,7 +188,7 @@ def bar_plot(
     size: tuple[float, float] = (6.0, 3.5),
 ) -> bytes:
     """PNG bar chart; ``errors`` is symmetric [n] or asymmetric [2, n] (lower, upper distances)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=size)
     x = np.arange(len(labels))
     yerr = None if errors is None else np.asarray(errors, dtype=float)
@@ -186,14 +200,14 @@ def bar_plot(
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, axis="y")
-    return _figure_png(fig)
+    return figure_png(fig)
 
 
 def scatter_plot(
     xs: Sequence[float], ys: Sequence[float], labels: Sequence[str], title: str = "", xlabel: str = "", ylabel: str = ""
 ) -> bytes:
     """PNG scatter with a text label beside each point."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     ax.scatter(xs, ys, color="#e45756")
     for x, y, label in zip(xs, ys, labels):
@@ -202,7 +216,7 @@ def scatter_plot(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    return _figure_png(fig)
+    return figure_png(fig)
 
 
 # ------------------------------------------------------------------------------------- tables

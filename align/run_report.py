@@ -1,63 +1,287 @@
-"""The HTML report of a training run: held-out scores before/after, metric curves, sample images."""
+"""The HTML report of a training run (DPO, DDPO): what changed, shown so that it can be read.
+
+    write_training_report(run_dir, "Diffusion-DPO: testbed", curves=(("loss",), ("implicit_acc",)))
+
+Sections, from what the run folder holds (each one is left out when its files are absent):
+1. held-out evaluation: mean score before/after, the paired difference and its standard error, how many
+   images got better or worse (eval_before.json / eval_after.json), and the score along the run (evals/);
+2. before/after: the same held-out prompts and seeds, side by side, with each image's score;
+3. training curves from metrics.jsonl;
+4. samples saved during training (samples/), with their prompts (and rewards) where they were recorded;
+5. the run's config (config.yaml, secrets already masked).
+Small images (the testbed's 32-64 px) are enlarged with nearest-neighbour so their pixels stay sharp.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from align.report import Section, data_uri, img_tag, line_plot, paragraph, table_html, write_report
-from align.runs import eval_step, held_out_evals, read_metrics
+import numpy as np
+import yaml
+from PIL import Image
+
+from align.metrics import mean_and_sem
+from align.report import Section, figure_png, img_tag, line_plot, paragraph, pyplot, table_html, write_report
+from align.runs import CONFIG_FILE, eval_step, held_out_evals, read_metrics
+
+SHOWN_SIZE = 160  # px: small images are enlarged (by a whole factor) to about this size
+MAX_SIZE = 256  # px: large images (SD's 512) are shrunk to this, so the page stays a few MB
+MAX_PAIRS = 24  # before/after pairs shown
+SAME = 1e-9  # score changes smaller than this count as "same"
 
 
-def _image(path: Path, alt: str) -> str:
-    alt = html.escape(alt)
-    return f'<p class="note">{alt}</p><img alt="{alt}" src="{data_uri(path.read_bytes())}" style="image-rendering:pixelated">'
+
+# ------------------------------------------------------------------------------------ images
 
 
-def write_training_report(run_dir: str | Path, title: str, metric_keys: tuple[str, ...],
-                          extra_sections: Sequence[Section] = ()) -> Path:
-    """report.html of a run folder; ``extra_sections`` (a trainer's own results) come last."""
+def readable(image: Image.Image, target: int = SHOWN_SIZE, largest: int = MAX_SIZE) -> Image.Image:
+    """A small image enlarged by a whole factor with nearest-neighbour (to about ``target`` px), a large one shrunk."""
+    side = max(image.size)
+    if side > largest:
+        scale = largest / side
+        return image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.LANCZOS)
+    factor = max(1, target // side)
+    return image.resize((image.width * factor, image.height * factor), Image.NEAREST) if factor > 1 else image
+
+
+def split_row(path: Path, count: int | None = None) -> list[Image.Image]:
+    """The images of a row written by align.training.save_image_row (``count`` tiles; square tiles if unknown)."""
+    with Image.open(path) as row:
+        row = row.convert("RGB")
+    count = count or max(1, row.width // row.height)
+    width = row.width // count
+    return [row.crop((i * width, 0, (i + 1) * width, row.height)) for i in range(count)]
+
+
+# ------------------------------------------------------------------------------------ held-out evaluation
+
+
+def paired_summary(before: dict, after: dict) -> dict:
+    """Mean before/after, their paired difference (same prompts and seeds) with its standard error, and counts."""
+    b, a = np.asarray(before["scores"], dtype=float), np.asarray(after["scores"], dtype=float)
+    summary = {"images": int(b.size), "mean before": float(b.mean()), "mean after": float(a.mean())}
+    paired = b.size == a.size and before.get("prompts") == after.get("prompts") and before.get("seeds") == after.get("seeds")
+    if paired:
+        diff, diff_sem = mean_and_sem(a - b)
+        summary |= {
+            "difference": diff,
+            "standard error": diff_sem,
+            "better": int(((a - b) > SAME).sum()),
+            "worse": int(((b - a) > SAME).sum()),
+            "same": int((np.abs(a - b) <= SAME).sum()),
+        }
+    summary["paired"] = paired
+    return summary
+
+
+def headline(summary: dict, judge: str) -> str:
+    """One sentence: the held-out score before and after, and the paired change."""
+    text = f"Held-out {judge} score: {summary['mean before']:.4f} before, {summary['mean after']:.4f} after training"
+    if summary["paired"]:
+        text += (f"; paired change {summary['difference']:+.4f} (standard error {summary['standard error']:.4f}); "
+                 f"{summary['better']} of {summary['images']} images better, {summary['worse']} worse")
+    return text + "."
+
+
+def _eval_table(before: dict, after: dict, summary: dict) -> str:
+    rows = [
+        {"": "before training", "mean score": summary["mean before"], "standard error": before.get("sem")},
+        {"": "after training", "mean score": summary["mean after"], "standard error": after.get("sem")},
+    ]
+    if summary["paired"]:
+        rows.append({"": "after - before (paired)", "mean score": summary["difference"], "standard error": summary["standard error"],
+                     "images better": summary["better"], "images worse": summary["worse"], "unchanged": summary["same"]})
+        note = (f"{summary['images']} held-out images (prompt x seed), each drawn once by the starting model and once by the "
+                "trained one: the change is the mean of the paired differences, with the standard error of that mean.")
+    else:
+        note = "The before and after evaluations used different prompts or seeds: only their means are comparable."
+    columns = ["", "mean score", "standard error", "images better", "images worse", "unchanged"]
+    return table_html(rows, columns=columns, digits=4, table_id="heldout-table") + paragraph(note)
+
+
+def _heldout_curve(run_dir: Path, before: dict, after: dict, last_step: int, step_name: str) -> str:
+    during = held_out_evals(run_dir)
+    if not during:
+        return ""
+    points = [(0, before), *[(eval_step(p), json.loads(p.read_text())) for p in during], (last_step, after)]
+    points = [(x, r) for x, r in points if r.get("mean") is not None]
+    curve = ([x for x, _ in points], [r["mean"] for _, r in points], [r.get("sem") or 0.0 for _, r in points])
+    plot = line_plot({"held-out score": curve}, title="held-out score", xlabel=step_name,
+                     ylabel="mean ± standard error", size=(4.0, 2.8))
+    return img_tag(plot, alt="held-out score along the run")
+
+
+def _score_class(delta: float) -> str:
+    return "up" if delta > SAME else "down" if delta < -SAME else "quiet"
+
+
+def _before_after_cards(run_dir: Path, before: dict, after: dict) -> str:
+    """One card per held-out (prompt, seed): the image before and after training with its score."""
+    rows = {}
+    for label, result in (("before", before), ("after", after)):
+        png = run_dir / f"eval_{label}.png"
+        if not png.is_file():
+            return ""
+        rows[label] = split_row(png, result.get("row_images"))
+    count = min(len(rows["before"]), len(rows["after"]), len(before["scores"]), len(after["scores"]), MAX_PAIRS)
+    cards = []
+    for i in range(count):
+        prompt, seed = before["prompts"][i], before["seeds"][i]
+        b, a = before["scores"][i], after["scores"][i]
+        figures = "".join(
+            f"<figure>{img_tag(readable(rows[label][i]), alt=f'{label}: {prompt} (seed {seed})')}"
+            f"<figcaption>{label} <b>{score:.3f}</b></figcaption></figure>"
+            for label, score in (("before", b), ("after", a))
+        )
+        cards.append(
+            f'<div class="card"><div class="prompt">{html.escape(prompt)} <span class="quiet">(seed {seed})</span></div>'
+            f'<div class="pair">{figures}</div>'
+            f'<div>change: <span class="{_score_class(a - b)}">{a - b:+.3f}</span></div></div>'
+        )
+    note = paragraph(f"The first {count} of {len(before['scores'])} held-out images, in evaluation order; the score is the "
+                     "evaluation judge's.")
+    return note + f'<div class="cards">{"".join(cards)}</div>'
+
+
+# ------------------------------------------------------------------------------------ curves and samples
+
+# Plot titles (by a plot's first key) and legend names.
+_TITLES = {
+    "loss": "DPO loss", "implicit_acc": "implicit accuracy",
+    "reward_margin": "implicit reward margin", "model_mse": "denoising error on the pairs",
+    "reward_mean": "reward (mean over the epoch's samples)", "approx_kl": "approximate KL to the sampling policy",
+    "kl_to_reference": "KL to the reference model", "clipfrac": "fraction of clipped ratios", "policy_loss": "policy loss",
+}
+_NAMES = {"model_mse": "trained model", "ref_mse": "reference"}
+
+
+def _curves(records: list[dict], curves: Sequence[Sequence[str]], step_name: str) -> str:
+    plots = []
+    for keys in curves:
+        series = {}
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            if points:
+                series[_NAMES.get(key, key)] = ([x for x, _ in points], [y for _, y in points])
+        if not series:
+            continue
+        title = _TITLES.get(keys[0], keys[0])
+        if keys == ("reward_mean",) and any("reward_std" in r for r in records):
+            plot = _reward_band_plot(records, title, step_name)
+        else:
+            plot = line_plot(series, title=title, xlabel=step_name, size=(4.0, 2.8))
+        plots.append(img_tag(plot, alt=" / ".join(keys)))
+    return f'<div class="plots">{"".join(plots)}</div>' if plots else ""
+
+
+def _reward_band_plot(records: list[dict], title: str, step_name: str) -> bytes:
+    """The epoch's mean reward with a band of ± its standard deviation over the epoch's samples."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(4.0, 2.8))
+    rows = [r for r in records if "reward_mean" in r and "reward_std" in r]
+    xs = np.array([r["step"] for r in rows], dtype=float)
+    mean = np.array([r["reward_mean"] for r in rows], dtype=float)
+    std = np.array([r["reward_std"] for r in rows], dtype=float)
+    ax.fill_between(xs, mean - std, mean + std, alpha=0.2, label="± std within the epoch")
+    ax.plot(xs, mean, marker="o", markersize=3, label="mean")
+    ax.set_title(title)
+    ax.set_xlabel(step_name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return figure_png(fig)
+
+
+def _samples(run_dir: Path, limit: int = 8) -> str:
+    """Rows saved during training (samples/*.png): the first, the last and two between, with their prompts
+    (once, as column heads, when every row drew the same prompts: the trainers' validation images) and rewards."""
+    folder = run_dir / "samples"
+    rows = sorted(folder.glob("*.png")) if folder.is_dir() else []
+    if not rows:
+        return ""
+    if len(rows) > 4:
+        rows = [rows[0], *rows[1:-1][-2:], rows[-1]]
+    captions = {}
+    for path in rows:
+        captions_file = path.with_suffix(".json")
+        captions[path] = json.loads(captions_file.read_text()) if captions_file.is_file() else []
+    prompts = [[str(c.get("prompt", "")) for c in captions[path][:limit]] for path in rows]
+    shared = prompts[0] if prompts[0] and all(p == prompts[0] for p in prompts) else None
+    head = "<tr><th></th>" + "".join(f"<th>{html.escape(p)}</th>" for p in shared) + "</tr>" if shared else ""
+    html_rows = []
+    for path, row_prompts in zip(rows, prompts):
+        entries = captions[path]
+        images = split_row(path, len(entries) or None)[:limit]
+        cells = []
+        for i, image in enumerate(images):
+            entry = entries[i] if i < len(entries) else {}
+            text = "" if shared else html.escape(row_prompts[i] if i < len(row_prompts) else "")
+            if "reward" in entry:
+                text += f" <b>{entry['reward']:.3f}</b>"
+            alt = entry.get("prompt", f"{path.stem} {i}")
+            cells.append(f"<td>{img_tag(readable(image, target=96), alt=alt)}{text}</td>")
+        kind, number = path.stem.rsplit("_", 1)
+        html_rows.append(f'<tr><th class="text">{kind} {int(number)}</th>{"".join(cells)}</tr>')
+    return f'<table class="strip">{head}{"".join(html_rows)}</table>'
+
+
+def _config_list(run_dir: Path) -> str:
+    """config.yaml as a compact list in columns (secrets were masked when it was written)."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return ""
+    config = yaml.safe_load(path.read_text()) or {}
+    entries = "".join(
+        f'<div><span class="quiet">{html.escape(str(key))}:</span> {html.escape("-" if value is None else str(value))}</div>'
+        for key, value in config.items()
+    )
+    return f'<div class="config" id="config">{entries}</div>'
+
+
+# ------------------------------------------------------------------------------------ the page
+
+
+def write_training_report(run_dir: str | Path, title: str, metric_keys: Sequence[str | Sequence[str]],
+                          extra_sections: Sequence[Section] = (), judge: str | None = None, step_name: str = "step") -> Path:
+    """report.html of a run folder. ``metric_keys``: one plot per entry (a key, or keys drawn on one plot);
+    ``judge``: the held-out evaluation's judge (named in the table); ``step_name``: what metrics.jsonl's "step"
+    counts (DDPO: epochs); ``extra_sections`` come last."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    sections = [Section("Run", paragraph(f"Run folder: {run_dir}"))]
+    curves = [(k,) if isinstance(k, str) else tuple(k) for k in metric_keys]
+    last_step = max((r["step"] for r in records), default=0)
+    lede = f"Run folder {run_dir}: {last_step} {step_name}s logged."
+    sections = []
 
-    before, after = run_dir / "eval_before.json", run_dir / "eval_after.json"
-    if before.is_file() and after.is_file():
-        results = {"before": json.loads(before.read_text()), "after": json.loads(after.read_text())}
-        rows = [{"model": label, "mean score": r["mean"], "standard error": r.get("sem")} for label, r in results.items()]
-        both_scored = all(r["mean"] is not None for r in results.values())
-        change = results["after"]["mean"] - results["before"]["mean"] if both_scored else None
-        rows.append({"model": "change", "mean score": change, "standard error": None})
-        body = table_html(rows, digits=4)
-        for label, r in results.items():  # align/health.py: a diverged model's images are not scored
-            if r.get("degenerate"):
-                body += paragraph(f"DEGENERATE: the {label} model's images were not scored: {r['degenerate']}")
-        during = held_out_evals(run_dir)
-        if during:  # --eval_every_steps / --eval_every_epochs: the held-out score along the run
-            scored = [(eval_step(p), json.loads(p.read_text())) for p in during]
-            last_step = max([r["step"] for r in records] + [step for step, _ in scored])
-            points = [(0, results["before"]), *scored, (last_step, results["after"])]
-            points = [(x, r) for x, r in points if r.get("mean") is not None]
-            curve = ([x for x, _ in points], [r["mean"] for _, r in points], [r.get("sem") or 0.0 for _, r in points])
-            body += img_tag(line_plot({"held-out score": curve}, title="held-out score (same prompts and seeds)",
-                                      xlabel="step", size=(4.0, 3.0)), alt="held-out score along the run")
-        for label, path in (("before", before.with_suffix(".png")), ("after", after.with_suffix(".png"))):
-            if path.is_file():
-                body += _image(path, f"{label}: the same prompts and seeds")
+    before_file, after_file = run_dir / "eval_before.json", run_dir / "eval_after.json"
+    if before_file.is_file() and after_file.is_file():
+        before, after = json.loads(before_file.read_text()), json.loads(after_file.read_text())
+        # align/health.py: a diverged model's images are marked degenerate and not scored
+        degenerate = [(label, r["degenerate"]) for label, r in (("before", before), ("after", after)) if r.get("degenerate")]
+        if degenerate:
+            lede += " " + " ".join(f"The {label} model's images were degenerate ({why}) and not scored." for label, why in degenerate)
+            body = "".join(paragraph(f"DEGENERATE: the {label} model's images were not scored: {why}") for label, why in degenerate)
+        else:
+            summary = paired_summary(before, after)
+            lede += " " + headline(summary, judge or "judge")
+            body = _eval_table(before, after, summary) + _heldout_curve(run_dir, before, after, last_step, step_name)
         sections.append(Section("Held-out evaluation", body))
+        cards = "" if degenerate else _before_after_cards(run_dir, before, after)
+        if cards:
+            sections.append(Section("Before and after training: the same prompts and seeds", cards))
 
-    curves = "".join(
-        img_tag(line_plot({key: ([r["step"] for r in records if key in r], [r[key] for r in records if key in r])},
-                          title=key, xlabel="step", size=(4.0, 3.0)), alt=key)
-        for key in metric_keys
-        if any(key in r for r in records)
-    )
-    if curves:
-        sections.append(Section("Training curves", curves))
-    samples = sorted((run_dir / "samples").glob("*.png")) if (run_dir / "samples").is_dir() else []
+    sections.insert(0, Section("Summary", f'<p>{html.escape(lede)}</p>'))
+    plots = _curves(records, curves, step_name)
+    if plots:
+        sections.append(Section("Training curves", plots))
+    samples = _samples(run_dir)
     if samples:
-        sections.append(Section("Validation samples", "".join(_image(p, p.stem) for p in samples[-4:])))
+        sections.append(Section("Samples during training", samples))
+    config = _config_list(run_dir)
+    if config:
+        sections.append(Section("Config", paragraph("config.yaml of the run (secrets masked).") + config))
     sections.extend(extra_sections)
     return write_report(run_dir / "report.html", sections, title=title)

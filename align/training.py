@@ -160,7 +160,7 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     seeds = [config.eval_seed + i for i in range(len(prompts))]
     with merged_adapter(pipe.unet):  # a LoRA folded into the weights: the same images up to float rounding, faster
         images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance,
-                                 batch_size=config.eval_batch_size)
+                                 batch_size=config.eval_batch_size, progress=f"held-out evaluation ({label})")
     degenerate = degenerate_reason(images)
     if degenerate:  # a diverged model's images are marked, not scored as if the model were merely bad
         atomic_write_text(path, json.dumps({"mean": None, "sem": None, "scores": None, "degenerate": degenerate,
@@ -170,8 +170,10 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
         return float("nan")
     scores = judge.score(prompts, images).float().tolist()
     mean, sem = mean_and_sem(scores)
-    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds}))
-    save_image_row(images[: config.num_validation_images * 4], path.with_suffix(".png"))
+    shown = images[: config.num_validation_images * 4]  # the report splits this row back into images
+    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds,
+                                        "row_images": len(shown)}))
+    save_image_row(shown, path.with_suffix(".png"))
     print(f"[eval] {label}: mean {judge.name} score on {len(held_out)} held-out prompts x {repeats} seed(s) = "
           f"{mean:.4f} (standard error {sem:.4f})", flush=True)
     return mean

@@ -1,10 +1,14 @@
 """Report helpers: embedded images, tables, plots; the page opens in headless Chromium."""
 
 import base64
+import html as html_lib
 import io
+import json
 import re
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -85,3 +89,117 @@ def test_report_opens_in_headless_chromium(tmp_path):
     bad.write_text(page.read_text().replace("</body>", '<img src="nothing.png" alt="nothing"></body>'))
     status = checker.browser_image_status(bad, checker.find_browser())
     assert status == {"total": 2, "broken": ["nothing"]}
+
+
+# ------------------------------------------------------------------------------------ a trainer's report
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_CHROMIUM = shutil.which("chromium") is not None or shutil.which("chromium-browser") is not None
+
+
+def _images_by_alt(text):
+    """{alt: decoded image} for every embedded <img> of a page."""
+    found = re.findall(r'<img src="data:image/png;base64,([^"]+)" alt="([^"]*)"', text)
+    return {html_lib.unescape(alt): Image.open(io.BytesIO(base64.b64decode(data))) for data, alt in found}
+
+
+@pytest.fixture(scope="module")
+def tiny_dpo_run(tmp_path_factory):
+    """A two-step Diffusion-DPO run on the bundled testbed with held-out evaluations before, during and after."""
+    from align import dpo
+    from align.cli import parse_config
+    from align.dpo_config import DPOConfig
+
+    out = tmp_path_factory.mktemp("dpo-report") / "run"
+    config = parse_config(DPOConfig, [
+        "--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:3:2",
+        "--eval_images_per_prompt", "2", "--max_steps", "2", "--eval_every_steps", "1", "--checkpointing_steps", "2",
+        "--validation_steps", "2", "--num_validation_images", "2", "--report_to", "none", "--output-dir", str(out),
+    ])
+    return dpo.train(config)
+
+
+def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_config(tiny_dpo_run):
+    from align.metrics import mean_and_sem
+
+    run = tiny_dpo_run
+    text = (run / "report.html").read_text()
+    before = json.loads((run / "eval_before.json").read_text())
+    after = json.loads((run / "eval_after.json").read_text())
+    images = _images_by_alt(text)
+
+    # Before/after: every held-out image shown (3 prompts x 2 seeds), enlarged, with its prompt, seed and both scores.
+    for i, (prompt, seed) in enumerate(zip(before["prompts"], before["seeds"])):
+        for label in ("before", "after"):
+            shown = images[f"{label}: {prompt} (seed {seed})"]
+            assert shown.width >= 128 and shown.width % 32 == 0  # 32 px testbed images, enlarged by a whole factor
+        card = text[text.index(f"(seed {seed})"):]
+        card = card[: card.index('class="card"') if 'class="card"' in card else None]
+        assert f"before <b>{before['scores'][i]:.3f}</b>" in card and f"after <b>{after['scores'][i]:.3f}</b>" in card
+        assert html_lib.escape(prompt) in text
+    first = images[f"before: {before['prompts'][0]} (seed {before['seeds'][0]})"]
+    row = Image.open(run / "eval_before.png").convert("RGB")
+    factor = first.width // row.height
+    assert first.resize((row.height, row.height), Image.NEAREST).tobytes() == row.crop((0, 0, row.height, row.height)).tobytes()
+    assert factor > 1
+
+    # The held-out table: means, the paired difference with its standard error, images better / worse.
+    b, a = np.array(before["scores"]), np.array(after["scores"])
+    diff, sem = mean_and_sem(a - b)
+    table = text[text.index('id="heldout-table"'):]
+    table = table[: table.index("</table>")]
+    for value in (b.mean(), before["sem"], a.mean(), after["sem"], diff, sem):
+        assert f">{value:.4f}<" in table
+    assert f">{int((a > b).sum())}<" in table and f">{int((a < b).sum())}<" in table
+    assert "paired change" in text
+
+    # Curves from metrics.jsonl, the held-out curve (evals/step_1), all decodable PNG figures.
+    for alt in ("loss", "implicit_acc", "reward_margin", "model_mse / ref_mse", "held-out score along the run"):
+        assert images[alt].width > 200
+    # Validation samples with their prompts; the config as written (config.yaml).
+    first_prompt = json.loads((run / "samples" / "step_0000002.json").read_text())[0]["prompt"]
+    assert "step 2" in text and f"<th>{html_lib.escape(first_prompt)}</th>" in text  # the same prompts at every step: column heads
+    assert "beta:</span> 500" in text and "eval_prompts:</span> testbed:3:2" in text
+    assert not list(run.glob(".report.html.*"))  # written atomically: no temporary file left behind
+
+
+def test_trainer_report_of_a_ddpo_style_folder(tmp_path):
+    """Epochs, a reward band, captioned samples with rewards; evaluations on other seeds are not paired."""
+    from align.run_report import write_training_report
+    from align.training import save_image_row
+
+    records = [{"step": e, "reward_mean": 0.1 * e, "reward_std": 0.05, "approx_kl": 1e-4 * e} for e in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "config.yaml").write_text("model: testbed\napi_key: '***'\n")
+    for epoch, prompt in ((1, "q"), (3, "p")):  # DDPO's samples: other prompts each epoch, each with its reward
+        save_image_row(torch.rand(3, 3, 8, 8), tmp_path / "samples" / f"epoch_{epoch:05d}.png")
+        captions = [{"prompt": f"{prompt}<{i}>", "reward": 0.25 * i} for i in range(3)]
+        (tmp_path / "samples" / f"epoch_{epoch:05d}.json").write_text(json.dumps(captions))
+    for label, seeds in (("before", [1, 2]), ("after", [3, 4])):
+        (tmp_path / f"eval_{label}.json").write_text(json.dumps({"mean": 0.5, "sem": 0.1, "scores": [0.4, 0.6], "prompts": ["a", "b"], "seeds": seeds}))
+    text = write_training_report(tmp_path, "DDPO", metric_keys=("reward_mean", "approx_kl", "clipfrac"), step_name="epoch").read_text()
+    assert "3 epochs logged" in text and "different prompts or seeds" in text
+    assert "p&lt;2&gt; <b>0.500</b>" in text and "q&lt;1&gt; <b>0.250</b>" in text and "epoch 1" in text and "epoch 3" in text
+    shown = _images_by_alt(text)
+    assert set(shown) >= {"reward_mean", "approx_kl", "p<0>", "p<1>", "p<2>"} and "clipfrac" not in shown  # no data, no plot
+    assert shown["p<1>"].size == (96, 96)
+    assert "api_key:</span> ***" in text
+
+
+@pytest.mark.skipif(not HAS_CHROMIUM, reason="headless Chromium is not installed (apt-get install chromium)")
+def test_trainer_report_opens_in_headless_chromium(tiny_dpo_run, tmp_path):
+    checker = load_script("check_report_in_browser")
+    summary = checker.check_report(tiny_dpo_run / "report.html", tmp_path / "shot.png")
+    assert summary["images"] >= 12 + 5 and summary["broken"] == 0
+
+
+def test_small_images_are_enlarged_sharply_and_large_ones_shrunk():
+    from align.run_report import readable
+
+    small = Image.new("RGB", (32, 32), (0, 0, 0))
+    small.putpixel((0, 0), (255, 0, 0))
+    big = readable(small)
+    assert big.size == (160, 160)  # a whole factor (5) of 32
+    assert big.getpixel((4, 4)) == (255, 0, 0) and big.getpixel((5, 5)) == (0, 0, 0)  # nearest-neighbour: no blur
+    assert readable(Image.new("RGB", (512, 512))).size == (256, 256)
+    assert readable(Image.new("RGB", (200, 100))).size == (200, 100)

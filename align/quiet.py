@@ -1,0 +1,59 @@
+"""Quiet logs: what third-party libraries print that a user can do nothing about, switched off in one place.
+
+Every entry point calls ``quiet_output(config.quiet)`` first. Causes are fixed where they are ours
+(dtype= for diffusers, UNet-only LoRA loading, our own progress bars); what is left here cannot be
+fixed from our side, and each filter matches one module and one message.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from align.progress import set_quiet
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+# diffusers imports transformers' CLIPImageProcessor / SiglipImageProcessor names at import time; without
+# torchvision (which this project does not install) transformers falls back to the PIL processors, which
+# is what we want, and says so once per name.
+_TORCHVISION_FALLBACK = ("transformers.utils.import_utils",
+                         r"requires torchvision \(not installed\); falling back to `\w+Pil`")
+
+
+def _drop(logger_name: str, pattern: str) -> None:
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _DropMessages) and f.pattern.pattern == pattern for f in logger.filters):
+        logger.addFilter(_DropMessages(pattern))
+
+
+def _hide_weight_loading_bars() -> None:
+    """transformers' "Loading weights" and diffusers' "Loading pipeline components" bars: loading takes seconds
+    and says nothing the user acts on. Download bars (huggingface_hub) stay."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    set_hook = getattr(transformers_logging, "set_tqdm_hook", None)
+    if set_hook is not None:
+        def hook(factory, args, kwargs):
+            if kwargs.get("desc") == "Loading weights":
+                kwargs = {**kwargs, "disable": True}
+            return factory(*args, **kwargs)
+
+        set_hook(hook)
+
+
+def quiet_output(quiet: bool = False) -> None:
+    """Drop the third-party messages listed above; ``quiet``: no progress bars either (``--quiet true``)."""
+    _drop(*_TORCHVISION_FALLBACK)
+    _hide_weight_loading_bars()
+    set_quiet(quiet)
