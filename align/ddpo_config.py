@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from align.advantages import MODES
-from align.cli import ConfigError
+from align.cli import ConfigError, option
 from align.training import check_lr_schedule, check_periodic_evaluation
 
 TIMESTEP_SELECTIONS = ("random", "high_noise")
@@ -34,7 +34,9 @@ class DDPOConfig:
     # SD v1.5 on a CPU: 1.02x the speed at 1.16x the peak memory (the merged weights are kept for
     # the backward), hence off by default. scripts/bench_dpo.py measures both.
     lora_merged_forward: bool = False
-    mixed_precision: str = "no"  # no, fp16 (paper), bf16
+    mixed_precision: str | None = option(
+        None, "no, fp16 (paper) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
+        "else no", "optimisation")
     cpu_threads: int | None = None  # torch CPU threads (None = torch's default); 1 is fastest on a busy CPU
     # Compile the UNet for the no-grad sampling chain ahead of time, in a child process
     # (align/compiled_sampling.py: ~30 CPU-s once, then a testbed sampling forward takes 36 ms instead
@@ -107,11 +109,20 @@ class DDPOConfig:
     eval_batch_size: int = 8  # images per pipeline call in the evaluation (each image's seed fixes it, not the batching)
     eval_every_epochs: int = 0  # > 0: also score the held-out prompts every N epochs (evals/, the report's held-out curve)
     num_validation_images: int = 4  # images per row of the before/after grids
+    gradient_checkpointing: bool = option(False, "recompute the UNet's activations in the backward (less memory, a "
+                                                 "slower training step)", "optimisation")
+    use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
+    allow_tf32: bool = option(False, "TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (faster, slightly less exact)",
+                              "optimisation")
+    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
+                                      "(answers already cached count as free)", "judge")
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
         if not self.prompts:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
+        if not self.max_api_cost >= 0:
+            raise ConfigError(f"--max_api_cost must be a number of USD >= 0, got {self.max_api_cost}")
         if not (self.eta > 0 and math.isfinite(self.eta)):
             raise ConfigError(f"--eta must be > 0 (DDPO samples stochastically; the paper uses 1.0), got {self.eta}")
         if not 0.0 < self.timestep_fraction <= 1.0:
@@ -146,7 +157,7 @@ class DDPOConfig:
             raise ConfigError("--lora_plus_ratio applies to LoRA's B matrices only (--finetune lora)")
         if self.advantage not in MODES:
             raise ConfigError(f"--advantage must be one of {', '.join(MODES)}, got {self.advantage!r}")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
+        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")

@@ -34,10 +34,14 @@ from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse 
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.training import (  # noqa: E402
     TrainingStopped,
+    adamw_class,
+    apply_matmul_switches,
     end_training,
     evaluate_model,
+    keep_default_attention,
     keep_judge_answers,
     load_prompt_list,
+    make_accelerator,
     periodic_evaluation,
     periodic_evaluation_due,
     register_trainable_checkpoint_hooks,
@@ -58,6 +62,7 @@ def check_inputs(config: DPOConfig) -> None:
     from align.pipeline import ModelLoadError, check_model
 
     config.validate()
+    adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
     try:
         check_model(config.model)
     except ModelLoadError as err:
@@ -179,7 +184,6 @@ def training_caches(pipe, pairs, resolution: int, config: DPOConfig):
 
 def train(config: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the run folder."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
     from tqdm.auto import tqdm
@@ -199,12 +203,11 @@ def train(config: DPOConfig) -> Path:
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     log_with = None if config.report_to == "none" else config.report_to
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        mixed_precision=config.mixed_precision,
-        log_with=log_with,
-        project_dir=str(run.path),
+    accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
+        config.mixed_precision, "dpo", gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with=log_with, project_dir=str(run.path),
     )
+    apply_matmul_switches(config.allow_tf32)
     main = accelerator.is_main_process
 
     # The judges before anything is written or generated: a missing API key stops us here.
@@ -245,6 +248,7 @@ def train(config: DPOConfig) -> Path:
 
     # 2. The trained UNet and its reference.
     unet = pipe.unet
+    keep_default_attention(unet)
     if config.finetune == "lora":
         add_lora(unet, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=config.lora_targets.split(","))
         reference = None  # same UNet, adapter off
@@ -259,14 +263,7 @@ def train(config: DPOConfig) -> Path:
     # 3. Optimiser (the derived batch sizes are printed in step 5).
     pairs_per_step = config.train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
     lr = config.learning_rate * pairs_per_step if config.scale_lr else config.learning_rate
-    optimizer_class = torch.optim.AdamW
-    if config.use_8bit_adam:
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            die("--use_8bit_adam needs bitsandbytes (pip install bitsandbytes)")
-        optimizer_class = bnb.optim.AdamW8bit
-    optimizer = optimizer_class(
+    optimizer = adamw_class(config.use_8bit_adam)(
         params, lr=lr, betas=(config.adam_beta1, config.adam_beta2),
         weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
     )
@@ -355,7 +352,8 @@ def train(config: DPOConfig) -> Path:
                 if config.loss == "sft":
                     loss, metrics = diffusion_sft_loss(model_err_w)
                 else:
-                    with torch.no_grad():
+                    # The reference runs exactly as the policy: the prepared UNet's forward is under autocast.
+                    with torch.no_grad(), accelerator.autocast():
                         if reference is None:
                             with disabled_adapter(accelerator.unwrap_model(unet)) as ref_unet:
                                 ref_pred = ref_unet(noisy, t2, text2).sample
