@@ -218,6 +218,13 @@ def train(config: DPOConfig) -> Path:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
         require_pointwise_eval_judge(eval_judge_spec, is_pointwise(eval_judge))
 
+    # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
+    from align.api_cost import dpo_api_plan, guard_api_cost
+
+    feedback_prompts = len(load_prompt_list(config.prompts)) if judge is not None else 0
+    eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
+    guard_api_cost(dpo_api_plan(config, judge, eval_judge, feedback_prompts, eval_prompts), config.max_api_cost, verbose=main)
+
     # Offline pairs are read (every image decoded once) before the model loads: a bad dataset stops here.
     pairs = pair_stats = None
     if config.dataset:
