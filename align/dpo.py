@@ -330,7 +330,10 @@ def train(config: DPOConfig) -> Path:
         step_start = time.perf_counter()
         logs: dict[str, float] = {}
         for micro in range(config.gradient_accumulation_steps):
-            gen = step_generator(config.seed, step, micro, accelerator.process_index)
+            # Keyed by the micro-batch's global slot (micro-step x processes + process), not by the process: N
+            # processes with accumulation A draw what one process with accumulation N x A draws, in the same order.
+            slot = micro * accelerator.num_processes + accelerator.process_index
+            gen = step_generator(config.seed, step, slot, 0)
             counter = ((step * config.gradient_accumulation_steps + micro) * accelerator.num_processes
                        + accelerator.process_index) * config.train_batch_size
             batch = [order.index(counter + k) for k in range(config.train_batch_size)]
