@@ -109,3 +109,37 @@ def ddpo_api_plan(config, reward_members, eval_members, eval_prompts: int) -> li
         plans.append(JudgeCalls(member.judge, "the held-out evaluation",
                                 scores=evaluation_images(eval_prompts, config.eval_images_per_prompt, rounds)))
     return plans
+
+
+def evaluate_api_plan(judges: dict, num_models: int, samples: int) -> list[JudgeCalls]:
+    """align.evaluate: a pointwise judge scores every model's samples; a pairwise one compares every two models on
+    every sample (win rates), both orders where the judge asks both."""
+    from rewards.base import is_pointwise
+
+    plans = []
+    for judge in judges.values():
+        if is_pointwise(judge):
+            plans.append(JudgeCalls(judge, f"{num_models} models x {samples} images", scores=num_models * samples))
+        else:
+            pairs = num_models * (num_models - 1) // 2
+            plans.append(JudgeCalls(judge, f"{pairs} model pairs x {samples} images", comparisons=pairs * samples))
+    return plans
+
+
+def best_of_n_api_plan(selector, others: dict, num_prompts: int, n: int, curve_points: int, zero_order: bool) -> list[JudgeCalls]:
+    """align.best_of_n: the selector scores all N candidates per prompt (a pairwise selector runs a knockout, N - 1
+    comparisons), zero-order search scores up to N more; the other judges score every candidate, or (pairwise)
+    compare each curve point's pick with the N = 1 pick."""
+    from rewards.base import is_pointwise
+
+    candidates = num_prompts * n
+    if is_pointwise(selector):
+        plans = [JudgeCalls(selector, "selecting", scores=candidates * (2 if zero_order else 1))]
+    else:
+        plans = [JudgeCalls(selector, "the knockout", comparisons=num_prompts * (n - 1))]
+    for judge in others.values():
+        if is_pointwise(judge):
+            plans.append(JudgeCalls(judge, "scoring the candidates", scores=candidates))
+        else:
+            plans.append(JudgeCalls(judge, "the win-rate curve", comparisons=num_prompts * curve_points))
+    return plans

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align.cli import ConfigError
+from align.cli import ConfigError, option
 from rewards.base import is_pointwise
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
@@ -59,6 +59,8 @@ class EvalConfig:
     ci: str = "wilson"  # wilson or bootstrap (win-rate confidence intervals, 95%)
     grid_prompts: int = 8  # prompts shown in the report's image grid
     output_dir: str = "runs/eval"
+    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD",
+                                 "judge")
 
     def validate(self) -> None:
         from align.metrics import CI_METHODS
@@ -435,6 +437,10 @@ def evaluate(config: EvalConfig) -> dict:
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
     seeds = parse_seeds(config.seeds)
+    # The paid judge calls, priced before any is made (refused above --max_api_cost).
+    from align.api_cost import evaluate_api_plan, guard_api_cost
+
+    guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)

@@ -127,3 +127,25 @@ def test_judgebench_counts_cached_answers_as_free(server, tmp_path, capsys):
     bench("again", 0)  # every question answered in the cache: free, so even a zero cap runs, and nothing is asked
     out = capsys.readouterr().out
     assert len(server.calls) == asked and f"[api cost] gpt4o: 0 calls for {asked // 2} pairs in both orders ({asked} more answered by the cache, free)" in out
+
+
+def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(tiny_model, server, tmp_path, capsys):
+    from align import best_of_n, evaluate
+
+    judge = gpt4o(server)
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--models", f"a={tiny_model},b={tiny_model}", "--judges", judge, "--prompts", "testbed",
+                       "--num_prompts", "3", "--output_dir", str(tmp_path / "eval"), "--max_api_cost", "0.01"])
+    captured = capsys.readouterr()
+    # a pairwise judge compares the 2 models on each of the 3 samples, both orders: 6 calls
+    assert exit_.value.code == 2 and "[api cost] gpt4o: 6 calls for 1 model pairs x 3 images" in captured.out
+    assert not (tmp_path / "eval").exists()
+
+    with pytest.raises(SystemExit) as exit_:
+        best_of_n.main(["--model", tiny_model, "--reward", judge, "--prompts", "testbed", "--num_prompts", "2", "--n", "16",
+                        "--output_dir", str(tmp_path / "bon"), "--max_api_cost", "0.1"])
+    captured = capsys.readouterr()
+    # a pairwise selector's knockout: 15 comparisons per prompt, both orders: 60 calls
+    assert exit_.value.code == 2 and "[api cost] gpt4o: 60 calls for the knockout" in captured.out
+    assert "above --max_api_cost 0.1 USD" in captured.err
+    assert server.calls == [] and not (tmp_path / "bon").exists()
