@@ -57,7 +57,7 @@ def guard_api_cost(plans: list[JudgeCalls], max_usd: float, verbose: bool = True
     if total_usd > max_usd:
         raise ConfigError(
             f"the paid judge calls ({total_calls:,}) are estimated at ${total_usd:.2f}, above --max_api_cost "
-            f"{max_usd:g} USD; raise --max_api_cost to run them (nothing was asked or written)"
+            f"{max_usd:g} USD; raise --max_api_cost to run them (no judge was asked anything)"
         )
     return total_usd
 
