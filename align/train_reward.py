@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.cli import ConfigError, die, option, parse_config  # noqa: E402
 from align.reward_losses import (  # noqa: E402
     binary_cross_entropy_loss,
     bradley_terry_loss,
@@ -40,7 +40,13 @@ from align.reward_losses import (  # noqa: E402
     reliability_bins,
 )
 from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
-from align.training import TrainingStopped, end_training, register_trainable_checkpoint_hooks, save_checkpoint  # noqa: E402
+from align.training import (  # noqa: E402
+    TrainingStopped,
+    end_training,
+    make_accelerator,
+    register_trainable_checkpoint_hooks,
+    save_checkpoint,
+)
 
 BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
@@ -85,7 +91,9 @@ class RewardTrainConfig:
     gradient_accumulation_steps: int = 1
     num_epochs: float = 3.0
     max_steps: int | None = None  # overrides num_epochs
-    mixed_precision: str = "no"
+    mixed_precision: str | None = option(
+        None, "no, fp16 or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
+        "else no", "optimisation")
     # --- output
     output_dir: str = "runs/reward"
     resume: str | None = None
@@ -110,7 +118,7 @@ class RewardTrainConfig:
             raise ConfigError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_fraction == 0 and not self.eval_dataset:
             raise ConfigError("held-out pairs are needed (accuracy, calibration): set --eval_fraction > 0 or --eval_dataset")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
+        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
@@ -368,7 +376,6 @@ def check_inputs(config: RewardTrainConfig) -> None:
 
 def train(config: RewardTrainConfig) -> Path:
     """Train a reward model; returns the final folder (loadable with rewards.load)."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
@@ -376,11 +383,9 @@ def train(config: RewardTrainConfig) -> Path:
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        mixed_precision=config.mixed_precision,
-        log_with=None if config.report_to == "none" else config.report_to,
-        project_dir=str(run.path),
+    accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
+        config.mixed_precision, "reward", gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with=None if config.report_to == "none" else config.report_to, project_dir=str(run.path),
     )
     main = accelerator.is_main_process
     if main:
