@@ -105,6 +105,29 @@ def test_bf16_dpo_first_loss_is_ln2_with_the_reference_run_as_the_policy(tiny_mo
     assert fp32["model_mse"] != step["model_mse"]
 
 
+def test_accelerate_launch_mixed_precision_reaches_the_trainer(tiny_model, pairs, tmp_path):
+    """The issue's command: `accelerate launch --mixed_precision bf16 align/dpo.py ...` without the trainer's flag."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "launched"
+    argv = ["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--finetune", "full", "--resolution", "16",
+            "--train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "1", "--learning_rate", "1e-3",
+            "--scale_lr", "false", "--lr_warmup_steps", "0", "--caption_dropout", "0", "--checkpointing_steps", "10",
+            "--validation_steps", "0", "--report_to", "none"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_MIXED_PRECISION", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "bf16", "--dynamo_backend", "no", str(root / "align" / "dpo.py"), *argv]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[dpo] mixed precision: bf16 (from accelerate's setting)" in result.stdout
+    step = first_step(out)
+    assert abs(step["loss"] - math.log(2)) < 1e-3 and step["implicit_acc"] != 1.0
+
+
 # ------------------------------------------------------------------ DDPO: each round's first minibatch is on-policy
 
 
@@ -144,7 +167,6 @@ def test_ddpo_gradient_checkpointing_trains_the_same_weights(tiny_model, tmp_pat
 
 
 def test_8bit_adam_without_bitsandbytes_is_refused_before_loading(tiny_model, pairs, tmp_path, capsys):
-    pytest.importorskip("torch")
     try:
         import bitsandbytes  # noqa: F401
 
