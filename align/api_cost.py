@@ -143,3 +143,19 @@ def best_of_n_api_plan(selector, others: dict, num_prompts: int, n: int, curve_p
         else:
             plans.append(JudgeCalls(judge, "the win-rate curve", comparisons=num_prompts * curve_points))
     return plans
+
+
+def guard_on_every_process(accelerator, plans: list[JudgeCalls], max_usd: float) -> float:
+    """guard_api_cost where only the main process holds some judges (DDPO's evaluation judge): every process
+    learns the main one's verdict, so none waits at a barrier for a process that has stopped."""
+    import torch
+
+    error = None
+    try:
+        total = guard_api_cost(plans, max_usd, verbose=accelerator.is_main_process)
+    except ConfigError as err:
+        error, total = err, float("nan")
+    refused = accelerator.gather(torch.tensor([1.0 if error else 0.0], device=accelerator.device)).max()
+    if refused > 0:
+        raise error or ConfigError("the API cost guard refused this run on another process (its message is above)")
+    return total

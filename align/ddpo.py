@@ -289,11 +289,12 @@ def train(config: DDPOConfig) -> Path:
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
-    from align.api_cost import ddpo_api_plan, guard_api_cost
+    from align.api_cost import ddpo_api_plan, guard_on_every_process
 
-    eval_members = eval_judge.reward.members if eval_judge is not None else []
+    eval_members = eval_judge.reward.members if eval_judge is not None else []  # the main process's only
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
-    guard_api_cost(ddpo_api_plan(config, reward_fn.members, eval_members, eval_prompts), config.max_api_cost, verbose=main)
+    guard_on_every_process(accelerator, ddpo_api_plan(config, reward_fn.members, eval_members, eval_prompts),
+                           config.max_api_cost)
 
     if main:
         run.prepare()

@@ -149,3 +149,20 @@ def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(
     assert exit_.value.code == 2 and "[api cost] gpt4o: 60 calls for the knockout" in captured.out
     assert "above --max_api_cost 0.1 USD" in captured.err
     assert server.calls == [] and not (tmp_path / "bon").exists()
+
+
+def test_two_ddpo_processes_both_stop_when_the_main_ones_evaluation_judge_is_over_the_cap(tiny_model, prompt_file, server, tmp_path):
+    # only the main process loads the evaluation judge: the other must learn the verdict, not wait for ever
+    from two_processes import launch_two_cpu_processes
+
+    out = tmp_path / "ddp"
+    argv = ["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", prompt_file, "--output-dir", str(out),
+            "--eval_prompts", prompt_file, "--eval_judge", gpt4o(server).replace("[", "[mode=single,"),
+            "--samples_per_epoch", "4", "--sample_batch_size", "2", "--train_batch_size", "2", "--gradient_accumulation_steps", "1",
+            "--report_to", "none",
+            "--max_api_cost", "0.0001"]
+    result = launch_two_cpu_processes("align/ddpo.py", argv, timeout=240)
+    assert result.returncode != 0
+    assert "above --max_api_cost 0.0001 USD" in result.stderr
+    assert "refused this run on another process" in result.stderr  # the second process stopped too
+    assert server.calls == [] and not out.exists()
