@@ -5,6 +5,7 @@
     python scripts/bench_gpu.py                         # a CUDA GPU; under 5 minutes on an A100/H100
     python scripts/bench_gpu.py --peak_tflops 989       # a GPU not in the table below
     python scripts/bench_gpu.py --tiny                  # a tiny model at 32 px: runs anywhere (the test's size)
+    python scripts/bench_gpu.py --count_forward         # FLOPs of one SD v1.5 UNet forward at 512 px, no compute
 
 What runs is the project's own code: the trainers' Accelerator set-up (align.training.make_accelerator, bf16
 autocast on the prepared UNet), align.pipeline's LoRA / frozen reference / disabled adapter, align.losses for
@@ -147,6 +148,20 @@ def unet_forward_flops(models: Models, batch: int) -> int:
         return count_flops(lambda: unet(latents, torch.full((batch,), 500, device=models.device), text))
 
 
+def sd15_forward_gflop_on_meta(resolution: int = 512) -> float:
+    """Counted GFLOP of one SD v1.5 UNet forward on one image, on the meta device: no weights, no compute, any
+    machine (the figure the one-GPU recipes' time estimates start from)."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**SD15_UNET)
+    size = resolution // 8
+    latents = torch.zeros((1, 4, size, size), device="meta")
+    text = torch.zeros((1, 77, SD15_UNET["cross_attention_dim"]), device="meta")
+    with torch.no_grad():
+        return count_flops(lambda: unet(latents, torch.full((1,), 500, device="meta"), text)) / 1e9
+
+
 def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak: float | None, work: str) -> dict:
     """Warm up, count one step's FLOPs, time ``steps`` steps, read the peak memory."""
     for _ in range(warmup):
@@ -272,7 +287,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s (else the table)")
     parser.add_argument("--only", default="dpo_lora,dpo_full,ddpo_lora", help="comma-separated benchmarks to run")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--count_forward", action="store_true",
+                        help="only count one SD v1.5 UNet forward at 512 px on the meta device (any machine) and exit")
     args = parser.parse_args(argv)
+    if args.count_forward:
+        gflop = sd15_forward_gflop_on_meta()
+        print(f"[bench] SD v1.5 UNet forward at 512 px: {gflop:.1f} GFLOP per image (counted, meta device)")
+        return [{"bench": "sd15_unet_forward", "flops_per_step": gflop * 1e9}]
 
     from align.training import make_accelerator
 

@@ -46,3 +46,10 @@ def test_without_a_gpu_the_full_size_run_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_gpu.main([])
     assert exit_.value.code == 2 and "--tiny" in capsys.readouterr().err
+
+
+def test_sd15_forward_is_counted_without_weights_or_compute(capsys):
+    # the figure the one-GPU recipes' estimates start from (configs/*_1gpu.yaml: 803 GFLOP)
+    (result,) = bench_gpu.main(["--count_forward"])
+    assert round(result["flops_per_step"] / 1e9) == 803
+    assert "803.3 GFLOP per image" in capsys.readouterr().out
