@@ -72,6 +72,8 @@ class BestOfNConfig:
     cache_dir: str | None = option(None, "folder of generated candidates (PNG); share it between runs with other "
                                    "judges", "output")
     quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
+    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD",
+                                 "judge")
 
     def validate(self) -> None:
         if self.n < 1:
@@ -223,6 +225,11 @@ def best_of_n(config: BestOfNConfig) -> dict:
     out = Path(config.output_dir)
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
+    # The paid judge calls, priced before any is made (refused above --max_api_cost).
+    from align.api_cost import best_of_n_api_plan, guard_api_cost
+
+    guard_api_cost(best_of_n_api_plan(selector, others, len(prompts), config.n, len(curve_sizes(config.n)),
+                                      config.search == "zero-order"), config.max_api_cost)
     settings = sampling_settings(config, config.base_model or config.model)
     num_prompts, n = len(prompts), config.n
     print(f"[best_of_n] {num_prompts} prompts x {n} candidates = {num_prompts * n} images; selector {config.reward}", flush=True)

@@ -41,7 +41,9 @@ class DDPOConfig:
         False, "training forward with each LoRA layer as one matmul with W + B·A: the same gradients; testbed "
         "~18% faster steps at less memory, SD v1.5 on a CPU 1.02x the speed at 1.16x the peak memory "
         "(scripts/bench_dpo.py)", "model")
-    mixed_precision: str = option("no", "no, fp16 (the paper) or bf16", "model")
+    mixed_precision: str | None = option(
+        None, "no, fp16 (paper) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
+        "else no", "optimisation")
     compile_sampling: bool = option(
         False, "compile the UNet of the no-grad sampling chain ahead of time in a child process (~30 CPU-s "
         "once; a testbed sampling forward then takes 36 ms instead of 52; with --finetune full torch.compile "
@@ -106,11 +108,20 @@ class DDPOConfig:
     eval_every_epochs: int = option(0, "> 0: also score the held-out prompts every N epochs (evals/, the "
                                     "report's held-out curve)", "evaluation")
     num_validation_images: int = option(4, "images per row of the report's before/after grids", "evaluation")
+    gradient_checkpointing: bool = option(False, "recompute the UNet's activations in the backward (less memory, a "
+                                                 "slower training step)", "optimisation")
+    use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
+    allow_tf32: bool = option(False, "TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (faster, slightly less exact)",
+                              "optimisation")
+    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
+                                      "(answers already cached count as free)", "judge")
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
         if not self.prompts:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
+        if not self.max_api_cost >= 0:
+            raise ConfigError(f"--max_api_cost must be a number of USD >= 0, got {self.max_api_cost}")
         if not (self.eta > 0 and math.isfinite(self.eta)):
             raise ConfigError(f"--eta must be > 0 (DDPO samples stochastically; the paper uses 1.0), got {self.eta}")
         if not 0.0 < self.timestep_fraction <= 1.0:
@@ -127,7 +138,7 @@ class DDPOConfig:
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.advantage not in MODES:
             raise ConfigError(f"--advantage must be one of {', '.join(MODES)}, got {self.advantage!r}")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
+        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")

@@ -42,10 +42,14 @@ from align.runs import (  # noqa: E402
 )
 from align.training import (  # noqa: E402
     TrainingStopped,
+    adamw_class,
+    apply_matmul_switches,
     end_training,
     evaluate_model,
+    keep_default_attention,
     keep_judge_answers,
     load_prompt_list,
+    make_accelerator,
     periodic_evaluation,
     periodic_evaluation_due,
     register_trainable_checkpoint_hooks,
@@ -67,6 +71,7 @@ def check_inputs(config: DPOConfig) -> None:
     from align.pipeline import ModelLoadError, check_model
 
     config.validate()
+    adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
     try:
         check_model(config.model)
     except ModelLoadError as err:
@@ -216,7 +221,6 @@ def training_caches(pipe, pairs, resolution: int, config: DPOConfig):
 @restores_old_run_on_failure
 def train(config: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the run folder."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
 
@@ -235,12 +239,11 @@ def train(config: DPOConfig) -> Path:
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     log_with = None if config.report_to == "none" else config.report_to
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        mixed_precision=config.mixed_precision,
-        log_with=log_with,
-        project_dir=str(run.path),
+    accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
+        config.mixed_precision, "dpo", gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with=log_with, project_dir=str(run.path),
     )
+    apply_matmul_switches(config.allow_tf32)
     main = accelerator.is_main_process
 
     # The judges before anything is written or generated: a missing API key stops us here.
@@ -250,6 +253,13 @@ def train(config: DPOConfig) -> Path:
     if config.eval_prompts and eval_judge_spec:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
         require_pointwise_eval_judge(eval_judge_spec, is_pointwise(eval_judge))
+
+    # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
+    from align.api_cost import dpo_api_plan, guard_api_cost
+
+    feedback_prompts = len(load_prompt_list(config.prompts)) if judge is not None else 0
+    eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
+    guard_api_cost(dpo_api_plan(config, judge, eval_judge, feedback_prompts, eval_prompts), config.max_api_cost, verbose=main)
 
     # Offline pairs are read (every image decoded once) before the model loads: a bad dataset stops here.
     pairs = pair_stats = None
@@ -281,6 +291,7 @@ def train(config: DPOConfig) -> Path:
 
     # 2. The trained UNet and its reference.
     unet = pipe.unet
+    keep_default_attention(unet)
     if config.finetune == "lora":
         add_lora(unet, rank=config.lora_rank)
         reference = None  # same UNet, adapter off
@@ -295,14 +306,7 @@ def train(config: DPOConfig) -> Path:
     # 3. Optimiser (the derived batch sizes are printed in step 5).
     pairs_per_step = config.train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
     lr = config.learning_rate * pairs_per_step if config.scale_lr else config.learning_rate
-    optimizer_class = torch.optim.AdamW
-    if config.use_8bit_adam:
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            die("--use_8bit_adam needs bitsandbytes (pip install bitsandbytes)")
-        optimizer_class = bnb.optim.AdamW8bit
-    optimizer = optimizer_class(params, lr=lr, weight_decay=config.adam_weight_decay)  # β 0.9 / 0.999, ε 1e-8
+    optimizer = adamw_class(config.use_8bit_adam)(params, lr=lr, weight_decay=config.adam_weight_decay)  # β 0.9 / 0.999, ε 1e-8
     lr_scheduler = get_scheduler(
         config.lr_scheduler, optimizer=optimizer,
         num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
@@ -362,7 +366,10 @@ def train(config: DPOConfig) -> Path:
         step_start = time.perf_counter()
         logs: dict[str, float] = {}
         for micro in range(config.gradient_accumulation_steps):
-            gen = step_generator(config.seed, step, micro, accelerator.process_index)
+            # Keyed by the micro-batch's global slot (micro-step x processes + process), not by the process: N
+            # processes with accumulation A draw what one process with accumulation N x A draws, in the same order.
+            slot = micro * accelerator.num_processes + accelerator.process_index
+            gen = step_generator(config.seed, step, slot, 0)
             counter = ((step * config.gradient_accumulation_steps + micro) * accelerator.num_processes
                        + accelerator.process_index) * config.train_batch_size
             batch = [order.index(counter + k) for k in range(config.train_batch_size)]
@@ -391,7 +398,8 @@ def train(config: DPOConfig) -> Path:
                 if config.loss == "sft":
                     loss, metrics = diffusion_sft_loss(model_err_w)
                 else:
-                    with torch.no_grad():
+                    # The reference runs exactly as the policy: the prepared UNet's forward is under autocast.
+                    with torch.no_grad(), accelerator.autocast():
                         if reference is None:
                             with disabled_adapter(accelerator.unwrap_model(unet)) as ref_unet:
                                 ref_pred = ref_unet(noisy, t2, text2).sample

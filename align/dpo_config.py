@@ -51,7 +51,9 @@ class DPOConfig:
     lora_merged_forward: bool = option(
         False, "training forward with each LoRA layer as one matmul with W + B·A: the same gradients; faster on "
         "small UNets, more memory on SD v1.5 (align.pipeline.lora_as_merged_weight, scripts/bench_dpo.py)", "model")
-    mixed_precision: str = option("no", "no, fp16 (the paper) or bf16", "model")
+    mixed_precision: str | None = option(
+        None, "no, fp16 (paper) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
+        "else no", "optimisation")
     gradient_checkpointing: bool = option(False, "recompute UNet activations in the backward: less memory, slower",
                                           "model")
     use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
@@ -102,6 +104,10 @@ class DPOConfig:
                                   "not the batching)", "evaluation")
     eval_every_steps: int = option(0, "> 0: also score the held-out prompts every N steps (evals/, the report's "
                                    "held-out curve)", "evaluation")
+    allow_tf32: bool = option(False, "TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (faster, slightly less exact)",
+                              "optimisation")
+    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
+                                      "(answers already cached count as free)", "judge")
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
@@ -115,7 +121,7 @@ class DPOConfig:
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.tie_policy not in ("drop", "keep_first"):
             raise ConfigError(f"--tie_policy must be drop or keep_first, got {self.tie_policy!r}")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
+        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
@@ -141,5 +147,7 @@ class DPOConfig:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        if not self.max_api_cost >= 0:
+            raise ConfigError(f"--max_api_cost must be a number of USD >= 0, got {self.max_api_cost}")
         check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
         check_periodic_evaluation("eval_every_steps", self.eval_every_steps, self.eval_prompts, self.eval_judge or self.reward)

@@ -69,6 +69,8 @@ class EvalConfig:
     output_dir: str = option("runs/eval", "folder of results.json, results.csv, report.html and the image and "
                              "score caches", "output")
     quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
+    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD",
+                                 "judge")
 
     def validate(self) -> None:
         from align.metrics import CI_METHODS
@@ -446,6 +448,10 @@ def evaluate(config: EvalConfig) -> dict:
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
     seeds = parse_seeds(config.seeds)
+    # The paid judge calls, priced before any is made (refused above --max_api_cost).
+    from align.api_cost import evaluate_api_plan, guard_api_cost
+
+    guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import rewards
 from align import judgebench_metrics as M
-from align.cli import die, option, parse_config
+from align.cli import ConfigError, die, option, parse_config
 from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
 from align.progress import progress_bar
@@ -66,6 +66,8 @@ class JudgeBenchConfig:
     answers: list[str] | None = option(None, "re-score recorded answers instead of asking judges: verdicts.jsonl "
                                        "(or its folder), judge caches, MJ-Bench's released output .json files", "data")
     quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
+    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
+                                      "(answers already cached count as free)", "judge")
 
 
 @dataclass
@@ -318,6 +320,43 @@ def prepare_data(config: JudgeBenchConfig, subsets: tuple[str, ...]) -> tuple[li
     return samples, base_dir, source
 
 
+def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, max_usd: float) -> float:
+    """The API judges' calls on this benchmark (answers already in their caches free), priced before any is made."""
+    from align.api_cost import JudgeCalls, guard_api_cost, is_paid
+
+    plans = []
+    for spec in judge_specs:
+        name = rewards.parse_spec(spec)[0]
+        if not (name in ("gpt4o", "gpt4v", "gemini", "claude") or name.startswith(("openai:", "anthropic:", "google:"))):
+            continue  # a local judge: free, and not loaded twice
+        try:
+            judge = load_judge(spec)
+        except Exception:  # noqa: BLE001 - the benchmark loop reports it and skips the judge
+            continue
+        if not is_paid(judge):
+            judge.close()
+            continue
+        captions = [s.caption for s in pairs]
+        decoded = [s.images(base_dir) for s in pairs]
+        first, second = [a for a, _ in decoded], [b for _, b in decoded]
+        if asks_pairs(judge):  # run_judge asks each order itself, once
+            judge.swap_orders = False
+            cached = judge.cached_requests(captions, first, second) + judge.cached_requests(captions, second, first)
+            plans.append(JudgeCalls(judge, f"{len(pairs)} pairs in both orders", comparisons=2 * len(pairs), cached=cached))
+        else:
+            bias_captions = [s.caption for s in bias]
+            bias_images = [s.images(base_dir)[0] for s in bias]
+            cached = judge.cached_requests(captions + captions, first + second)
+            cached += judge.cached_requests(bias_captions, bias_images) if bias else 0
+            plans.append(JudgeCalls(judge, f"{len(pairs)} pairs and {len(bias)} bias images",
+                                    scores=2 * len(pairs) + len(bias), cached=cached))
+    try:
+        return guard_api_cost(plans, max_usd)
+    finally:
+        for plan in plans:
+            plan.judge.close()
+
+
 def benchmark(config: JudgeBenchConfig) -> list[dict]:
     """Run every judge on the benchmark and write the leaderboard; returns the summaries."""
     judge_specs, subsets = check_config(config)
@@ -333,6 +372,11 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
     missing = [s for s in subsets if s not in found]
     if missing:
         print(f"note: the data has no rows of {', '.join(missing)}")
+
+    try:
+        guard_benchmark_cost(judge_specs, pairs, bias, base_dir, config.max_api_cost)
+    except ConfigError as err:
+        die(str(err))
 
     summaries, runs, failed = [], [], []
     for spec in judge_specs:

@@ -152,13 +152,15 @@ def guided_noise_prediction(
     batch = latents.shape[0]
     t = _timesteps_tensor(timesteps, batch, latents.device)
     if guidance_scale == 1.0:
-        return unet(latents, t, encoder_hidden_states=prompt_embeds).sample
+        return unet(latents, t, encoder_hidden_states=prompt_embeds).sample.float()
     out = unet(
         torch.cat([latents, latents]),
         torch.cat([t, t]),
         encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]),
     ).sample
-    uncond, cond = out.chunk(2)
+    # In float32 whatever the UNet's output dtype: accelerate's prepared model returns float32 under fp16/bf16
+    # and the sampler's bare UNet does not, and the sampled and re-scored log-probabilities must agree bit for bit.
+    uncond, cond = out.float().chunk(2)
     return uncond + guidance_scale * (cond - uncond)
 
 

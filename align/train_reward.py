@@ -47,7 +47,13 @@ from align.runs import (  # noqa: E402
     atomic_write_text,
     restores_old_run_on_failure,
 )
-from align.training import TrainingStopped, end_training, register_trainable_checkpoint_hooks, save_checkpoint  # noqa: E402
+from align.training import (  # noqa: E402
+    TrainingStopped,
+    end_training,
+    make_accelerator,
+    register_trainable_checkpoint_hooks,
+    save_checkpoint,
+)
 
 BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
@@ -97,7 +103,9 @@ class RewardTrainConfig:
     gradient_accumulation_steps: int = option(1, "micro-steps per optimiser step", "optimisation")
     num_epochs: float = option(3.0, "passes over the training pairs (fractions allowed)", "optimisation")
     max_steps: int | None = option(None, "optimiser steps in all; overrides --num_epochs", "optimisation")
-    mixed_precision: str = option("no", "no, fp16 or bf16", "model")
+    mixed_precision: str | None = option(
+        None, "no, fp16 or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
+        "else no", "optimisation")
     # --- output
     output_dir: str = option("runs/reward", "the run folder; final/ loads with rewards.load(folder)", "output")
     resume: str | None = option(None, "continue a run: 'latest' or a checkpoint folder", "output")
@@ -123,7 +131,7 @@ class RewardTrainConfig:
             raise ConfigError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_fraction == 0 and not self.eval_dataset:
             raise ConfigError("held-out pairs are needed (accuracy, calibration): set --eval_fraction > 0 or --eval_dataset")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
+        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
@@ -382,7 +390,6 @@ def check_inputs(config: RewardTrainConfig) -> None:
 @restores_old_run_on_failure
 def train(config: RewardTrainConfig) -> Path:
     """Train a reward model; returns the final folder (loadable with rewards.load)."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
@@ -390,11 +397,9 @@ def train(config: RewardTrainConfig) -> Path:
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        mixed_precision=config.mixed_precision,
-        log_with=None if config.report_to == "none" else config.report_to,
-        project_dir=str(run.path),
+    accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
+        config.mixed_precision, "reward", gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with=None if config.report_to == "none" else config.report_to, project_dir=str(run.path),
     )
     main = accelerator.is_main_process
     if main:

@@ -57,6 +57,14 @@ PRICES_PER_MTOK: dict[str, tuple[float, float]] = {
     "claude-sonnet-4-5": (3.00, 15.00),
 }
 
+# Rough token counts of one judge call, for the cost guard's estimate before a run (not a bill; the run's own
+# count is printed when the judge closes): the instructions and the caption; each image (OpenAI counts 765 tokens
+# for a 512 px image in high detail, Anthropic about 350, Gemini 258: we take the high side); the answer
+# (a short JSON verdict with a reason; max_tokens caps it).
+ESTIMATED_TEXT_TOKENS = 600
+ESTIMATED_IMAGE_TOKENS = 800
+ESTIMATED_ANSWER_TOKENS = 400
+
 KEY_ENVS: dict[str, tuple[str, ...]] = {
     "openai": ("OPENAI_API_KEY",),
     "anthropic": ("ANTHROPIC_API_KEY",),
@@ -148,6 +156,51 @@ class ApiJudge(MllmJudge):
 
     def decoding(self) -> dict:
         return {**super().decoding(), "structured": self.structured}
+
+    def estimate_price_per_mtok(self) -> tuple[tuple[float, float], str]:
+        """The (input, output) USD per million tokens the cost guard counts with, and where it comes from: the
+        judge's price_per_mtok; else its preset's model (a preset pointed at another model id or server); a
+        server of our own (base_url, no price known) is free; else the dearest known price (the safe side)."""
+        if self.price_per_mtok:
+            return tuple(self.price_per_mtok), "price_per_mtok"
+        if self.name in PRESETS and PRESETS[self.name][1] in PRICES_PER_MTOK:
+            return PRICES_PER_MTOK[PRESETS[self.name][1]], f"the {self.name} preset's price"
+        if self.base_url:
+            return (0.0, 0.0), "a server at base_url with no known price: counted free"
+        dearest = max(PRICES_PER_MTOK.values(), key=lambda price: price[0] + price[1])
+        return dearest, "price unknown: the dearest known price"
+
+    def calls_for(self, scores: int = 0, comparisons: int = 0) -> tuple[int, int]:
+        """(calls, images per call) to score ``scores`` images and compare ``comparisons`` pairs, before caching."""
+        if self.mode == "pair":
+            return comparisons * (2 if self.swap_orders else 1), 2
+        return scores + 2 * comparisons, 1
+
+    def estimated_call_usd(self, images_per_call: int) -> float:
+        """A rough cost of one call (ESTIMATED_* tokens at estimate_price_per_mtok())."""
+        (price_in, price_out), _ = self.estimate_price_per_mtok()
+        tokens_in = ESTIMATED_TEXT_TOKENS + ESTIMATED_IMAGE_TOKENS * images_per_call
+        tokens_out = min(int(self.max_tokens), ESTIMATED_ANSWER_TOKENS)
+        return (tokens_in * price_in + tokens_out * price_out) / 1e6
+
+    def cached_requests(self, prompts: list[str], images_a, images_b=None) -> int:
+        """How many of the calls that score(prompts, images_a) (or compare(prompts, images_a, images_b)) would make
+        are answered by the cache already (free)."""
+        if self._cache is None:
+            return 0
+        from rewards.images import to_pil
+
+        first = to_pil(images_a)
+        if images_b is None:
+            requests = [self._request(p, [a]) for p, a in zip(prompts, first)]
+        elif self.mode != "pair":
+            requests = [self._request(p, [img]) for p, img in zip(list(prompts) * 2, first + to_pil(images_b))]
+        else:
+            second = to_pil(images_b)
+            requests = [self._request(p, [a, b]) for p, a, b in zip(prompts, first, second)]
+            if self.swap_orders:
+                requests += [self._request(p, [b, a]) for p, a, b in zip(prompts, first, second)]
+        return sum(self._cache.get(req.key) is not None for req in requests)
 
     def _require_key(self) -> None:
         if any(os.environ.get(var) for var in self.key_envs):

@@ -426,7 +426,8 @@ def test_failing_judge_stops_cleanly_and_keeps_the_last_checkpoint(tiny_model, p
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
 
 
-@pytest.mark.slow  # ~40 s on a busy 2-core machine: two processes each load torch and the pipeline
+# In the default suite: 56 s on the busy 2-core machine (two processes each load torch and the pipeline), the
+# cheaper of the two-process tests (tests/test_dpo_distributed.py's, ~80 s, is marked slow).
 def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
     out = tmp_path / "ddp"
     flags = dict(

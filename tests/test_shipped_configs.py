@@ -19,6 +19,9 @@ CompareConfig = load_script("compare_judges").CompareConfig
 
 CONFIG_CLASSES = {
     "dpo_sd15.yaml": DPOConfig,
+    "dpo_sd15_lora_1gpu.yaml": DPOConfig,
+    "dpo_sd15_full_1gpu.yaml": DPOConfig,
+    "ddpo_sd15_lora_1gpu.yaml": DDPOConfig,
     "testbed_dpo.yaml": DPOConfig,
     "ddpo_sd15.yaml": DDPOConfig,
     "testbed_ddpo.yaml": DDPOConfig,
@@ -40,3 +43,18 @@ def test_shipped_config_parses_and_validates(name, monkeypatch):
     validate = getattr(config, "validate", None)
     if validate is not None:
         validate()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_accelerate_configs_load_and_use_only_supported_modes(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.mixed_precision == "bf16"
+    assert str(getattr(config.distributed_type, "value", config.distributed_type)) in ("NO", "MULTI_GPU")  # no DeepSpeed/FSDP
+
+
+def test_one_gpu_recipes_name_an_accelerate_config_that_exists():
+    for recipe in (ROOT / "configs").glob("*_1gpu.yaml"):
+        named = [w for w in recipe.read_text().split() if w.startswith("configs/accelerate/")]
+        assert named and all((ROOT / w).is_file() for w in named), recipe.name

@@ -1,0 +1,193 @@
+"""Mixed precision as the launcher says, and the reference / behaviour policy computed exactly as the policy."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from align import ddpo, dpo
+from align.cli import ConfigError
+from align.ddpo import DDPOConfig
+from align.dpo import DPOConfig
+from align.training import refuse_unsupported_distribution, refuse_unsupported_launch, resolve_mixed_precision
+
+
+def _noise_png(seed: int, size: int = 16) -> bytes:
+    pixels = (torch.rand(size, size, 3, generator=torch.Generator().manual_seed(seed)) * 255).to(torch.uint8).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    rows = [{"caption": f"shape {i}", "jpg_0": _noise_png(i), "jpg_1": _noise_png(100 + i), "label_0": 1.0, "label_1": 0.0}
+            for i in range(8)]
+    path = tmp_path_factory.mktemp("pairs") / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def first_step(run: Path) -> dict:
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+
+
+# ------------------------------------------------------------------ which precision
+
+
+def test_flag_beats_the_launcher_which_beats_the_default():
+    launched = {"ACCELERATE_MIXED_PRECISION": "fp16"}
+    assert resolve_mixed_precision("bf16", launched) == "bf16"
+    assert resolve_mixed_precision("no", launched) == "no"
+    assert resolve_mixed_precision(None, launched) == "fp16"
+    assert resolve_mixed_precision(None, {"ACCELERATE_MIXED_PRECISION": "BF16"}) == "bf16"
+    assert resolve_mixed_precision(None, {}) == "no"
+    with pytest.raises(ConfigError, match="ACCELERATE_MIXED_PRECISION.*'fp8'"):
+        resolve_mixed_precision(None, {"ACCELERATE_MIXED_PRECISION": "fp8"})
+
+
+def test_deepspeed_and_fsdp_are_refused_with_what_works(monkeypatch, tmp_path, capsys, tiny_model, pairs):
+    for variable in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        with pytest.raises(ConfigError, match="not supported.*multi-process data parallel"):
+            refuse_unsupported_launch({variable: "true"})
+    refuse_unsupported_launch({"ACCELERATE_USE_DEEPSPEED": "false"})
+
+    class Launched:
+        distributed_type = "DEEPSPEED"
+        is_main_process = True
+
+    with pytest.raises(ConfigError, match="DEEPSPEED is not supported"):
+        refuse_unsupported_distribution(Launched())
+
+    # through the command line: one line, exit 2, nothing written
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    out = tmp_path / "fsdp"
+    with pytest.raises(SystemExit) as exit_:
+        dpo.main(["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "FSDP is not supported" in err
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------ DPO: the first step is ln 2
+
+
+def dpo_config(tiny_model, pairs, out, **overrides) -> DPOConfig:
+    settings = dict(model=tiny_model, dataset=pairs, output_dir=str(out), resolution=None, train_batch_size=4,
+                    gradient_accumulation_steps=1, max_steps=1, learning_rate=1e-3, scale_lr=False, lr_warmup_steps=0,
+                    beta=5000.0, caption_dropout=0.0, num_inference_steps=2, checkpointing_steps=10, validation_steps=0,
+                    report_to="none", lora_rank=4)
+    return DPOConfig(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_bf16_dpo_first_loss_is_ln2_with_the_reference_run_as_the_policy(tiny_model, pairs, tmp_path, finetune, monkeypatch, capsys):
+    # bf16 from the launcher's setting (what `accelerate launch --mixed_precision bf16` exports), no flag
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    run = dpo.train(dpo_config(tiny_model, pairs, tmp_path / finetune, finetune=finetune))
+    assert "[dpo] mixed precision: bf16 (from accelerate's setting)" in capsys.readouterr().out
+    assert yaml.safe_load((run / "config.yaml").read_text())["mixed_precision"] == "bf16"  # recorded as resolved
+    step = first_step(run)
+    assert abs(step["loss"] - math.log(2)) < 1e-3 and step["implicit_acc"] != 1.0
+    assert step["model_mse"] == step["ref_mse"]
+    # and bf16 really ran: the policy's error differs from a float32 run's
+    fp32 = first_step(dpo.train(dpo_config(tiny_model, pairs, tmp_path / f"{finetune}-fp32", finetune=finetune,
+                                           mixed_precision="no")))
+    assert fp32["model_mse"] != step["model_mse"]
+
+
+def test_accelerate_launch_mixed_precision_reaches_the_trainer(tiny_model, pairs, tmp_path):
+    """The issue's command: `accelerate launch --mixed_precision bf16 align/dpo.py ...` without the trainer's flag."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "launched"
+    argv = ["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--finetune", "full", "--resolution", "16",
+            "--train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "1", "--learning_rate", "1e-3",
+            "--scale_lr", "false", "--lr_warmup_steps", "0", "--caption_dropout", "0", "--checkpointing_steps", "10",
+            "--validation_steps", "0", "--report_to", "none"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_MIXED_PRECISION", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "bf16", "--dynamo_backend", "no", str(root / "align" / "dpo.py"), *argv]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[dpo] mixed precision: bf16 (from accelerate's setting)" in result.stdout
+    step = first_step(out)
+    assert abs(step["loss"] - math.log(2)) < 1e-3 and step["implicit_acc"] != 1.0
+
+
+# ------------------------------------------------------------------ DDPO: each round's first minibatch is on-policy
+
+
+def ddpo_config(tiny_model, out, **overrides) -> DDPOConfig:
+    # one optimiser step per epoch: every logged PPO statistic is that of the round's first minibatch
+    settings = dict(model=tiny_model, reward="jpeg-compressibility", prompts="testbed:4", output_dir=str(out),
+                    report_to="none", num_inference_steps=4, samples_per_epoch=4, sample_batch_size=2, train_batch_size=4,
+                    gradient_accumulation_steps=1, num_epochs=3, checkpointing_epochs=3, stat_buffer_size=4,
+                    stat_min_count=2, learning_rate=1e-2, clip_range=1e-4, guidance_scale=5.0, mixed_precision="bf16")
+    return DDPOConfig(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_bf16_ddpo_rounds_start_exactly_on_policy(tiny_model, tmp_path, finetune):
+    run = ddpo.train(ddpo_config(tiny_model, tmp_path / finetune, finetune=finetune))
+    epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(epochs) == 3
+    # rounds 2 and 3 sample from a trained LoRA: a sampler that folds it into bf16 weights would be off-policy there
+    assert [e["clipfrac"] for e in epochs] == [0.0, 0.0, 0.0]
+    assert [e["approx_kl"] for e in epochs] == [0.0, 0.0, 0.0]
+    assert epochs[-1]["policy_loss"] != 0.0  # and it trained
+
+
+def test_ddpo_gradient_checkpointing_trains_the_same_weights(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    plain = ddpo.train(ddpo_config(tiny_model, tmp_path / "plain", num_epochs=1, checkpointing_epochs=1, mixed_precision="no"))
+    saved = ddpo.train(ddpo_config(tiny_model, tmp_path / "ckpt", num_epochs=1, checkpointing_epochs=1, mixed_precision="no",
+                                   gradient_checkpointing=True))
+    a, b = (load_file(str(r / "final" / "pytorch_lora_weights.safetensors")) for r in (plain, saved))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ switches
+
+
+def test_8bit_adam_without_bitsandbytes_is_refused_before_loading(tiny_model, pairs, tmp_path, capsys):
+    try:
+        import bitsandbytes  # noqa: F401
+
+        pytest.skip("bitsandbytes is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(SystemExit) as exit_:
+        ddpo.main(["--model", tiny_model, "--prompts", "testbed:4", "--reward", "jpeg-compressibility", "--use_8bit_adam",
+                   "true", "--output-dir", str(tmp_path / "o"), "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--use_8bit_adam needs bitsandbytes" in err and not (tmp_path / "o").exists()
+
+
+def test_another_attention_processor_is_put_back_to_sdpa(tiny_model):
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    from align.training import keep_default_attention
+
+    unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
+    assert all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())  # diffusers' default
+    unet.set_attn_processor(AttnProcessor())
+    keep_default_attention(unet)
+    assert unet.attn_processors and all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())
