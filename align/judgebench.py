@@ -320,7 +320,15 @@ def prepare_data(config: JudgeBenchConfig, subsets: tuple[str, ...]) -> tuple[li
     return samples, base_dir, source
 
 
-def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, max_usd: float) -> float:
+def load_benchmark_judge(spec: str, config: JudgeBenchConfig):
+    """A judge asking this benchmark's questions (--protocol, --prompt_template), as its answers are cached."""
+    judge = load_judge(spec)
+    if hasattr(judge, "use_protocol"):
+        judge.use_protocol(config.protocol, config.prompt_template)
+    return judge
+
+
+def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, config: JudgeBenchConfig) -> float:
     """The API judges' calls on this benchmark (answers already in their caches free), priced before any is made."""
     from align.api_cost import JudgeCalls, guard_api_cost, is_paid
 
@@ -330,7 +338,7 @@ def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, max_usd:
         if not (name in ("gpt4o", "gpt4v", "gemini", "claude") or name.startswith(("openai:", "anthropic:", "google:"))):
             continue  # a local judge: free, and not loaded twice
         try:
-            judge = load_judge(spec)
+            judge = load_benchmark_judge(spec, config)
         except Exception:  # noqa: BLE001 - the benchmark loop reports it and skips the judge
             continue
         if not is_paid(judge):
@@ -351,7 +359,7 @@ def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, max_usd:
             plans.append(JudgeCalls(judge, f"{len(pairs)} pairs and {len(bias)} bias images",
                                     scores=2 * len(pairs) + len(bias), cached=cached))
     try:
-        return guard_api_cost(plans, max_usd)
+        return guard_api_cost(plans, config.max_api_cost)
     finally:
         for plan in plans:
             plan.judge.close()
@@ -374,17 +382,15 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
         print(f"note: the data has no rows of {', '.join(missing)}")
 
     try:
-        guard_benchmark_cost(judge_specs, pairs, bias, base_dir, config.max_api_cost)
+        guard_benchmark_cost(judge_specs, pairs, bias, base_dir, config)
     except ConfigError as err:
         die(str(err))
 
     summaries, runs, failed = [], [], []
     for spec in judge_specs:
         try:
-            judge = load_judge(spec)  # API key and model id checked before any paid call
-            if hasattr(judge, "use_protocol"):
-                judge.use_protocol(config.protocol, config.prompt_template)
-            elif config.prompt_template:
+            judge = load_benchmark_judge(spec, config)  # API key and model id checked before any paid call
+            if not hasattr(judge, "use_protocol") and config.prompt_template:
                 print(f"note: {spec} asks no question (a scoring model); --prompt-template does not apply to it")
         except Exception as err:  # missing weights, key or SDK: skip this judge, keep the others
             print(f"error: judge {spec!r} could not be loaded: {err}")
