@@ -1,0 +1,106 @@
+"""The native Phi-3.5-vision (rewards/phi3v.py) against the remote modelling code: the same seeded
+random weights, under the checkpoint's key names, give the logits, last hidden state and image
+embeddings that experiments/phi3v_reference.py recorded with the remote code (transformers 4.44)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rewards.phi3v import Phi3VConfig, Phi3VForCausalLM, check_vision_config, load_phi3v, merge_2x2
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = json.loads((ROOT / "tests" / "data" / "phi3v_model_reference.json").read_text())
+ATOL = 1e-5
+
+
+def _script(name):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SIDE = _script("phi3v_reference")
+
+
+def tiny_config() -> Phi3VConfig:
+    text = dict(REFERENCE["text_config"])
+    text["img_processor"] = {**text["img_processor"], "clip_config": REFERENCE["small_clip"]}
+    return Phi3VConfig(**text)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A folder in the hub checkpoint's layout (config.json + model.safetensors, hub key names)."""
+    folder = tmp_path_factory.mktemp("phi3v")
+    tiny_config().save_pretrained(folder)
+    save_file(SIDE.seeded_weights(REFERENCE["shapes"], REFERENCE["seed"]), str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_phi3v(str(checkpoint), attn_implementation="eager")
+
+
+def test_parameter_names_are_the_remote_checkpoints():
+    shapes = {k: list(v.shape) for k, v in Phi3VForCausalLM(tiny_config()).state_dict().items()}
+    assert shapes == REFERENCE["shapes"]
+    assert "model.vision_embed_tokens.img_processor.vision_model.encoder.layers.0.self_attn.q_proj.weight" in shapes
+    assert "model.vision_embed_tokens.img_projection.2.weight" in shapes
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE["cases"]))
+def test_logits_equal_the_remote_model(model, name):
+    case = REFERENCE["cases"][name]
+    rows = SIDE.CASES[name]
+    vision = SIDE.image_batch(rows)
+    assert vision["num_img_tokens"] == case["num_img_tokens"]
+    input_ids, mask = SIDE.case_inputs(rows, vision["num_img_tokens"])
+    assert list(input_ids.shape) == case["input_shape"]
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=mask, pixel_values=vision["pixel_values"],
+                    image_sizes=vision["image_sizes"], output_hidden_states=True, use_cache=False)
+        embeds = model.model.embed_inputs(input_ids, vision["pixel_values"], vision["image_sizes"])
+    for i, ref in enumerate(case["rows"]):
+        valid = mask[i].bool()
+        logits = out.logits[i][valid].double()
+        torch.testing.assert_close(logits[ref["positions"]], torch.tensor(ref["logits"], dtype=torch.float64), atol=ATOL, rtol=0)
+        assert float(logits.sum()) == pytest.approx(ref["logits_sum"], abs=ATOL * logits.numel())
+        assert float((logits * logits).sum()) == pytest.approx(ref["logits_sum_sq"], rel=1e-5)
+        torch.testing.assert_close(out.hidden_states[-1][i][valid][-1].double(), torch.tensor(ref["last_hidden"], dtype=torch.float64),
+                                   atol=ATOL, rtol=0)
+        image = embeds[i][input_ids[i] < 0].double()
+        torch.testing.assert_close(image[:3], torch.tensor(ref["image_embeds_first"], dtype=torch.float64), atol=ATOL, rtol=0)
+        assert float(image.sum()) == pytest.approx(ref["image_embeds_sum"], abs=ATOL * image.numel())
+        assert float((image * image).sum()) == pytest.approx(ref["image_embeds_sum_sq"], rel=1e-5)
+
+
+def test_merge_2x2_layout():
+    # 2 crops (1 x 2) of a 4 x 4 patch grid, 1 channel: patch value = crop * 100 + row * 10 + col
+    crop, row, col = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
+    features = (crop * 100 + row * 10 + col).reshape(2, 16, 1).float()
+    merged = merge_2x2(features, 1, 2)
+    assert merged.shape == (1, 2, 4, 4)
+    assert merged[0, 0, 0].tolist() == [0, 1, 10, 11]  # the 2 x 2 block, row-major
+    assert merged[0, 1, 3].tolist() == [122, 123, 132, 133]  # second crop sits to the right
+
+
+def test_unsupported_vision_settings_and_placeholder_mismatch(model):
+    config = tiny_config()
+    config.embd_layer = {**config.embd_layer, "hd_transform_order": "glb_sub"}
+    with pytest.raises(ValueError, match="sub_glb"):
+        check_vision_config(config)
+    rows = SIDE.CASES["landscape"]
+    vision = SIDE.image_batch(rows)
+    input_ids, _ = SIDE.case_inputs(rows, [vision["num_img_tokens"][0] - 1])
+    with pytest.raises(ValueError, match="image placeholders"):
+        model.model.embed_inputs(input_ids, vision["pixel_values"], vision["image_sizes"])
+    with pytest.raises(ValueError, match="no pixel_values"):
+        model.model.embed_inputs(input_ids)
