@@ -104,3 +104,71 @@ def test_unsupported_vision_settings_and_placeholder_mismatch(model):
         model.model.embed_inputs(input_ids, vision["pixel_values"], vision["image_sizes"])
     with pytest.raises(ValueError, match="no pixel_values"):
         model.model.embed_inputs(input_ids)
+
+
+# ------------------------------------------------ LLaVA-Reward on the native Phi-3.5-vision backbone
+
+
+def tiny_phi_backbone(folder, tokenizer):
+    """A Phi-3.5-vision folder as on the hub: config.json (model_type phi3_v), model.safetensors under
+    the checkpoint's key names, the tokenizer. Narrow CLIP (336 px, 14 px patches: 144 tokens a crop)."""
+    config = Phi3VConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+        img_processor={"image_dim_out": 16, "model_name": "openai/clip-vit-large-patch14-336", "name": "clip_vision_model",
+                       "num_img_tokens": 144, "clip_config": {"hidden_size": 16, "intermediate_size": 32,
+                                                              "num_attention_heads": 2, "num_hidden_layers": 2}},
+    )
+    torch.manual_seed(0)
+    backbone = Phi3VForCausalLM(config)
+    folder.mkdir()
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in backbone.state_dict().items()}, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_llava_reward_phi_checkpoint_loads_and_scores_without_remote_code(tmp_path):
+    import yaml
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from rewards.llava_reward import LlavaReward, LlavaRewardModel
+    from rewards.phi3v_processor import Phi3VInputs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "rewards" / "weights" / "shapes-clip"))
+    base = tiny_phi_backbone(tmp_path / "base", tokenizer)
+    # a "trained" reward model: LoRA on the LLM, SkipCA, value head, projector, all non-trivial
+    reference = LlavaRewardModel.from_base(str(base), skip_cross_attention=True)
+    assert isinstance(reference.processor, Phi3VInputs) and reference.processor.num_crops == 16  # the authors' crops
+    reference.add_lora(rank=4, alpha=8, dropout=0.0)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if any(k in name for k in ("lora_", "value_head", "W_", "img_projection")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    reference.eval()
+
+    # the released layout: lora/ (PEFT names, base_model.model. prefix), pytorch_model.bin, reward_config.yaml
+    ckpt = tmp_path / "llavareward_phi_alignment"
+    (ckpt / "lora").mkdir(parents=True)
+    reference.lora_config.save_pretrained(str(ckpt / "lora"))
+    save_file({"base_model.model." + k: v for k, v in reference.lora_state_dict().items()},
+              str(ckpt / "lora" / "adapter_model.safetensors"))
+    head = reference.head_state_dict()
+    assert "model.vision_embed_tokens.img_projection.0.weight" in head and "value_head.weight" in head
+    torch.save(head, ckpt / "pytorch_model.bin")
+    (ckpt / "reward_config.yaml").write_text(yaml.safe_dump(
+        {"is_general_preference": False, "add_cross_attention": True, "value_head_dim": 1, "general_preference_tau": 0.1}))
+
+    judge = LlavaReward(model=str(ckpt), base_model=str(base), trust_remote_code=False)
+    prompts = ["a red circle", "a blue square"]
+    imgs = [Image.new("RGB", (40, 30), "red"), Image.new("RGB", (20, 50), (0, 90, 200))]
+    with torch.no_grad():
+        expected = reference(prompts, imgs)
+        scores = judge.score(prompts, imgs) * judge.scale
+    assert torch.allclose(scores, expected, atol=1e-5), (scores, expected)
+    assert expected[0] != expected[1]
+    judge.model.set_adapters_enabled(False)  # the adapter was loaded and matters
+    with torch.no_grad():
+        assert not torch.allclose(judge.model(prompts, imgs), expected, atol=1e-4)
