@@ -172,3 +172,38 @@ def test_llava_reward_phi_checkpoint_loads_and_scores_without_remote_code(tmp_pa
     judge.model.set_adapters_enabled(False)  # the adapter was loaded and matters
     with torch.no_grad():
         assert not torch.allclose(judge.model(prompts, imgs), expected, atol=1e-4)
+
+
+def test_full_size_hub_config_builds_the_checkpoint_layout(tmp_path):
+    """The hub's config.json fields (Phi-3-vision layout: "su" rope with 48 factors, flash-attention
+    default, auto_map) build the full-size model (on the meta device) with the remote code's names."""
+    import re
+
+    hub = {
+        "architectures": ["Phi3VForCausalLM"], "auto_map": {"AutoConfig": "configuration_phi3_v.Phi3VConfig",
+                                                             "AutoModelForCausalLM": "modeling_phi3_v.Phi3VForCausalLM"},
+        "model_type": "phi3_v", "_attn_implementation": "flash_attention_2", "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "embd_layer": REFERENCE["text_config"]["embd_layer"], "embd_pdrop": 0.0, "hidden_act": "silu",
+        "hidden_size": 3072, "img_processor": REFERENCE["text_config"]["img_processor"], "initializer_range": 0.02,
+        "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"long_factor": [1.0 + i for i in range(48)], "short_factor": [1.0 + i / 20 for i in range(48)],
+                         "type": "su"},
+        "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.38.1", "use_cache": True, "vocab_size": 32064,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    config = Phi3VConfig.from_pretrained(str(tmp_path))
+    assert config.rope_parameters["rope_type"] == "longrope" and len(config.rope_parameters["long_factor"]) == 48
+    with torch.device("meta"):
+        full = Phi3VForCausalLM(config)
+    shapes = {k: tuple(v.shape) for k, v in full.state_dict().items()}
+    assert shapes["model.vision_embed_tokens.glb_GN"] == (1, 1, 4096)
+    assert shapes["model.vision_embed_tokens.sub_GN"] == (1, 1, 1, 4096)
+    assert shapes["model.vision_embed_tokens.img_projection.0.weight"] == (3072, 4096)
+    assert shapes["model.vision_embed_tokens.img_processor.vision_model.embeddings.position_embedding.weight"] == (577, 1024)
+    assert shapes["model.layers.31.self_attn.qkv_proj.weight"] == (3 * 3072, 3072)
+    assert shapes["lm_head.weight"] == (32064, 3072)
+    assert len(full.model.vision_embed_tokens.img_processor.vision_model.encoder.layers) == 24
+    normalise = lambda keys: {re.sub(r"\.\d+\.", ".N.", k) for k in keys}  # noqa: E731
+    assert normalise(shapes) == normalise(REFERENCE["shapes"])  # the remote model's names, at any depth
