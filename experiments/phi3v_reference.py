@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fidelity_reference_phi3v as phi_inputs  # noqa: E402
 
 SEED = 39
-NUM_CROPS = 4
 SMALL_CLIP = dict(num_hidden_layers=2, intermediate_size=64)  # widths as ViT-L/14-336
 # The text model: small, with GQA and Phi-3.5's "su" (longrope) scaling, so both paths are exercised.
 TEXT_CONFIG = dict(
@@ -51,10 +50,16 @@ TEXT_CONFIG = dict(
     img_processor={"image_dim_out": 1024, "model_name": "openai/clip-vit-large-patch14-336",
                    "name": "clip_vision_model", "num_img_tokens": 144},
 )
-# cases: rows of (image index in phi_inputs.IMAGE_SIZES, text ids before, text ids after)
+# cases: rows of (image index in phi_inputs.IMAGE_SIZES, text ids before, text ids after), the processor's
+# num_crops, and text-config overrides. Grids: 2 x 2 crops, 2 x 2 + 1 x 4 in one batch, 4 x 3 (16 crops);
+# "long_rope" puts the sequence past original_max_position_embeddings (the "su" long factors).
 CASES = {
-    "landscape": [(0, [1, 5, 6], [7, 8, 9, 2])],
-    "portrait_and_wide_batch": [(1, [1, 10], [11, 12, 2]), (4, [1, 13, 14, 15], [16, 2])],
+    "landscape": {"rows": [(0, [1, 5, 6], [7, 8, 9, 2])], "num_crops": 4, "overrides": {}},
+    "portrait_and_wide_batch": {"rows": [(1, [1, 10], [11, 12, 2]), (4, [1, 13, 14, 15], [16, 2])], "num_crops": 4,
+                                "overrides": {}},
+    "portrait_16_crops": {"rows": [(1, [1, 17], [18, 2])], "num_crops": 16, "overrides": {}},
+    "long_rope": {"rows": [(0, [1, 5, 6], [7, 8, 9, 2])], "num_crops": 4,
+                  "overrides": {"original_max_position_embeddings": 512}},
 }
 
 
@@ -85,11 +90,11 @@ def case_inputs(rows: list[tuple[int, list[int], list[int]]], num_image_tokens) 
     return input_ids, mask
 
 
-def image_batch(rows):
+def image_batch(rows, num_crops: int):
     from rewards.phi3v_processor import image_inputs
 
     images = phi_inputs.fixed_images()
-    return image_inputs([images[index] for index, _, _ in rows], NUM_CROPS)
+    return image_inputs([images[index] for index, _, _ in rows], num_crops)
 
 
 def _remote_package(folder: Path):
@@ -114,20 +119,24 @@ def main() -> None:
 
     base = modeling.CLIP_VIT_LARGE_PATCH14_336_CONFIG.to_dict()
     modeling.CLIP_VIT_LARGE_PATCH14_336_CONFIG = CLIPVisionConfig(**{**base, **SMALL_CLIP})
-    config = configuration.Phi3VConfig(**TEXT_CONFIG)
-    config._attn_implementation = "eager"
-    model = modeling.Phi3VForCausalLM(config).eval()
-    # the checkpoint's keys: the embedding shared with vision_embed_tokens.wte is stored once
-    state = {k: v for k, v in model.state_dict().items() if ".wte." not in k}
-    shapes = {k: list(v.shape) for k, v in state.items()}
-    model.load_state_dict(seeded_weights(shapes), strict=False)
-    torch.testing.assert_close(model.model.vision_embed_tokens.wte.weight, model.model.embed_tokens.weight)
 
-    result = {"transformers": __import__("transformers").__version__, "seed": SEED, "num_crops": NUM_CROPS,
-              "small_clip": SMALL_CLIP, "text_config": TEXT_CONFIG, "shapes": shapes, "cases": {}}
+    def build(overrides):
+        config = configuration.Phi3VConfig(**{**TEXT_CONFIG, **overrides})
+        config._attn_implementation = "eager"
+        model = modeling.Phi3VForCausalLM(config).eval()
+        # the checkpoint's keys: the embedding shared with vision_embed_tokens.wte is stored once
+        shapes = {k: list(v.shape) for k, v in model.state_dict().items() if ".wte." not in k}
+        model.load_state_dict(seeded_weights(shapes), strict=False)
+        torch.testing.assert_close(model.model.vision_embed_tokens.wte.weight, model.model.embed_tokens.weight)
+        return model, shapes
+
+    result = {"transformers": __import__("transformers").__version__, "seed": SEED, "small_clip": SMALL_CLIP,
+              "text_config": TEXT_CONFIG, "shapes": build({})[1], "cases": {}}
     with torch.no_grad():
-        for name, rows in CASES.items():
-            vision = image_batch(rows)
+        for name, spec in CASES.items():
+            model, _ = build(spec["overrides"])
+            rows = spec["rows"]
+            vision = image_batch(rows, spec["num_crops"])
             input_ids, mask = case_inputs(rows, vision["num_img_tokens"])
             out = model(input_ids=input_ids, attention_mask=mask, pixel_values=vision["pixel_values"],
                         image_sizes=vision["image_sizes"], output_hidden_states=True, use_cache=False)

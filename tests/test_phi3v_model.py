@@ -29,8 +29,8 @@ def _script(name):
 SIDE = _script("phi3v_reference")
 
 
-def tiny_config() -> Phi3VConfig:
-    text = dict(REFERENCE["text_config"])
+def tiny_config(**overrides) -> Phi3VConfig:
+    text = {**REFERENCE["text_config"], **overrides}
     text["img_processor"] = {**text["img_processor"], "clip_config": REFERENCE["small_clip"]}
     return Phi3VConfig(**text)
 
@@ -57,10 +57,14 @@ def test_parameter_names_are_the_remote_checkpoints():
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE["cases"]))
-def test_logits_equal_the_remote_model(model, name):
-    case = REFERENCE["cases"][name]
-    rows = SIDE.CASES[name]
-    vision = SIDE.image_batch(rows)
+def test_logits_equal_the_remote_model(checkpoint, model, name, tmp_path):
+    case, spec = REFERENCE["cases"][name], SIDE.CASES[name]
+    if spec["overrides"]:  # the same weights under another config
+        tiny_config(**spec["overrides"]).save_pretrained(tmp_path)
+        (tmp_path / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
+        model = load_phi3v(str(tmp_path), attn_implementation="eager")
+    rows = spec["rows"]
+    vision = SIDE.image_batch(rows, spec["num_crops"])
     assert vision["num_img_tokens"] == case["num_img_tokens"]
     input_ids, mask = SIDE.case_inputs(rows, vision["num_img_tokens"])
     assert list(input_ids.shape) == case["input_shape"]
@@ -97,8 +101,8 @@ def test_unsupported_vision_settings_and_placeholder_mismatch(model):
     config.embd_layer = {**config.embd_layer, "hd_transform_order": "glb_sub"}
     with pytest.raises(ValueError, match="sub_glb"):
         check_vision_config(config)
-    rows = SIDE.CASES["landscape"]
-    vision = SIDE.image_batch(rows)
+    rows = SIDE.CASES["landscape"]["rows"]
+    vision = SIDE.image_batch(rows, 4)
     input_ids, _ = SIDE.case_inputs(rows, [vision["num_img_tokens"][0] - 1])
     with pytest.raises(ValueError, match="image placeholders"):
         model.model.embed_inputs(input_ids, vision["pixel_values"], vision["image_sizes"])
