@@ -211,3 +211,19 @@ def test_full_size_hub_config_builds_the_checkpoint_layout(tmp_path):
     assert len(full.model.vision_embed_tokens.img_processor.vision_model.encoder.layers) == 24
     normalise = lambda keys: {re.sub(r"\.\d+\.", ".N.", k) for k in keys}  # noqa: E731
     assert normalise(shapes) == normalise(REFERENCE["shapes"])  # the remote model's names, at any depth
+
+
+def test_checkpoint_that_does_not_fit_is_refused(checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    state = load_file(str(checkpoint / "model.safetensors"))
+    # older checkpoints store CLIP's position_ids buffer: tolerated
+    state["model.vision_embed_tokens.img_processor.vision_model.embeddings.position_ids"] = torch.arange(577)[None]
+    tiny_config().save_pretrained(tmp_path / "extra")
+    save_file(state, str(tmp_path / "extra" / "model.safetensors"))
+    load_phi3v(str(tmp_path / "extra"))
+    del state["model.vision_embed_tokens.sub_GN"]  # a missing tensor is an error, not a random init
+    tiny_config().save_pretrained(tmp_path / "missing")
+    save_file(state, str(tmp_path / "missing" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"does not fit the native model: missing \['model.vision_embed_tokens.sub_GN'\]"):
+        load_phi3v(str(tmp_path / "missing"))
