@@ -227,3 +227,27 @@ def test_checkpoint_that_does_not_fit_is_refused(checkpoint, tmp_path):
     save_file(state, str(tmp_path / "missing" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"does not fit the native model: missing \['model.vision_embed_tokens.sub_GN'\]"):
         load_phi3v(str(tmp_path / "missing"))
+
+
+def test_llava_reward_phi_trains_lora_and_projector_not_the_vision_tower(tmp_path):
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from rewards.llava_reward import LlavaRewardModel
+    from rewards.phi3v_processor import Phi3VInputs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "rewards" / "weights" / "shapes-clip"))
+    base = tiny_phi_backbone(tmp_path / "base", tokenizer)
+    model = LlavaRewardModel.from_base(str(base), skip_cross_attention=True, processor=Phi3VInputs(tokenizer, num_crops=1))
+    model.add_lora(rank=4, alpha=8, dropout=0.0)
+    model.init_reward_head()
+    with torch.no_grad():  # a fresh LoRA B is zero, so A would get no gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    reward = model(["a red circle"], [Image.new("RGB", (30, 20), "red")])
+    reward.sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    assert any("img_projection" in n for n in grads) and any("lora_A" in n for n in grads)
+    assert all(g is not None and bool(g.abs().sum() > 0) for n, g in grads.items() if "img_projection" in n or "lora_" in n)
+    assert not any("img_processor" in n or "glb_GN" in n for n in grads)  # the CLIP tower and separators stay frozen
