@@ -26,9 +26,6 @@ experiments/phi3v_reference.py, tests/test_phi3v_model.py.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, Phi3Config, Phi3ForCausalLM, Phi3Model
@@ -214,11 +211,6 @@ class Phi3VForCausalLM(Phi3ForCausalLM):
                                inputs_embeds=inputs_embeds, **kwargs)
 
 
-def is_phi3v_folder(folder: str | Path) -> bool:
-    config = Path(folder).expanduser() / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "phi3_v"
-
-
 def load_phi3v(model: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> Phi3VForCausalLM:
     """A Phi-3(.5)-vision folder or hub id, loaded natively; every checkpoint tensor must be used
     (CLIP's ``position_ids`` buffer, stored by older checkpoints, excepted)."""
@@ -232,4 +224,4 @@ def load_phi3v(model: str, dtype: torch.dtype = torch.float32, attn_implementati
     return loaded.eval()
 
 
-__all__ = ["Phi3VConfig", "Phi3VForCausalLM", "Phi3VImageEmbedding", "Phi3VModel", "is_phi3v_folder", "load_phi3v"]
+__all__ = ["Phi3VConfig", "Phi3VForCausalLM", "Phi3VImageEmbedding", "Phi3VModel", "load_phi3v"]
