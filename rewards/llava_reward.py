@@ -12,8 +12,8 @@ The authors' checkpoint layout (a folder; loaded as released):
                              (we write reward_head.safetensors with the same keys)
     reward_config.yaml       is_general_preference, add_cross_attention, value_head_dim,
                              general_preference_tau
-The backbone is loaded separately: Phi-3.5-vision (remote code: needs trust_remote_code=True)
-or Qwen2.5-VL (native in transformers).
+The backbone is loaded separately: Phi-3.5-vision (rewards/phi3v.py, a native port of the model
+repository's remote code: no trust_remote_code) or Qwen2.5-VL (native in transformers).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ DEFAULT_CHECKPOINT = f"{CHECKPOINT_REPO}/alignment/llavareward_phi_alignment"
 HEAD_FILES = ("reward_head.safetensors", "pytorch_model.bin")
 REWARD_CONFIG = "reward_config.yaml"
 # model_type -> (our backbone kind, needs remote code)
-BACKBONES = {"phi3_v": ("phi3v", True), "qwen2_5_vl": ("qwen2.5-vl", False)}
+BACKBONES = {"phi3_v": ("phi3v", False), "qwen2_5_vl": ("qwen2.5-vl", False)}  # phi3_v: rewards/phi3v.py
 # RMSNorm eps of the SkipCA norm, as each backbone's own RMSNorm
 NORM_EPS = {"phi3v": 1e-5, "qwen2.5-vl": 1e-6}
 LORA_TARGETS = {
@@ -184,8 +184,10 @@ class LlavaRewardModel(nn.Module):
     def from_base(cls, model: str, skip_cross_attention: bool = True, trust_remote_code: bool = False,
                   value_head_dim: int = 1, dtype: torch.dtype = torch.float32, device=None, processor=None) -> LlavaRewardModel:
         """``processor``: an already built processor (default: the backbone folder's own)."""
-        from transformers import AutoModelForCausalLM, AutoProcessor, Qwen2_5_VLForConditionalGeneration
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+        from rewards.phi3v import load_phi3v
+        from rewards.phi3v_processor import Phi3VInputs
         from rewards.vlm import load_processor
 
         kind = check_backbone(model, trust_remote_code)
@@ -196,9 +198,10 @@ class LlavaRewardModel(nn.Module):
                     processor = load_processor(model)  # works without torchvision too
                     use_authors_qwen_pixel_limits(processor)
             else:
-                mllm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=True, _attn_implementation="eager")
+                # native port of the remote modelling/processing code (rewards/phi3v*.py), no remote code
+                mllm = load_phi3v(model, dtype=dtype)
                 # the authors' setting (16 crops; Phi-3.5-vision's model card suggests 4 for single images)
-                processor = processor or AutoProcessor.from_pretrained(model, trust_remote_code=True, num_crops=PHI35_NUM_CROPS)
+                processor = processor or Phi3VInputs(AutoTokenizer.from_pretrained(model), num_crops=PHI35_NUM_CROPS)
         except OSError as err:
             raise LlavaRewardError(f"cannot load the LLaVA-Reward backbone {model!r}: {err}") from err
         built = cls(mllm, processor, kind, skip_cross_attention, value_head_dim, base_model=model)
@@ -312,12 +315,13 @@ class LlavaRewardModel(nn.Module):
             last = outputs.last_hidden_state
             image_tokens, image_mask = pack_image_tokens(list(image_out.pooler_output))
         else:
-            # Phi-3-vision marks image positions with negative ids; the embeddings there (hidden
-            # state 0) are the projected image tokens at the LLM input.
+            # Phi-3-vision marks image positions with negative ids; the input embeddings there are
+            # the projected image tokens at the LLM input.
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-            outputs = self.mllm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                      output_hidden_states=True, use_cache=False, **vision_inputs)
-            last, embeds = outputs.last_hidden_state, outputs.hidden_states[0]
+            embeds = self.mllm.model.embed_inputs(input_ids, vision_inputs["pixel_values"], vision_inputs["image_sizes"])
+            outputs = self.mllm.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+                                      use_cache=False)
+            last = outputs.last_hidden_state
             image_tokens, image_mask = pack_image_tokens([embeds[i][input_ids[i] < 0] for i in range(len(input_ids))])
         if self.skipca is not None:
             last = self.skipca(last, image_tokens.to(last.dtype), image_mask)
@@ -519,7 +523,7 @@ def LlavaReward(model: str = DEFAULT_CHECKPOINT, base_model: str | None = None, 
                 device=None, dtype: str | torch.dtype = "float32", tau: float | None = None, batch_size: int = 4,
                 tie_margin: float = 0.0, processor=None) -> LlavaRewardJudge:
     """The 'llava-reward' judge: ``model`` is a checkpoint folder (or hub '<owner>/<repo>/<folder>');
-    ``base_model`` the backbone (default: Phi-3.5-vision, which needs trust_remote_code=True)."""
+    ``base_model`` the backbone (default: Phi-3.5-vision, run natively by rewards/phi3v.py)."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     reward_model = load_reward_checkpoint(model, base_model=base_model, trust_remote_code=trust_remote_code, device=device,

@@ -142,7 +142,7 @@ def test_calibrate_reports_bins_and_temperature():
         (["--backbone", "bogus"], "--backbone must be one of clip, blip, mllm"),
         (["--tau", "0"], "--tau must be a positive number"),
         (["--dataset", "testbed-oracle:x"], "testbed-oracle:<pairs>"),
-        (["--backbone", "mllm", "--model", "microsoft/Phi-3.5-vision-instruct"], "trust_remote_code"),
+        (["--backbone", "mllm", "--model", "google-bert/bert-base-uncased"], "supported: Phi-3.5-vision"),
     ],
 )
 def test_bad_config_fails_with_one_clear_message(argv, message, tmp_path, capsys, pairs_file):
