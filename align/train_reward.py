@@ -80,7 +80,7 @@ class RewardTrainConfig:
                            "(LLaVA-Reward)", "model")
     model: str = option("openai/clip-vit-large-patch14", "the backbone: a hub id, a folder, 'testbed' (shapes-clip) "
                         "or testbed:scratch", "model")
-    trust_remote_code: bool = option(False, "run the model repository's own code (Phi-3.5-vision, mllm); off unless "
+    trust_remote_code: bool = option(False, "run the model repository's own code (mllm backbones transformers lacks; Phi-3.5-vision is native); off unless "
                                      "asked", "model")
     skip_cross_attention: bool = option(True, "mllm: SkipCA before the value head (LLaVA-Reward)", "model")
     head_hidden: str = option("256,64", "clip/blip: the MLP head's hidden sizes", "model")
