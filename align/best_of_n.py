@@ -67,6 +67,9 @@ class BestOfNConfig:
     cache_dir: str | None = None  # generated candidates (PNG); share it between runs with other judges
 
     def validate(self) -> None:
+        from align.validation import check_common_inputs
+
+        check_common_inputs(self)
         if self.n < 1:
             raise ConfigError(f"--n must be >= 1, got {self.n}")
         if self.batch_size < 1:
@@ -396,12 +399,13 @@ def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chos
 
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
+    from align.pipeline import ModelLoadError
 
     config = parse_config(BestOfNConfig, argv)
     try:
         check_inputs(config)
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation
-    except ConfigError as err:
+    except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
     print(f"[best_of_n] wrote {Path(config.output_dir) / 'results.json'} and report.html")
     for spec, values in results["curves"].items():

@@ -62,6 +62,9 @@ class EvalConfig:
 
     def validate(self) -> None:
         from align.metrics import CI_METHODS
+        from align.validation import check_common_inputs
+
+        check_common_inputs(self)
 
         if not split_list(self.models):
             raise ConfigError("--models needs at least one model (the base first)")
@@ -634,12 +637,13 @@ def category_table(scores: list, names: list[str], categories: list[str], num_pr
 
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
+    from align.pipeline import ModelLoadError
 
     config = parse_config(EvalConfig, argv)
     try:
         check_inputs(config)
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation
-    except ConfigError as err:
+    except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
     out = Path(config.output_dir)
     print(f"[evaluate] wrote {out / 'results.json'}, {out / 'results.csv'} and {out / 'report.html'}")

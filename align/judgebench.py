@@ -86,6 +86,13 @@ def split_judges(text: str) -> list[str]:
 
 def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
     """Validate everything cheap before any data is generated or any judge is loaded."""
+    from align.cli import ConfigError
+    from align.validation import check_common_inputs
+
+    try:
+        check_common_inputs(config)
+    except ConfigError as err:
+        die(str(err))
     judges = split_judges(config.judges)
     if not judges:
         die("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import yaml
+
+from rewards.secrets import scrub, scrub_text
 
 # The process umask, read once (os.umask can only be read by setting it, which races with other threads).
 _UMASK = os.umask(0)
@@ -38,24 +39,13 @@ def held_out_evals(run_dir: str | Path) -> list[Path]:
     """The held-out scores written during a run (evals/step_N.json), in step order."""
     return sorted((Path(run_dir) / EVALS).glob("step_*.json"), key=eval_step)
 
-# Keys whose values are never written anywhere; values that look like API keys are masked too.
-_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.IGNORECASE)
-_SECRET_VALUE = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|AIza[0-9A-Za-z_\-]{20,}|hf_[A-Za-z0-9]{20,})")
-
-
 class RunFolderError(ValueError):
     pass
 
 
 def scrub_secrets(obj):
-    """A copy of ``obj`` with secret-looking keys and values replaced by '***'."""
-    if isinstance(obj, dict):
-        return {k: ("***" if _SECRET_KEY.search(str(k)) and v else scrub_secrets(v)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(scrub_secrets(v) for v in obj)
-    if isinstance(obj, str):
-        return _SECRET_VALUE.sub("***", obj)
-    return obj
+    """A copy of ``obj`` with secrets masked (rewards.secrets: key-shaped strings, key-holding variables' values)."""
+    return scrub(obj)
 
 
 @contextlib.contextmanager
@@ -83,7 +73,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+    """Every text file a run writes (config, model card, report, scores) passes the secrets scrubber."""
+    atomic_write_bytes(path, scrub_text(text).encode("utf-8"))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -98,6 +98,9 @@ class RewardTrainConfig:
     name: str | None = None  # judge name; default: the output folder's name
 
     def validate(self) -> None:
+        from align.validation import check_common_inputs
+
+        check_common_inputs(self)
         if not self.dataset:
             raise ConfigError("--dataset is required: a Pick-a-Pic-schema parquet/folder/HF dataset of preference pairs")
         if self.backbone not in BACKBONES:
