@@ -43,7 +43,7 @@ from align.ddpo_config import DDPOConfig  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
 from align.evaluate import load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
-from align.runs import COMPILED, RunFolder, RunFolderError, atomic_write_text  # noqa: E402
+from align.runs import RunFolder, RunFolderError, atomic_write_text  # noqa: E402
 from align.sampling import (  # noqa: E402
     check_scheduler_steps,
     ddim_step_mean_std,
@@ -346,14 +346,14 @@ def train(config: DDPOConfig) -> Path:
         # Every weight trains, and compiling ahead of time bakes some small ones into the code.
         sampling_unet = torch.compile(unet)
     elif config.compile_sampling:  # after the LoRA is added: the compiled code reads the UNet's weights at each call
-        from align.compiled_sampling import PACKAGE_FILE, CompiledSamplingUNet, SamplingShapes, ensure_package
+        from align.compiled_sampling import CompiledSamplingUNet, SamplingShapes, ensure_package
 
         rows = config.sample_batch_size * (1 if config.guidance_scale == 1.0 else 2)
         shapes = SamplingShapes((rows, *latent_shape), (rows,), (rows, *negative_embed.shape[1:]), str(negative_embed.dtype))
-        if main:
-            ensure_package(config.model, shapes, accelerator.device, run.path / COMPILED)
+        if main:  # in the per-user cache, never the run folder (native code from a data folder never loads)
+            ensure_package(config.model, shapes, accelerator.device)
         accelerator.wait_for_everyone()  # the other processes load what the main one built
-        sampling_unet = CompiledSamplingUNet(run.path / COMPILED / PACKAGE_FILE, unet, shapes)
+        sampling_unet = CompiledSamplingUNet(ensure_package(config.model, shapes, accelerator.device)[0], unet, shapes)
         error = sampling_unet.check_against_eager()
         if main:
             print(f"[ddpo] compiled sampling UNet for {rows} rows; relative difference from eager {error:.1e}", flush=True)

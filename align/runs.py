@@ -22,7 +22,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
-COMPILED = "compiled"  # --compile_sampling: the compiled sampling UNet, reused on --resume
+COMPILED = "compiled"  # older runs kept compiled code here; never loaded now (align/compiled_sampling.py), --overwrite removes it
 JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so a resumed run asks nothing twice
 
 
@@ -112,7 +112,7 @@ class RunFolder:
         if self.overwrite:
             outputs = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                        "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS,
-                       JUDGE_ANSWERS)
+                       JUDGE_ANSWERS, COMPILED)
             for name in outputs:
                 target = self.path / name
                 if target.is_dir():

@@ -86,6 +86,18 @@ def scrub(obj):
     return obj
 
 
+def check_key_env_name(name) -> None:
+    """``api_key_env=`` names an environment variable; a key pasted there is refused without being repeated."""
+    if name is None:
+        return
+    if not isinstance(name, str) or looks_like_secret(name) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(
+            "api_key_env= must be the NAME of an environment variable that holds the key (e.g. OPENAI_API_KEY); "
+            "the value given is not one (it may be a key itself, so it is not repeated here): put the key in "
+            "the environment and name its variable"
+        )
+
+
 class ScrubbingFilter(logging.Filter):
     """A logging filter that masks secrets in a record's message (its arguments merged in)."""
 
