@@ -6,8 +6,8 @@ What is masked (replaced by ``***``):
 - strings shaped like keys: ``sk-...`` (OpenAI), ``sk-ant-...`` (Anthropic), ``AIza...`` (Google),
   ``hf_...`` (Hugging Face), and long random-looking tokens (24+ characters without a separator mixing
   upper case, lower case and digits; a hex digest, a hub id or a word is not one of them);
-- the current values of the environment variables that hold keys (``KEY_ENV_VARS``), wherever they
-  appear, whatever their shape (values shorter than 8 characters are left alone: they would mask
+- the current values of the environment variables that hold keys (``KEY_ENV_VARS``, and any variable
+  named like one: ``*_API_KEY``, ``*_KEY``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``), wherever they appear, whatever their shape (values shorter than 8 characters are left alone: they would mask
   ordinary words);
 - in mappings (configs): the whole value of a key named like a secret (``api_key``, ``token``, ...).
 
@@ -41,7 +41,7 @@ _KEY_SHAPES = re.compile(
     r"|hf_[A-Za-z0-9]{20,})"  # Hugging Face
 )
 # A long token of key characters, tested below for randomness (mixed case and digits).
-_LONG_TOKEN = re.compile(r"(?<![A-Za-z0-9_\-+/=])[A-Za-z0-9_\-]{24,}(?![A-Za-z0-9_\-+/=])")
+_LONG_TOKEN = re.compile(r"(?<![A-Za-z0-9_\-+/])[A-Za-z0-9_\-]{24,}(?![A-Za-z0-9_\-+/=])")
 
 
 def _random_looking(token: str) -> bool:
@@ -53,9 +53,14 @@ def _random_looking(token: str) -> bool:
     )
 
 
+# Any other variable named like a key holder (MY_JUDGE_KEY, named by a judge's api_key_env=) is masked too.
+_SECRET_ENV_NAME = re.compile(r"(API_?KEY|_KEY$|TOKEN|SECRET|PASSWORD)", re.IGNORECASE)
+
+
 def secret_env_values() -> list[str]:
     """The current values of the key-holding environment variables (long enough to mask safely)."""
-    values = {os.environ.get(name, "").strip() for name in KEY_ENV_VARS}
+    names = set(KEY_ENV_VARS) | {name for name in os.environ if _SECRET_ENV_NAME.search(name)}
+    values = {os.environ.get(name, "").strip() for name in names}
     return sorted((v for v in values if len(v) >= _MIN_ENV_VALUE), key=len, reverse=True)
 
 
