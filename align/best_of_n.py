@@ -183,6 +183,7 @@ def check_inputs(config: BestOfNConfig):
     import rewards
     from align.pipeline import ModelLoadError, check_model
     from align.prompt_sets import PromptSetError, load_prompt_set
+    from align.validation import check_weight_files
 
     config.validate()
     try:
@@ -190,6 +191,9 @@ def check_inputs(config: BestOfNConfig):
             check_model(config.model)
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
+    check_weight_files("--model", config.model)  # a truncated file is named before any generation
+    if config.base_model:
+        check_weight_files("--base_model", config.base_model)
     for spec in [config.reward, *split_list(config.eval_judges)]:
         try:
             rewards.check_name(spec)

@@ -75,10 +75,11 @@ def check_inputs(config: DDPOConfig) -> None:
     import rewards
     from align.data import DataError
     from align.pipeline import ModelLoadError, check_model
+    from align.validation import check_weight_files
 
     config.validate()
     try:
-        check_model(config.model)
+        check_weight_files("--model", check_model(config.model))  # a truncated weights file is named here
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
     for spec in filter(None, (config.reward, config.eval_judge)):

@@ -56,10 +56,11 @@ def check_inputs(config: DPOConfig) -> None:
     """Every bad input that can be found without loading a model or calling a judge."""
     import rewards
     from align.pipeline import ModelLoadError, check_model
+    from align.validation import check_weight_files
 
     config.validate()
     try:
-        check_model(config.model)
+        check_weight_files("--model", check_model(config.model))  # a truncated weights file is named here
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
     for spec in filter(None, (config.reward, config.eval_judge)):

@@ -399,6 +399,7 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
     import rewards
     from align.pipeline import ModelLoadError, resolve_model
     from align.prompt_sets import PromptSetError, load_prompt_set
+    from align.validation import check_weight_files
 
     config.validate()
     models = parse_models(config.models)
@@ -410,6 +411,8 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
         local = path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
         if local and not Path(path).expanduser().exists():
             raise ConfigError(f"model {model.name!r}: no such folder {model.path!r}")
+        if local:
+            check_weight_files(f"--models {model.name}", path)  # a truncated file is named before any generation
     for spec in split_list(config.judges):
         try:
             rewards.check_name(spec)

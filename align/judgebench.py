@@ -29,6 +29,7 @@ from align import judgebench_metrics as M
 from align.cli import die, parse_config
 from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
+from rewards.secrets import scrub_text
 
 
 def _opt(default, help_text: str):
@@ -88,6 +89,7 @@ def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
     """Validate everything cheap before any data is generated or any judge is loaded."""
     from align.cli import ConfigError
     from align.validation import check_common_inputs
+    from rewards.secrets import check_key_env_name
 
     try:
         check_common_inputs(config)
@@ -98,8 +100,9 @@ def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
         die("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
     for spec in judges:
         try:
-            name, _ = rewards.parse_spec(spec)
+            name, options = rewards.parse_spec(spec)
             rewards.check_name(name)
+            check_key_env_name(options.get("api_key_env"))  # a pasted key: refused here, never echoed
         except (ValueError, rewards.UnknownJudgeError) as err:
             die(f"--judges {spec!r}: {err}")
     if len(set(judges)) != len(judges):
@@ -275,6 +278,7 @@ def prepare_data(config: JudgeBenchConfig, subsets: tuple[str, ...]) -> tuple[li
     if config.data == "testbed":
         from align.testbed.mjbench import write_benchmark
 
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         source = str(Path(config.output_dir) / "testbed_benchmark.parquet")
         write_benchmark(
             source,
@@ -292,11 +296,11 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
     from tqdm.auto import tqdm
 
     judge_specs, subsets = check_config(config)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     try:
         samples, base_dir, source = prepare_data(config, subsets)
     except BenchDataError as err:
         die(str(err))
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)  # after the data is read: a bad --data writes nothing
     pairs = [s for s in samples if s.is_pair]
     bias = [s for s in samples if not s.is_pair]
     found = sorted({s.category for s in samples})
@@ -310,7 +314,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
         try:
             judge = load_judge(spec)  # API key and model id checked before any paid call
         except Exception as err:  # missing weights, key or SDK: skip this judge, keep the others
-            print(f"error: judge {spec!r} could not be loaded: {err}")
+            print(scrub_text(f"error: judge {spec!r} could not be loaded: {err}"))
             failed.append(spec)
             continue
         try:
@@ -318,7 +322,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
             with tqdm(total=total, desc=spec, leave=False) as bar:
                 run = run_judge(spec, judge, pairs, bias, base_dir, config.tie_threshold, config.batch_size, bar)
         except Exception as err:  # e.g. an oracle that cannot parse this data's captions
-            print(f"error: judge {spec!r} failed on the benchmark: {type(err).__name__}: {err}")
+            print(scrub_text(f"error: judge {spec!r} failed on the benchmark: {type(err).__name__}: {err}"))
             failed.append(spec)
             continue
         finally:

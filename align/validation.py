@@ -121,10 +121,22 @@ def check_writable_dir(name: str, path: str | Path) -> Path:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         raise ConfigError(f"{flag(name)} {str(path)!r}: {str(existing)!r} is a file, so no folder can be made there")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not os.access(existing, os.W_OK | os.X_OK) or not _can_create_in(existing):
         where = "it" if existing == path else f"its parent {str(existing)!r}"
-        raise ConfigError(f"{flag(name)} {str(path)!r}: no permission to write into {where}; choose a writable folder")
+        raise ConfigError(f"{flag(name)} {str(path)!r}: cannot write into {where}; choose a writable folder")
     return path
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a folder can really be made here (os.access says yes to root on read-only or virtual file
+    systems such as /proc): an empty probe folder, removed at once."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".t2i-align-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def read_text_file(name: str, path: str | Path, what: str = "text file") -> str:
@@ -147,3 +159,39 @@ def check_common_inputs(config) -> None:
     check_config_values(config)
     if getattr(config, "output_dir", None):
         check_writable_dir("output_dir", config.output_dir)
+
+
+def check_parquet_columns(name: str, path: str | Path, columns: tuple[str, ...]) -> None:
+    """A local .parquet file is readable as parquet (its footer, not its rows) and has ``columns``."""
+    path = check_readable_file(name, path, "parquet file")
+    import pyarrow.parquet as pq
+
+    try:
+        found = pq.read_schema(path).names
+    except Exception as err:  # pyarrow's errors: ArrowInvalid, OSError, ...
+        raise ConfigError(f"{flag(name)} {str(path)!r} is not a readable parquet file ({' '.join(str(err).split())})") from None
+    missing = [c for c in columns if c not in found]
+    if missing:
+        raise ConfigError(
+            f"{flag(name)} {str(path)!r} lacks the column(s) {', '.join(missing)}; needed: {', '.join(columns)} "
+            f"(found: {', '.join(found)})"
+        )
+
+
+def check_weight_files(name: str, folder: str | Path) -> None:
+    """Every .safetensors file of a local model folder (and its subfolders one level down: unet/, final/) has an
+    intact header covering the whole file: a truncated or corrupt weights file is named here, before any work."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        return  # a hub id, or a path that the model's own check reports
+    from safetensors import safe_open
+
+    for weights in sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")]):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as err:  # safetensors' SafetensorError, OSError
+            raise ConfigError(
+                f"{flag(name)}: the weights file {str(weights)!r} is truncated or corrupt ({' '.join(str(err).split())}); "
+                "save or download it again"
+            ) from None
