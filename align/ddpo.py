@@ -670,10 +670,12 @@ Weights: {weights}.
 
 
 def main(argv: list[str] | None = None) -> None:
+    from align.pipeline import ModelLoadError
+
     config = parse_config(DDPOConfig, argv)
     try:
         train(config)
-    except (ConfigError, RunFolderError) as err:
+    except (ConfigError, RunFolderError, ModelLoadError) as err:  # ModelLoadError: one line naming the model's files
         die(str(err))
     except (TrainingStopped, RewardError, CompileError) as err:
         die(str(err), code=3)

@@ -478,10 +478,12 @@ def write_run_report(run: RunFolder, config: DPOConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from align.pipeline import ModelLoadError
+
     config = parse_config(DPOConfig, argv)
     try:
         train(config)
-    except (ConfigError, RunFolderError) as err:
+    except (ConfigError, RunFolderError, ModelLoadError) as err:  # ModelLoadError: one line naming the model's files
         die(str(err))
     except TrainingStopped as err:
         die(str(err), code=3)

@@ -58,6 +58,8 @@ def _type_ok(value, allowed: tuple[type, ...]) -> bool:
         return bool in allowed
     if isinstance(value, int) and float in allowed:  # 1 where 1.0 goes
         return True
+    if isinstance(value, os.PathLike) and str in allowed:  # a Path where a path string goes
+        return True
     return isinstance(value, tuple(t for t in allowed if t is not bool))
 
 

@@ -372,3 +372,18 @@ def test_library_entry_points_raise_the_same_messages(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="--zo_radius must be a finite number"):
         best_of_n.best_of_n(BestOfNConfig(model=tiny_model, reward="shapes-oracle", zo_radius=float("nan"), output_dir=out))
     assert not (tmp_path / "out").exists()
+
+
+def test_weights_never_load_through_pickle_code():
+    """Weights load from safetensors or torch.load(weights_only=True); no module unpickles anything itself."""
+    import re
+
+    calls = []
+    for source in [*ROOT.glob("align/**/*.py"), *ROOT.glob("rewards/**/*.py"), *ROOT.glob("scripts/**/*.py")]:
+        text = source.read_text(encoding="utf-8")
+        assert not re.search(r"^\s*(import pickle|from pickle|import dill|import joblib)", text, re.M), source
+        assert "allow_pickle=True" not in text and "use_safetensors=False" not in text, source
+        for match in re.finditer(r"torch\.load\(([^()]|\([^()]*\))*\)", text):
+            calls.append(match.group(0))
+            assert "weights_only=True" in match.group(0), (source, match.group(0))
+    assert calls  # the pattern does find the two checkpoint readers
