@@ -67,9 +67,11 @@ class BestOfNConfig:
     cache_dir: str | None = None  # generated candidates (PNG); share it between runs with other judges
 
     def validate(self) -> None:
-        from align.validation import check_common_inputs
+        from align.validation import check_common_inputs, check_writable_dir
 
         check_common_inputs(self)
+        if self.cache_dir:
+            check_writable_dir("cache_dir", self.cache_dir)
         if self.n < 1:
             raise ConfigError(f"--n must be >= 1, got {self.n}")
         if self.batch_size < 1:

@@ -98,9 +98,10 @@ class RewardTrainConfig:
     name: str | None = None  # judge name; default: the output folder's name
 
     def validate(self) -> None:
-        from align.validation import check_common_inputs
+        from align.validation import check_common_inputs, check_optimiser_ranges
 
         check_common_inputs(self)
+        check_optimiser_ranges(self)
         if not self.dataset:
             raise ConfigError("--dataset is required: a Pick-a-Pic-schema parquet/folder/HF dataset of preference pairs")
         if self.backbone not in BACKBONES:

@@ -197,3 +197,17 @@ def check_weight_files(name: str, folder: str | Path) -> None:
                 f"{flag(name)}: the weights file {str(weights)!r} is truncated or corrupt ({' '.join(str(err).split())}); "
                 "save or download it again"
             ) from None
+
+
+def check_optimiser_ranges(config) -> None:
+    """AdamW's settings, under whichever of the usual names a config has: betas in [0, 1), epsilon > 0, weight
+    decay and gradient-norm clip >= 0 (0: no clipping), dropouts in [0, 1), a warmup ratio in [0, 1]."""
+    bounds = {
+        "adam_beta1": dict(low=0, high=1, high_open=True), "adam_beta2": dict(low=0, high=1, high_open=True),
+        "adam_epsilon": dict(low=0, low_open=True), "adam_weight_decay": dict(low=0), "weight_decay": dict(low=0),
+        "max_grad_norm": dict(low=0), "head_dropout": dict(low=0, high=1, high_open=True),
+        "lora_dropout": dict(low=0, high=1, high_open=True), "lr_warmup_ratio": dict(low=0, high=1),
+    }
+    for name, bound in bounds.items():
+        if hasattr(config, name):
+            check_range(name, getattr(config, name), **bound)

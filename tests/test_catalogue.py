@@ -191,6 +191,12 @@ CASES = [
     Case("eval-num-prompts-zero", "evaluate", flags("evaluate", "--num_prompts", "0"), ("--num_prompts",)),
     Case("dpo-overwrite-not-bool", "dpo", flags("dpo", "--overwrite", "maybe"), ("overwrite",)),
     Case("dpo-images-per-prompt-1", "dpo", flags("dpo", "--images_per_prompt", "1"), ("--images_per_prompt", ">= 2")),
+    Case("dpo-adam-beta2-one", "dpo", flags("dpo", "--adam_beta2", "1.0"), ("--adam_beta2", "[0, 1)")),
+    Case("ddpo-epsilon-zero", "ddpo", flags("ddpo", "--adam_epsilon", "0"), ("--adam_epsilon", "> 0")),
+    Case("reward-warmup-ratio", "train_reward", flags("train_reward", "--lr_warmup_ratio", "2"), ("--lr_warmup_ratio",)),
+    Case("reward-lora-dropout", "train_reward", flags("train_reward", "--lora_dropout", "1"), ("--lora_dropout",)),
+    Case("bon-cache-under-file", "best_of_n", flags("best_of_n", "--cache_dir", lambda ws: ws.a_file + "/c"),
+         ("--cache_dir", "a_file.txt")),
     # --- typos and wrong choices ---
     Case("dpo-flag-typo", "dpo", flags("dpo", "--learnig_rate", "1e-5"), ("learnig_rate",)),
     Case("dpo-loss-choice", "dpo", flags("dpo", "--loss", "ipo"), ("--loss", "dpo or sft")),
