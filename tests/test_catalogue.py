@@ -393,3 +393,15 @@ def test_weights_never_load_through_pickle_code():
             calls.append(match.group(0))
             assert "weights_only=True" in match.group(0), (source, match.group(0))
     assert calls  # the pattern does find the two checkpoint readers
+
+
+def test_overwrite_leaves_no_compiled_code_in_the_run(tmp_path):
+    """Older versions kept compiled sampling code in <run>/compiled/; it is never loaded, and --overwrite removes it."""
+    from align.runs import COMPILED, RunFolder
+
+    run = tmp_path / "run"
+    (run / COMPILED).mkdir(parents=True)
+    (run / COMPILED / "sampling_unet.pt2").write_bytes(b"native code from someone else")
+    (run / "config.yaml").write_text("model: testbed\n")
+    RunFolder(run, overwrite=True).prepare()
+    assert not (run / COMPILED).exists()
