@@ -441,8 +441,8 @@ def evaluate(config: EvalConfig) -> dict:
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
     seeds = parse_seeds(config.seeds)
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(config.output_dir)  # made by the first file written (atomic writes create folders), so a model
+    # that fails to load leaves nothing behind
     device = resolve_device(config.device)
     base_for_adapters = config.base_model or models[0].path
     settings = sampling_settings(config, base_for_adapters)

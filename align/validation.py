@@ -182,11 +182,21 @@ def check_parquet_columns(name: str, path: str | Path, columns: tuple[str, ...])
 
 def check_weight_files(name: str, folder: str | Path) -> None:
     """Every .safetensors file of a local model folder (and its subfolders one level down: unet/, final/) has an
-    intact header covering the whole file: a truncated or corrupt weights file is named here, before any work."""
+    intact header covering the whole file, and every .json file there (model_index.json, config.json, ...) parses:
+    a truncated or corrupt model file is named here, before any work."""
+    import json
+
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         return  # a hub id, or a path that the model's own check reports
     from safetensors import safe_open
+
+    for config in sorted([*folder.glob("*.json"), *folder.glob("*/*.json")]):
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ConfigError(f"{flag(name)}: the model file {str(config)!r} is not valid JSON ({err}); save or "
+                              "download it again") from None
 
     for weights in sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")]):
         try:

@@ -38,6 +38,7 @@ class Workspace:
     model: str  # a tiny pipeline folder
     truncated_model: str  # the same with its UNet weights cut short
     corrupt_lora_run: str  # a LoRA folder whose weights file is garbage
+    broken_config_model: str  # a pipeline whose unet/config.json is cut short
 
     def __getattr__(self, name):  # ws.prompts -> the path of the file made for it, as a string
         return str(self.root / FILES[name])
@@ -99,7 +100,10 @@ def ws(tiny_model, tmp_path_factory):
     lora = root / "corrupt_lora"
     lora.mkdir()
     (lora / "pytorch_lora_weights.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
-    return Workspace(root, tiny_model, str(truncated), str(lora))
+    broken = root / "broken_config_model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "unet" / "config.json").write_text('{"_class_name": "UNet2DConditionModel", "block_out')
+    return Workspace(root, tiny_model, str(truncated), str(lora), str(broken))
 
 
 def snapshot(root: Path) -> dict:
@@ -279,6 +283,12 @@ CASES = [
          ("diffusion_pytorch_model.safetensors",)),
     Case("bon-model-truncated", "best_of_n", flags("best_of_n", "--model", lambda ws: ws.truncated_model),
          ("diffusion_pytorch_model.safetensors",)),
+    Case("eval-model-config-cut", "evaluate", flags("evaluate", "--models", lambda ws: ws.broken_config_model),
+         ("broken_config_model",)),
+    Case("bon-model-config-cut", "best_of_n", flags("best_of_n", "--model", lambda ws: ws.broken_config_model),
+         ("broken_config_model",)),
+    Case("dpo-model-config-cut", "dpo", flags("dpo", "--model", lambda ws: ws.broken_config_model),
+         ("broken_config_model",)),
     Case("eval-lora-corrupt", "evaluate",
          flags("evaluate", "--models", lambda ws: f"{ws.model},{ws.corrupt_lora_run}"), ("pytorch_lora_weights",)),
     Case("eval-model-missing", "evaluate", flags("evaluate", "--models", lambda ws: f"{ws.model},{ws.missing}"),
