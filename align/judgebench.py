@@ -26,7 +26,7 @@ from pathlib import Path
 
 import rewards
 from align import judgebench_metrics as M
-from align.cli import die, parse_config
+from align.cli import ConfigError, die, parse_config
 from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
 from rewards.secrets import scrub_text
@@ -86,42 +86,38 @@ def split_judges(text: str) -> list[str]:
 
 
 def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
-    """Validate everything cheap before any data is generated or any judge is loaded."""
-    from align.cli import ConfigError
+    """Validate everything cheap before any data is generated or any judge is loaded; ConfigError (one line) if not."""
     from align.validation import check_common_inputs
     from rewards.secrets import check_key_env_name
 
-    try:
-        check_common_inputs(config)
-    except ConfigError as err:
-        die(str(err))
+    check_common_inputs(config)
     judges = split_judges(config.judges)
     if not judges:
-        die("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
+        raise ConfigError("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
     for spec in judges:
         try:
             name, options = rewards.parse_spec(spec)
             rewards.check_name(name)
             check_key_env_name(options.get("api_key_env"))  # a pasted key: refused here, never echoed
         except (ValueError, rewards.UnknownJudgeError) as err:
-            die(f"--judges {spec!r}: {err}")
+            raise ConfigError(f"--judges {spec!r}: {err}") from None
     if len(set(judges)) != len(judges):
-        die(f"--judges lists a judge twice: {config.judges}")
+        raise ConfigError(f"--judges lists a judge twice: {config.judges}")
     subsets = tuple(s.strip() for s in config.subsets.split(",") if s.strip())
     bad = [s for s in subsets if s not in SUBSETS]
     if bad or not subsets:
-        die(f"--subsets {config.subsets!r}: unknown {', '.join(bad) or '(empty)'}; valid: {', '.join(SUBSETS)}")
+        raise ConfigError(f"--subsets {config.subsets!r}: unknown {', '.join(bad) or '(empty)'}; valid: {', '.join(SUBSETS)}")
     if config.tie_threshold < 0 or math.isnan(config.tie_threshold):
-        die(f"--tie-threshold must be >= 0, got {config.tie_threshold}")
+        raise ConfigError(f"--tie-threshold must be >= 0, got {config.tie_threshold}")
     if config.limit is not None and config.limit <= 0:
-        die(f"--limit must be a positive number of rows per subset, got {config.limit}")
+        raise ConfigError(f"--limit must be a positive number of rows per subset, got {config.limit}")
     if config.batch_size <= 0:
-        die(f"--batch-size must be positive, got {config.batch_size}")
+        raise ConfigError(f"--batch-size must be positive, got {config.batch_size}")
     if config.testbed_pairs <= 0 or config.testbed_bias_groups < 0:
-        die("--testbed-pairs must be positive and --testbed-bias-groups >= 0")
+        raise ConfigError("--testbed-pairs must be positive and --testbed-bias-groups >= 0")
     out = Path(config.output_dir)
     if (out / "leaderboard.csv").exists() and not config.overwrite:
-        die(f"--output-dir {out} already holds a judge benchmark; pass --overwrite or choose another folder")
+        raise ConfigError(f"--output-dir {out} already holds a judge benchmark; pass --overwrite or choose another folder")
     return judges, subsets
 
 
@@ -299,7 +295,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
     try:
         samples, base_dir, source = prepare_data(config, subsets)
     except BenchDataError as err:
-        die(str(err))
+        raise ConfigError(str(err)) from None
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)  # after the data is read: a bad --data writes nothing
     pairs = [s for s in samples if s.is_pair]
     bias = [s for s in samples if not s.is_pair]
@@ -639,7 +635,10 @@ def _pct(value) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(JudgeBenchConfig, argv)
-    benchmark(config)
+    try:
+        benchmark(config)  # as a library call, a bad input is a ConfigError (a ValueError) with the same line
+    except ConfigError as err:
+        die(str(err))
 
 
 if __name__ == "__main__":

@@ -385,6 +385,10 @@ def test_library_entry_points_raise_the_same_messages(tiny_model, tmp_path):
         train_reward.train(RewardTrainConfig(dataset="testbed-oracle:8", learning_rate=float("inf"), output_dir=out))
     with pytest.raises(TypeError, match="--batch_size must be an integer"):
         evaluate.evaluate(EvalConfig(models=tiny_model, judges="shapes-oracle", batch_size="8", output_dir=out))
+    with pytest.raises(ValueError, match="--tie_threshold must be a finite number"):
+        judgebench.benchmark(judgebench.JudgeBenchConfig(judges="random", tie_threshold=float("nan"), output_dir=out))
+    with pytest.raises(ValueError, match="unknown judge 'nosuch'"):
+        judgebench.benchmark(judgebench.JudgeBenchConfig(judges="nosuch", output_dir=out))
     with pytest.raises(ValueError, match="--zo_radius must be a finite number"):
         best_of_n.best_of_n(BestOfNConfig(model=tiny_model, reward="shapes-oracle", zo_radius=float("nan"), output_dir=out))
     assert not (tmp_path / "out").exists()
