@@ -76,6 +76,11 @@ class BestOfNConfig:
                                  "judge")
 
     def validate(self) -> None:
+        from align.validation import check_common_inputs, check_writable_dir
+
+        check_common_inputs(self)
+        if self.cache_dir:
+            check_writable_dir("cache_dir", self.cache_dir)
         if self.n < 1:
             raise ConfigError(f"--n must be >= 1, got {self.n}")
         if self.batch_size < 1:
@@ -192,6 +197,7 @@ def check_inputs(config: BestOfNConfig):
     import rewards
     from align.pipeline import ModelLoadError, check_model
     from align.prompt_sets import PromptSetError, load_prompt_set
+    from align.validation import check_weight_files
 
     config.validate()
     try:
@@ -199,6 +205,9 @@ def check_inputs(config: BestOfNConfig):
             check_model(config.model)
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
+    check_weight_files("--model", config.model)  # a truncated file is named before any generation
+    if config.base_model:
+        check_weight_files("--base_model", config.base_model)
     for spec in [config.reward, *split_list(config.eval_judges)]:
         try:
             rewards.check_name(spec)
@@ -414,6 +423,7 @@ def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chos
 
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
+    from align.pipeline import ModelLoadError
     from align.quiet import quiet_output
 
     config = parse_config(BestOfNConfig, argv, description=__doc__)
@@ -421,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_inputs(config)
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation
-    except ConfigError as err:
+    except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
     print(f"[best_of_n] wrote {Path(config.output_dir) / 'results.json'} and report.html")
     for spec, values in results["curves"].items():

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import dataclasses
+import io
 import re
 import sys
 from dataclasses import field
@@ -44,7 +46,9 @@ class ConfigError(ValueError):
 
 
 def die(message: str, code: int = 2) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    from rewards.secrets import scrub_text
+
+    print(f"error: {scrub_text(message)}", file=sys.stderr, flush=True)  # a key echoed in a message stays hidden
     raise SystemExit(code)
 
 
@@ -147,6 +151,8 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
     --help prints and exits 0; a bad flag, value or YAML file prints one line and exits 2."""
     import yaml
 
+    from rewards.secrets import scrub_text
+
     argv = list(sys.argv[1:] if argv is None else argv)
     fields = {f.name for f in dataclasses.fields(config_class)}
     if "--config" in argv:
@@ -157,7 +163,7 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
         if not path.is_file():
             die(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(read_config_text(path)) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -171,8 +177,10 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
             )
         apply_thread_count(data.get("env"), path)
     parser = build_parser(config_class, description)
+    messages = io.StringIO()  # argparse's own messages, scrubbed: a key typed as a flag is not echoed
     try:
-        (config,) = parser.parse_args_and_config(argv)
+        with contextlib.redirect_stderr(messages):
+            (config,) = parser.parse_args_and_config(argv)
     except SystemExit as exit_:
         # --help exits 0; argparse already printed its one-line message for a bad flag or value (exit 2).
         raise SystemExit(0 if exit_.code in (0, None) else 2) from None
@@ -181,7 +189,32 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
         if leftover:  # HfArgumentParser's words for an unknown flag
             die(f"unknown option(s) {' '.join(ast.literal_eval(leftover.group(1)))} (see {parser.prog} --help)")
         die(str(err))
+    finally:
+        sys.stderr.write(scrub_text(messages.getvalue()))
+    check_parsed_values(config)
     return config
+
+
+def read_config_text(path: Path) -> str:
+    from align.validation import read_text_file
+
+    try:
+        return read_text_file("--config", path, "YAML file")
+    except ConfigError as err:
+        die(str(err))
+
+
+def check_parsed_values(config) -> None:
+    """Parse-time checks every command shares (align.validation): types and finite floats (NaN passes
+    ``x <= 0``), before any config or run folder is written; and secrets masked in every log record."""
+    from align.validation import check_config_values
+    from rewards.secrets import install_log_scrubber
+
+    install_log_scrubber()
+    try:
+        check_config_values(config)
+    except ConfigError as err:
+        die(str(err))
 
 
 def config_to_dict(config) -> dict:

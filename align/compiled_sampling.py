@@ -4,7 +4,15 @@ Why a child process: compiling in the trainer (torch.compile) imports dynamo and
 their graphs, 100-140 MB more peak memory on the testbed UNet; the child exits once it has written the
 package, and the trainer only maps the compiled library (~10 MB on the testbed UNet). The package holds the code, not the
 weights: every call binds the UNet's current weights (a LoRA merged into them while sampling), so one
-package serves the whole run. It is kept in the run folder, and `--resume` reuses it.
+package serves the whole run.
+
+A package is native code, so it never lives in (or loads from) a run folder, which may come from
+someone else: packages live in a per-user cache (``cache_root()``: $T2I_ALIGN_CACHE/compiled, else
+$XDG_CACHE_HOME/t2i-align/compiled, else ~/.cache/t2i-align/compiled; a 0700 folder owned by this user),
+one folder per sha256 of what produced it (the UNet's config, shapes, dtype, device, torch version).
+The cache's index.json, written by this user at build time, records the sha256 of each package's bytes;
+a package loads only if its bytes still hash to that record (``check_built_here``), so a file planted
+or swapped anywhere, the cache included, is refused.
 
 Shapes are fixed at export (a dynamic batch gets guards from the UNet's kernels that narrow its range):
 the compiled code takes the sampling batch exactly, any other call runs the eager UNet.
@@ -15,6 +23,8 @@ the compiled code takes the sampling batch exactly, any other call runs the eage
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -26,7 +36,8 @@ from types import SimpleNamespace
 import torch
 
 PACKAGE_FILE = "sampling_unet.pt2"
-KEY_FILE = "sampling_unet.json"
+KEY_FILE = "sampling_unet.json"  # beside the package: what it was built for (for people; the index is what is trusted)
+INDEX_FILE = "index.json"  # in the cache root: entry folder -> sha256 of the package built there
 _PREFIX = "unet."  # the exported wrapper's attribute, first in every weight's name
 
 
@@ -89,26 +100,122 @@ def build_package(model: str, shapes: SamplingShapes, device: str, out: Path) ->
     os.replace(tmp, out)
 
 
+def cache_root() -> Path:
+    """The per-user folder of compiled packages (see the module docstring); created 0700 when first used."""
+    base = os.environ.get("T2I_ALIGN_CACHE")
+    if base:
+        return Path(base).expanduser() / "compiled"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "t2i-align" / "compiled"
+
+
+def _private_folder(root: Path) -> Path:
+    """``root``, created 0700 if missing; refused if another user owns it or others may write into it."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = root.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise CompileError(
+            f"the compiled-code cache {root} is not private to this user (owner uid {info.st_uid}, mode "
+            f"{oct(info.st_mode & 0o777)}); make it yours with mode 0700 or set T2I_ALIGN_CACHE to another folder"
+        )
+    return root
+
+
+def _model_fingerprint(model: str) -> dict:
+    """What of the model the compiled code depends on: its UNet's architecture (the weights are bound at
+    every call, so they are not part of it)."""
+    from align.pipeline import ModelLoadError, check_model
+
+    try:
+        resolved = check_model(model)
+    except ModelLoadError as err:
+        raise CompileError(f"compiling the sampling UNet failed: {err}") from None
+    config = Path(resolved).expanduser() / "unet" / "config.json"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
+    return {"model": model, "unet_config_sha256": digest}
+
+
 def _package_key(model: str, shapes: SamplingShapes, device: torch.device) -> dict:
-    key = {"model": model, **asdict(shapes), "device": device.type, "torch": torch.__version__}
+    key = {**_model_fingerprint(model), **asdict(shapes), "device": device.type, "torch": torch.__version__}
     return json.loads(json.dumps(key))  # tuples as lists, as read back from the file
 
 
-def ensure_package(model: str, shapes: SamplingShapes, device: torch.device, folder: Path) -> tuple[Path, float | None]:
-    """The package for these shapes in ``folder``, built by a child process unless it is already there.
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    """One writer of the index at a time (processes of one run, or two runs, building at once)."""
+    import fcntl
+
+    with open(root / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read_index(root: Path) -> dict:
+    path = root / INDEX_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}  # unreadable: treated as empty, so every package is rebuilt rather than trusted
+
+
+def _record(root: Path, entry: str, package: Path) -> None:
+    with _locked(root):
+        index = _read_index(root)
+        index[entry] = {"sha256": _file_sha256(package)}
+        tmp = root / f".{INDEX_FILE}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(index, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, root / INDEX_FILE)
+
+
+def check_built_here(package: str | Path) -> Path:
+    """``package`` if this user's cache index records it with exactly these bytes; else CompileError.
+
+    This is the one gate before native code loads: a package in a run folder, a copied one, or one whose
+    bytes changed since it was built here is refused."""
+    package = Path(package).resolve()
+    root = package.parent.parent
+    refused = f"refusing to load compiled code {package}: it was not built on this machine by this user"
+    if package.name != PACKAGE_FILE or not (root / INDEX_FILE).is_file():
+        raise CompileError(refused + f" (only packages in the private cache {cache_root()} are loaded)")
+    _private_folder(root)
+    recorded = _read_index(root).get(package.parent.name, {}).get("sha256")
+    if not recorded or not package.is_file() or _file_sha256(package) != recorded:
+        raise CompileError(refused + " (its bytes do not match the cache's record)")
+    return package
+
+
+def ensure_package(model: str, shapes: SamplingShapes, device: torch.device, cache: Path | None = None) -> tuple[Path, float | None]:
+    """The package for these shapes in the per-user ``cache`` (default: ``cache_root()``), built by a child
+    process unless one built here for the same key is already there.
 
     Returns its path and the child's CPU seconds (None when an existing package was reused)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    package, key_file = folder / PACKAGE_FILE, folder / KEY_FILE
+    root = _private_folder(Path(cache) if cache is not None else cache_root())
     key = _package_key(model, shapes, device)
-    if package.is_file() and key_file.is_file() and json.loads(key_file.read_text()) == key:
-        return package, None
+    entry = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    folder = root / entry
+    package, key_file = folder / PACKAGE_FILE, folder / KEY_FILE
+    with contextlib.suppress(CompileError):
+        return check_built_here(package), None
+    folder.mkdir(exist_ok=True, mode=0o700)
     key_file.unlink(missing_ok=True)
     package.unlink(missing_ok=True)
-    print(f"[compile] compiling the sampling UNet for inputs {shapes.sample} in a child process (once per run; "
+    print(f"[compile] compiling the sampling UNet for inputs {shapes.sample} in a child process (once per machine; "
           "about 30 CPU-s for the testbed UNet, minutes for SD v1.5) ...", flush=True)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    root_dir = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root_dir, os.environ.get("PYTHONPATH")]))}
     argv = [
         sys.executable, "-m", "align.compiled_sampling", "--model", model, "--out", str(package), "--device", str(device),
         "--sample", ",".join(map(str, shapes.sample)), "--timestep", ",".join(map(str, shapes.timestep)),
@@ -120,6 +227,7 @@ def ensure_package(model: str, shapes: SamplingShapes, device: torch.device, fol
     if result.returncode != 0 or not package.is_file():
         raise CompileError(f"compiling the sampling UNet failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     key_file.write_text(json.dumps(key, indent=1) + "\n")
+    _record(root, entry, package)
     cpu_seconds = (after.children_user - before.children_user) + (after.children_system - before.children_system)
     print(f"[compile] sampling UNet compiled in a child process: {after.elapsed - before.elapsed:.0f} s, "
           f"{cpu_seconds:.0f} CPU-s", flush=True)
@@ -150,6 +258,7 @@ class CompiledSamplingUNet:
         from peft.tuners.lora import LoraLayer
 
         self.unet, self.shapes = unet, shapes
+        package = check_built_here(package)  # native code: only what this user built on this machine
         # The C++ loader that torch._inductor.aoti_load_package wraps: that wrapper imports inductor's
         # Python package (~6 MB resident, which the out-of-process build exists to avoid) and re-parses
         # the call's tree spec on every call (~7 ms on the testbed UNet, a fifth of the compiled call).

@@ -45,7 +45,6 @@ from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
 from align.quiet import quiet_output  # noqa: E402
 from align.runs import (  # noqa: E402
-    COMPILED,
     RunFolder,
     RunFolderError,
     atomic_folder,
@@ -87,11 +86,12 @@ def check_inputs(config: DDPOConfig) -> None:
     import rewards
     from align.data import DataError
     from align.pipeline import ModelLoadError, check_model
+    from align.validation import check_weight_files
 
     config.validate()
     adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
     try:
-        check_model(config.model)
+        check_weight_files("--model", check_model(config.model))  # a truncated weights file is named here
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
     for spec in filter(None, (config.reward, config.eval_judge)):
@@ -343,14 +343,14 @@ def train(config: DDPOConfig) -> Path:
         # Every weight trains, and compiling ahead of time bakes some small ones into the code.
         sampling_unet = torch.compile(unet)
     elif config.compile_sampling:  # after the LoRA is added: the compiled code reads the UNet's weights at each call
-        from align.compiled_sampling import PACKAGE_FILE, CompiledSamplingUNet, SamplingShapes, ensure_package
+        from align.compiled_sampling import CompiledSamplingUNet, SamplingShapes, ensure_package
 
         rows = config.sample_batch_size * (1 if config.guidance_scale == 1.0 else 2)
         shapes = SamplingShapes((rows, *latent_shape), (rows,), (rows, *negative_embed.shape[1:]), str(negative_embed.dtype))
-        if main:
-            ensure_package(config.model, shapes, accelerator.device, run.path / COMPILED)
+        if main:  # in the per-user cache, never the run folder (native code from a data folder never loads)
+            ensure_package(config.model, shapes, accelerator.device)
         accelerator.wait_for_everyone()  # the other processes load what the main one built
-        sampling_unet = CompiledSamplingUNet(run.path / COMPILED / PACKAGE_FILE, unet, shapes)
+        sampling_unet = CompiledSamplingUNet(ensure_package(config.model, shapes, accelerator.device)[0], unet, shapes)
         error = sampling_unet.check_against_eager()
         if main:
             print(f"[ddpo] compiled sampling UNet for {rows} rows; relative difference from eager {error:.1e}", flush=True)
@@ -670,11 +670,13 @@ Weights: {weights}.
 
 
 def main(argv: list[str] | None = None) -> None:
+    from align.pipeline import ModelLoadError
+
     config = parse_config(DDPOConfig, argv, description=__doc__)
     quiet_output(config.quiet)
     try:
         train(config)
-    except (ConfigError, RunFolderError) as err:
+    except (ConfigError, RunFolderError, ModelLoadError) as err:  # ModelLoadError: one line naming the model's files
         die(str(err))
     except (TrainingStopped, RewardError, CompileError) as err:
         die(str(err), code=3)

@@ -118,6 +118,10 @@ class DDPOConfig:
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
+        from align.validation import check_common_inputs, check_optimiser_ranges
+
+        check_common_inputs(self)
+        check_optimiser_ranges(self)
         if not self.prompts:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
         if not self.max_api_cost >= 0:

@@ -69,11 +69,12 @@ def check_inputs(config: DPOConfig) -> None:
     """Every bad input that can be found without loading a model or calling a judge."""
     import rewards
     from align.pipeline import ModelLoadError, check_model
+    from align.validation import check_weight_files
 
     config.validate()
     adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
     try:
-        check_model(config.model)
+        check_weight_files("--model", check_model(config.model))  # a truncated weights file is named here
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
     for spec in filter(None, (config.reward, config.eval_judge)):
@@ -526,11 +527,13 @@ def write_run_report(run: RunFolder, config: DPOConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from align.pipeline import ModelLoadError
+
     config = parse_config(DPOConfig, argv, description=__doc__)
     quiet_output(config.quiet)
     try:
         train(config)
-    except (ConfigError, RunFolderError) as err:
+    except (ConfigError, RunFolderError, ModelLoadError) as err:  # ModelLoadError: one line naming the model's files
         die(str(err))
     except TrainingStopped as err:
         die(str(err), code=3)

@@ -111,6 +111,10 @@ class DPOConfig:
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
+        from align.validation import check_common_inputs, check_optimiser_ranges
+
+        check_common_inputs(self)
+        check_optimiser_ranges(self)
         if bool(self.reward) == bool(self.dataset):
             raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset (offline pairs)")
         if self.beta <= 0 or not math.isfinite(self.beta):

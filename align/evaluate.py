@@ -74,6 +74,9 @@ class EvalConfig:
 
     def validate(self) -> None:
         from align.metrics import CI_METHODS
+        from align.validation import check_common_inputs
+
+        check_common_inputs(self)
 
         if not split_list(self.models):
             raise ConfigError("--models needs at least one model (the base first)")
@@ -409,6 +412,7 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
     import rewards
     from align.pipeline import ModelLoadError, resolve_model
     from align.prompt_sets import PromptSetError, load_prompt_set
+    from align.validation import check_weight_files
 
     config.validate()
     models = parse_models(config.models)
@@ -420,6 +424,8 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
         local = path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
         if local and not Path(path).expanduser().exists():
             raise ConfigError(f"model {model.name!r}: no such folder {model.path!r}")
+        if local:
+            check_weight_files(f"--models {model.name}", path)  # a truncated file is named before any generation
     for spec in split_list(config.judges):
         try:
             rewards.check_name(spec)
@@ -452,8 +458,8 @@ def evaluate(config: EvalConfig) -> dict:
     from align.api_cost import evaluate_api_plan, guard_api_cost
 
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(config.output_dir)  # made by the first file written (atomic writes create folders), so a model
+    # that fails to load leaves nothing behind
     device = resolve_device(config.device)
     base_for_adapters = config.base_model or models[0].path
     settings = sampling_settings(config, base_for_adapters)
@@ -682,6 +688,7 @@ def category_table(scores: list, names: list[str], categories: list[str], num_pr
 
 def main(argv: list[str] | None = None) -> None:
     from align.cli import die, parse_config
+    from align.pipeline import ModelLoadError
     from align.quiet import quiet_output
 
     config = parse_config(EvalConfig, argv, description=__doc__)
@@ -689,7 +696,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_inputs(config)
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation
-    except ConfigError as err:
+    except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
     out = Path(config.output_dir)
     print(f"[evaluate] wrote {out / 'results.json'}, {out / 'results.csv'} and {out / 'report.html'}")

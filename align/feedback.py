@@ -39,6 +39,7 @@ from align.data import DataError, write_pairs_parquet
 from align.runs import atomic_path
 from rewards.base import Judge, Preference, is_pointwise, preference_from_scores
 from rewards.images import encode_png, to_pil
+from rewards.secrets import scrub_text
 
 FEEDBACK_SCHEMA = pa.schema(
     [
@@ -224,7 +225,7 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
                 "seed_1": seeds[b],
                 "prompt_index": indices[n],
                 "judge": judge.name,
-                "judge_raw": json.dumps(raw, default=str),
+                "judge_raw": scrub_text(json.dumps(raw, default=str)),  # a judge's words, secrets masked
                 "abstained": pref.abstained,
             }
         )

@@ -37,6 +37,7 @@ from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_ben
 from align.progress import progress_bar
 from align.quiet import quiet_output
 from rewards.judge_prompts import PROTOCOLS, load_template
+from rewards.secrets import scrub_text
 
 
 @dataclass
@@ -103,40 +104,45 @@ def split_judges(text: str) -> list[str]:
 
 
 def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
-    """Validate everything cheap before any data is generated or any judge is loaded."""
+    """Validate everything cheap before any data is generated or any judge is loaded; ConfigError (one line) if not."""
+    from align.validation import check_common_inputs
+    from rewards.secrets import check_key_env_name
+
+    check_common_inputs(config)
     judges = split_judges(config.judges)
     if not judges:
-        die("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
+        raise ConfigError("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
     for spec in judges:
         try:
-            name, _ = rewards.parse_spec(spec)
+            name, options = rewards.parse_spec(spec)
             rewards.check_name(name)
+            check_key_env_name(options.get("api_key_env"))  # a pasted key: refused here, never echoed
         except (ValueError, rewards.UnknownJudgeError) as err:
-            die(f"--judges {spec!r}: {err}")
+            raise ConfigError(f"--judges {spec!r}: {err}") from None
     if len(set(judges)) != len(judges):
-        die(f"--judges lists a judge twice: {config.judges}")
+        raise ConfigError(f"--judges lists a judge twice: {config.judges}")
     subsets = tuple(s.strip() for s in config.subsets.split(",") if s.strip())
     bad = [s for s in subsets if s not in SUBSETS]
     if bad or not subsets:
-        die(f"--subsets {config.subsets!r}: unknown {', '.join(bad) or '(empty)'}; valid: {', '.join(SUBSETS)}")
+        raise ConfigError(f"--subsets {config.subsets!r}: unknown {', '.join(bad) or '(empty)'}; valid: {', '.join(SUBSETS)}")
     if config.tie_threshold < 0 or math.isnan(config.tie_threshold):
-        die(f"--tie-threshold must be >= 0, got {config.tie_threshold}")
+        raise ConfigError(f"--tie-threshold must be >= 0, got {config.tie_threshold}")
     if config.limit is not None and config.limit <= 0:
-        die(f"--limit must be a positive number of rows per subset, got {config.limit}")
+        raise ConfigError(f"--limit must be a positive number of rows per subset, got {config.limit}")
     if config.batch_size <= 0:
-        die(f"--batch-size must be positive, got {config.batch_size}")
+        raise ConfigError(f"--batch-size must be positive, got {config.batch_size}")
     if config.testbed_pairs <= 0 or config.testbed_bias_groups < 0:
-        die("--testbed-pairs must be positive and --testbed-bias-groups >= 0")
+        raise ConfigError("--testbed-pairs must be positive and --testbed-bias-groups >= 0")
     if config.protocol not in PROTOCOLS:
-        die(f"--protocol {config.protocol!r}: valid: {', '.join(PROTOCOLS)}")
+        raise ConfigError(f"--protocol {config.protocol!r}: valid: {', '.join(PROTOCOLS)}")
     if config.prompt_template:
         try:
             load_template(config.prompt_template)
         except ValueError as err:
-            die(f"--prompt-template: {err}")
+            raise ConfigError(f"--prompt-template: {err}") from None
     out = Path(config.output_dir)
     if (out / "leaderboard.csv").exists() and not config.overwrite:
-        die(f"--output-dir {out} already holds a judge benchmark; pass --overwrite or choose another folder")
+        raise ConfigError(f"--output-dir {out} already holds a judge benchmark; pass --overwrite or choose another folder")
     return judges, subsets
 
 
@@ -308,6 +314,7 @@ def prepare_data(config: JudgeBenchConfig, subsets: tuple[str, ...]) -> tuple[li
     if config.data == "testbed":
         from align.testbed.mjbench import write_benchmark
 
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         source = str(Path(config.output_dir) / "testbed_benchmark.parquet")
         write_benchmark(
             source,
@@ -368,11 +375,11 @@ def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, config: 
 def benchmark(config: JudgeBenchConfig) -> list[dict]:
     """Run every judge on the benchmark and write the leaderboard; returns the summaries."""
     judge_specs, subsets = check_config(config)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     try:
         samples, base_dir, source = prepare_data(config, subsets)
     except BenchDataError as err:
-        die(str(err))
+        raise ConfigError(str(err)) from None
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)  # after the data is read: a bad --data writes nothing
     pairs = [s for s in samples if s.is_pair]
     bias = [s for s in samples if not s.is_pair]
     found = sorted({s.category for s in samples})
@@ -393,7 +400,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
             if not hasattr(judge, "use_protocol") and config.prompt_template:
                 print(f"note: {spec} asks no question (a scoring model); --prompt-template does not apply to it")
         except Exception as err:  # missing weights, key or SDK: skip this judge, keep the others
-            print(f"error: judge {spec!r} could not be loaded: {err}")
+            print(scrub_text(f"error: judge {spec!r} could not be loaded: {err}"))
             failed.append(spec)
             continue
         try:
@@ -401,7 +408,7 @@ def benchmark(config: JudgeBenchConfig) -> list[dict]:
             with progress_bar(total=total, desc=spec, unit="image", leave=False) as bar:
                 run = run_judge(spec, judge, pairs, bias, base_dir, config.tie_threshold, config.batch_size, bar)
         except Exception as err:  # e.g. an oracle that cannot parse this data's captions
-            print(f"error: judge {spec!r} failed on the benchmark: {type(err).__name__}: {err}")
+            print(scrub_text(f"error: judge {spec!r} failed on the benchmark: {type(err).__name__}: {err}"))
             failed.append(spec)
             continue
         finally:
@@ -750,10 +757,13 @@ def rescore_answers(config: JudgeBenchConfig) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(JudgeBenchConfig, argv, description=__doc__)
     quiet_output(config.quiet)
-    if config.answers:
-        rescore_answers(config)
-    else:
-        benchmark(config)
+    try:  # as a library call, a bad input is a ConfigError (a ValueError) with the same line
+        if config.answers:
+            rescore_answers(config)
+        else:
+            benchmark(config)
+    except ConfigError as err:
+        die(str(err))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | 
             resolved, **dtype_argument(dtype), safety_checker=None, requires_safety_checker=False
         )
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ModelLoadError(f"cannot load a Stable Diffusion pipeline from {model!r}: {err}") from err
+        reason = " ".join(str(err).split())  # one line: a truncated or corrupt weights file names itself here
+        raise ModelLoadError(f"cannot load a Stable Diffusion pipeline from {model!r}: {reason}") from err
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
@@ -252,13 +253,19 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
         pipe = load_pipeline(base, dtype=dtype, device=device)
         # Our LoRA files hold UNet weights only: loaded into the UNet alone (pipe.load_lora_weights gives the
         # same images and warns that the text encoder has no LoRA keys).
-        pipe.unet.load_lora_adapter(str(p), prefix="unet", weight_name=LORA_WEIGHTS)
+        try:
+            pipe.unet.load_lora_adapter(str(p), prefix="unet", weight_name=LORA_WEIGHTS)
+        except Exception as err:  # safetensors' own error type for a truncated file is not an OSError
+            raise ModelLoadError(f"cannot load the LoRA weights {p / LORA_WEIGHTS}: {' '.join(str(err).split())}") from None
         return pipe
     if p.is_dir() and (p / "unet" / "config.json").is_file() and not (p / "model_index.json").is_file():
         if not base:
             raise ModelLoadError(f"{path}: a UNet folder needs the base model (base=...)")
         pipe = load_pipeline(base, dtype=dtype, device=device)
-        pipe.unet = UNet2DConditionModel.from_pretrained(p / "unet", **dtype_argument(dtype)).to(device)
+        try:
+            pipe.unet = UNet2DConditionModel.from_pretrained(p / "unet", **dtype_argument(dtype)).to(device)
+        except Exception as err:
+            raise ModelLoadError(f"cannot load the UNet in {p / 'unet'}: {' '.join(str(err).split())}") from None
         return pipe
     return load_pipeline(path, dtype=dtype, device=device)
 

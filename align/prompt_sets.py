@@ -127,7 +127,7 @@ def _testbed(n: int, seed: int) -> PromptSet:
 def read_text_prompts(path: Path) -> PromptSet:
     """One prompt per line; '#' lines are comments and '## name' starts a category."""
     prompts, categories, current = [], [], ""
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in _read_utf8(path).splitlines():
         text = line.strip()
         if text.startswith("##"):
             current = text.lstrip("#").strip()
@@ -139,13 +139,30 @@ def read_text_prompts(path: Path) -> PromptSet:
     return PromptSet(path.stem, prompts, categories)
 
 
+def _read_utf8(path: Path) -> str:
+    """A prompt file's text; one line (not a traceback) for a file that is not UTF-8 or cannot be read."""
+    from align.cli import ConfigError
+    from align.validation import read_text_file
+
+    try:
+        return read_text_file("prompt file", path)
+    except ConfigError as err:
+        raise PromptSetError(str(err)) from None
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(_read_utf8(path))
+    except json.JSONDecodeError as err:
+        raise PromptSetError(f"prompt file {path} is not valid JSON ({err}); give a JSON list of prompts") from None
+
+
 def read_prompt_file(path: Path, column: str | None = None, category_column: str | None = None) -> PromptSet:
     """A prompt set from a text file or a table (the prompt column is found by its usual names)."""
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return read_text_prompts(path)
-    if suffix == ".json" and isinstance(json.loads(path.read_text(encoding="utf-8")), (list, dict)):
-        data = json.loads(path.read_text(encoding="utf-8"))
+    if suffix == ".json" and isinstance(data := _read_json(path), (list, dict)):
         if isinstance(data, list) and all(isinstance(p, str) for p in data):
             return PromptSet(path.stem, [p.strip() for p in data if p.strip()])
         if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from rewards.secrets import scrub, scrub_text
+
 # The process umask, read once (os.umask can only be read by setting it, which races with other threads).
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -29,7 +31,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
-COMPILED = "compiled"  # --compile_sampling: the compiled sampling UNet, reused on --resume
+COMPILED = "compiled"  # older runs kept compiled code here; never loaded now (align/compiled_sampling.py), --overwrite removes it
 JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so a resumed run asks nothing twice
 CHECKPOINT_STATE = "state.json"  # written last into a checkpoint: its step and the manifest of its files
 SET_ASIDE = ".overwritten_run"  # --overwrite: the old run's outputs, until the new run has a checkpoint
@@ -55,24 +57,13 @@ def held_out_evals(run_dir: str | Path) -> list[Path]:
     """The held-out scores written during a run (evals/step_N.json), in step order."""
     return sorted((Path(run_dir) / EVALS).glob("step_*.json"), key=eval_step)
 
-# Keys whose values are never written anywhere; values that look like API keys are masked too.
-_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|authorization)", re.IGNORECASE)
-_SECRET_VALUE = re.compile(r"(sk-[A-Za-z0-9_\-]{8,}|AIza[0-9A-Za-z_\-]{20,}|hf_[A-Za-z0-9]{20,})")
-
-
 class RunFolderError(ValueError):
     pass
 
 
 def scrub_secrets(obj):
-    """A copy of ``obj`` with secret-looking keys and values replaced by '***'."""
-    if isinstance(obj, dict):
-        return {k: ("***" if _SECRET_KEY.search(str(k)) and v else scrub_secrets(v)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(scrub_secrets(v) for v in obj)
-    if isinstance(obj, str):
-        return _SECRET_VALUE.sub("***", obj)
-    return obj
+    """A copy of ``obj`` with secrets masked (rewards.secrets: key-shaped strings, key-holding variables' values)."""
+    return scrub(obj)
 
 
 @contextlib.contextmanager
@@ -100,7 +91,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+    """Every text file a run writes (config, model card, report, scores) passes the secrets scrubber."""
+    atomic_write_bytes(path, scrub_text(text).encode("utf-8"))
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -119,6 +119,10 @@ class RewardTrainConfig:
     name: str | None = option(None, "the judge's name (None: the output folder's name)", "output")
 
     def validate(self) -> None:
+        from align.validation import check_common_inputs, check_optimiser_ranges
+
+        check_common_inputs(self)
+        check_optimiser_ranges(self)
         if not self.dataset:
             raise ConfigError("--dataset is required: a Pick-a-Pic-schema parquet/folder/HF dataset of preference pairs")
         if self.backbone not in BACKBONES:
@@ -155,9 +159,9 @@ class RewardTrainConfig:
         for spec in filter(None, (self.dataset, self.eval_dataset)):
             if spec.startswith(TESTBED_ORACLE):
                 parse_testbed_oracle(spec)
-        for source in filter(None, (self.dataset, self.eval_dataset, self.unpaired)):
-            if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
-                raise ConfigError(f"data source {source!r}: no such file or folder")
+        for name, source in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset), ("unpaired", self.unpaired)):
+            if source and source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+                raise ConfigError(f"--{name} {source!r}: no such file or folder")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +381,15 @@ def pair_rewards(model, pairs, batch_size: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def check_inputs(config: RewardTrainConfig) -> None:
+    from align.data import PAIR_COLUMNS
+    from align.validation import check_parquet_columns
+
     config.validate()
+    # Local parquet files: readable, with their columns, before the run folder is made (rows are read later).
+    for flag_name, source, columns in (("dataset", config.dataset, PAIR_COLUMNS), ("eval_dataset", config.eval_dataset, PAIR_COLUMNS),
+                                       ("unpaired", config.unpaired, ("caption", "jpg", "label"))):
+        if source and str(source).lower().endswith(".parquet") and not source.startswith(TESTBED_ORACLE):
+            check_parquet_columns(flag_name, source, columns)
     if config.backbone == "mllm":
         from rewards.llava_reward import check_backbone
 

@@ -12,6 +12,7 @@ import inspect
 from pathlib import Path
 
 from rewards.base import Judge, Preference, preference_from_scores
+from rewards.secrets import check_key_env_name
 from rewards.spec import parse_mix, parse_spec
 
 # name -> "module:factory". Factories take the judge options as keyword arguments.
@@ -90,8 +91,9 @@ def check_name(spec: str, allow_mix: bool = False) -> None:
     members = parse_mix(spec)
     if not allow_mix and (len(members) > 1 or members[0][0] != 1.0):
         raise UnknownJudgeError(f"{spec!r} is a weighted mix of judges; one judge is needed here (mixes are for DDPO's --reward)")
-    for _, name, _ in members:
+    for _, name, options in members:
         _resolve(name)
+        check_key_env_name(options.get("api_key_env"))
 
 
 def load(name: str, **options) -> Judge:

@@ -38,6 +38,7 @@ from rewards.concurrency import (
 )
 from rewards.images import encode_png
 from rewards.mllm import JudgeNotReadyError, JudgeRequest, MllmJudge
+from rewards.secrets import check_key_env_name, install_log_scrubber
 
 # Presets: MJ-Bench name -> (provider, default model id). Override with model=...
 PRESETS: dict[str, tuple[str, str]] = {
@@ -125,6 +126,8 @@ class ApiJudge(MllmJudge):
     def __post_init__(self):
         if not self.model:
             raise ValueError(f"judge {self.name!r} needs a model id (model=...)")
+        check_key_env_name(self.api_key_env)  # a key pasted here is refused, not echoed
+        install_log_scrubber()  # this process now holds a key: mask it in every log record (SDK debug logs too)
         if int(self.concurrency) < 1:
             raise ValueError(f"concurrency={self.concurrency!r}: must be at least 1")
         if int(self.max_retries) < 0:

@@ -6,17 +6,50 @@
 A pointwise judge gets ``compare`` for free (score difference with a tie margin).
 A pairwise-native judge (two-image VLM, API model) overrides ``compare`` and asks
 both orders (position-bias control); it may leave ``score`` unimplemented.
+
+Every judge checks its inputs in one place, here: ``Judge.__init_subclass__`` wraps each subclass's
+``score`` and ``compare`` so that images are PIL images or a finite float tensor [N, 3, H, W] in
+[0, 1], and prompts a list of strings, one per image (rewards.images.check_images / check_prompts).
+A bad input raises TypeError/ValueError instead of being clamped into a plausible wrong score.
+Calls a judge makes to itself (compare asking score) are not checked again.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rewards.images import Images, num_images
+from rewards.images import Images, check_images, check_prompts, num_images
+
+_checking = threading.local()  # depth of judge calls on this thread: only the outermost one checks its inputs
+
+
+def _checked(method, kind: str):
+    """``method`` (a judge's score or compare) with its inputs checked first, at the outermost call."""
+
+    @functools.wraps(method)
+    def wrapper(self, prompts, *images, **kwargs):
+        depth = getattr(_checking, "depth", 0)
+        if depth == 0:
+            names = ("images",) if kind == "score" else ("images_a", "images_b")
+            batches = list(images) + [kwargs[n] for n in names[len(images):] if n in kwargs]
+            counts = [check_images(batch, f"{self.name}.{kind}: {name}") for batch, name in zip(batches, names)]
+            if len(set(counts)) > 1:
+                raise ValueError(f"{self.name}.{kind}: images_a and images_b must pair up, got {counts[0]} and {counts[1]}")
+            check_prompts(prompts, counts[0] if counts else 0, f"{self.name}.{kind}: prompts")
+        _checking.depth = depth + 1
+        try:
+            return method(self, prompts, *images, **kwargs)
+        finally:
+            _checking.depth = depth
+
+    wrapper.checks_inputs = True
+    return wrapper
 
 
 @dataclass
@@ -52,6 +85,13 @@ class Judge:
     # True for judges whose native question is "which of two images is better".
     pairwise_native: bool = field(default=False, init=False)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for kind in ("score", "compare"):
+            own = cls.__dict__.get(kind)
+            if callable(own) and not getattr(own, "checks_inputs", False):
+                setattr(cls, kind, _checked(own, kind))
+
     def score(self, prompts: list[str], images: Images) -> torch.Tensor:
         raise NotImplementedError(
             f"judge {self.name!r} is pairwise-only and has no pointwise score; use compare()"
@@ -70,6 +110,11 @@ class Judge:
 
     def close(self) -> None:
         """Release resources (clients, caches). Safe to call twice."""
+
+
+# The base class's own methods too: a subclass that inherits compare gets it checked as well.
+Judge.score = _checked(Judge.score, "score")
+Judge.compare = _checked(Judge.compare, "compare")
 
 
 def preference_from_scores(score_a: float, score_b: float, tie_margin: float = 0.0) -> Preference:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from rewards.secrets import scrub_text
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
     key TEXT PRIMARY KEY,
@@ -85,8 +87,10 @@ class JudgeCache:
         with self._lock:
             self._conn.execute(
                 "INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (key, judge, question, prompt, json.dumps(image_hashes), json.dumps(decoding, sort_keys=True),
-                 answer.raw, answer.input_tokens, answer.output_tokens, time.time()),
+                # Stored text passes the secrets scrubber (the key column is a hash and is looked up as is).
+                (key, scrub_text(judge), scrub_text(question), scrub_text(prompt), json.dumps(image_hashes),
+                 scrub_text(json.dumps(decoding, sort_keys=True)), scrub_text(answer.raw), answer.input_tokens,
+                 answer.output_tokens, time.time()),
             )
             self._conn.commit()
 

@@ -16,6 +16,7 @@ import sys
 import rewards
 from rewards.images import UnreadableImageError, load_image
 from rewards.mllm import JudgeNotReadyError
+from rewards.secrets import install_log_scrubber, scrub_text
 from rewards.weights import MissingWeightsError
 
 
@@ -51,6 +52,7 @@ def judge_options(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_log_scrubber()
     args = build_parser().parse_args(argv)
     try:
         rewards.check_name(args.judge)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         judge = rewards.load(args.judge, **judge_options(args))
         scores = judge.score([args.prompt] * len(images), images)
     except (rewards.UnknownJudgeError, UnreadableImageError, MissingWeightsError, JudgeNotReadyError, ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {scrub_text(str(err))}", file=sys.stderr)
         return 2
     for path, value in zip(args.images, scores.tolist()):
         print(f"{value:.6f}\t{path}")

@@ -304,7 +304,9 @@ def write_marker(folder: str | Path, meta: dict) -> None:
     import tempfile
 
     folder = Path(folder)
-    text = json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2, sort_keys=True)
+    from rewards.secrets import scrub
+
+    text = json.dumps(scrub({"format_version": FORMAT_VERSION, **meta}), indent=2, sort_keys=True)  # no secrets
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MARKER}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)

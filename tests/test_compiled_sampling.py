@@ -7,17 +7,20 @@ change the way training changes them and compare with the eager UNet.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from align import ddpo
 from align.compiled_sampling import (
+    INDEX_FILE,
     KEY_FILE,
     PACKAGE_FILE,
     CompiledSamplingUNet,
     CompileError,
     SamplingShapes,
+    check_built_here,
     ensure_package,
 )
 from align.pipeline import add_lora, merged_adapter
@@ -114,22 +117,45 @@ def test_a_lora_unet_outside_the_merge_is_refused(tiny_model, package):
 
 
 def test_the_package_is_reused_only_for_the_same_model_and_shapes(tiny_model, package, tmp_path):
-    import shutil
-
-    folder = tmp_path / "run" / "compiled"
-    shutil.copytree(package.parent, folder)
-    key = json.loads((folder / KEY_FILE).read_text())
+    cache = package.parent.parent  # the module's private cache
+    key = json.loads((package.parent / KEY_FILE).read_text())
     shapes = shapes_for(unet_of(tiny_model))
-    assert key["sample"] == list(shapes.sample) and key["model"] == tiny_model
-    stamp = (folder / PACKAGE_FILE).stat().st_mtime_ns
-    again, cpu_seconds = ensure_package(tiny_model, shapes, torch.device("cpu"), folder)
-    assert again == folder / PACKAGE_FILE and cpu_seconds is None and again.stat().st_mtime_ns == stamp
-    # Other shapes: a new build, here one that fails (no such model). It says why and leaves no key
-    # behind that could pass the old package off as one for the new shapes.
+    assert key["sample"] == list(shapes.sample) and key["model"] == tiny_model and key["unet_config_sha256"]
+    stamp = package.stat().st_mtime_ns
+    again, cpu_seconds = ensure_package(tiny_model, shapes, torch.device("cpu"), cache)
+    assert again == package and cpu_seconds is None and again.stat().st_mtime_ns == stamp
+    # Other shapes: a new build in another entry, here one that fails (no such model). It says why and
+    # records nothing that could pass a package off as built for the new shapes.
+    index = json.loads((cache / INDEX_FILE).read_text())
     other = SamplingShapes((8, 4, 8, 8), (8,), (8, 77, 32), "torch.float32")
-    with pytest.raises(CompileError, match="compiling the sampling UNet failed"):
-        ensure_package(str(tmp_path / "no-such-model"), other, torch.device("cpu"), folder)
-    assert not (folder / KEY_FILE).exists()
+    with pytest.raises(CompileError, match="compiling the sampling UNet failed|no such folder"):
+        ensure_package(str(tmp_path / "no-such-model"), other, torch.device("cpu"), cache)
+    assert json.loads((cache / INDEX_FILE).read_text()) == index
+
+
+def test_a_package_in_a_run_folder_is_never_loaded(tiny_model, package, tmp_path):
+    # A run folder received from someone else, holding a package and its description: native code that
+    # would run on --resume. Only what this user's cache index records is loaded.
+    planted = tmp_path / "run" / "compiled"
+    planted.mkdir(parents=True)
+    shutil.copy(package, planted / PACKAGE_FILE)
+    shutil.copy(package.parent / KEY_FILE, planted / KEY_FILE)
+    with pytest.raises(CompileError, match="not built on this machine"):
+        CompiledSamplingUNet(planted / PACKAGE_FILE, unet_of(tiny_model), shapes_for(unet_of(tiny_model)))
+
+
+def test_a_package_whose_bytes_changed_since_the_build_is_refused(tiny_model, package, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(package.parent.parent, cache)  # the index and the package, then one byte changed
+    swapped = cache / package.parent.name / PACKAGE_FILE
+    data = bytearray(swapped.read_bytes())
+    data[-1] ^= 0xFF
+    swapped.write_bytes(bytes(data))
+    with pytest.raises(CompileError, match="bytes do not match"):
+        CompiledSamplingUNet(swapped, unet_of(tiny_model), shapes_for(unet_of(tiny_model)))
+    with pytest.raises(CompileError, match="not private"):  # a cache others may write into is not trusted
+        (cache).chmod(0o777)
+        check_built_here(cache / package.parent.name / PACKAGE_FILE)
 
 
 def test_a_unet_without_the_packages_weights_is_refused(tiny_model, package):

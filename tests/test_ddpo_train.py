@@ -345,6 +345,7 @@ def test_compiled_sampling_run_matches_the_eager_run(tiny_model, prompt_file, tm
     settings = dict(num_epochs=1, checkpointing_epochs=5, gradient_accumulation_steps=2)
     eager = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "eager", **settings))
     compiled = ddpo.train(small_config(tiny_model, prompt_file, tmp_path / "compiled", compile_sampling=True, **settings))
+    assert not (compiled / "compiled").exists()  # native code lives in the per-user cache, never in a run folder
     ra, rb = (json.loads((run / "metrics.jsonl").read_text()) for run in (eager, compiled))
     for key in ("reward_mean", "reward_std", "policy_loss", "approx_kl", "loss"):
         assert rb[key] == pytest.approx(ra[key], rel=1e-3, abs=1e-6), key

@@ -1,0 +1,223 @@
+"""One validation layer for every entry point: numbers, paths and text files, checked before any
+expensive work and before anything is written.
+
+Every failure is a ``ConfigError`` (a ValueError) or a ``ConfigTypeError`` (a TypeError) whose message
+is one line naming the input, what was wrong and what would be valid; ``main()`` turns it into
+``error: <message>`` and exit status 2, ``train(config)`` / ``evaluate(config)`` raise it as it is.
+
+- ``check_config_values(config)``: every field of a config dataclass has its declared type and every
+  float is finite (NaN passes ``x <= 0``; a field whose metadata has ``allow_nonfinite`` may hold inf/NaN).
+  ``align.cli.parse_config`` and each config's ``validate()`` call it.
+- ``check_range``: a number within bounds (and finite).
+- ``check_readable_file`` / ``check_writable_dir``: a path exists, is of the right kind, and may be
+  read / written by this user.
+- ``read_text_file``: a text file as UTF-8, or one line saying where it is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from pathlib import Path
+
+from align.cli import ConfigError
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value of the wrong type (a string where a number goes); a ValueError and a TypeError."""
+
+
+def flag(name: str) -> str:
+    """How an input is named in a message: a field as its flag (--learning_rate), anything else as given."""
+    return name if name.startswith("-") or " " in name else f"--{name}"
+
+
+def _allowed_types(annotation) -> tuple[type, ...] | None:
+    """The plain types a field annotation allows (None: not a simple type, no check)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        allowed = []
+        for arg in typing.get_args(annotation):
+            sub = _allowed_types(arg)
+            if sub is None:
+                return None
+            allowed.extend(sub)
+        return tuple(allowed)
+    if annotation is type(None):
+        return (type(None),)
+    if annotation in (bool, int, float, str):
+        return (annotation,)
+    return None
+
+
+def _type_ok(value, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # bool is an int subclass: only a bool field takes it
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:  # 1 where 1.0 goes
+        return True
+    if isinstance(value, os.PathLike) and str in allowed:  # a Path where a path string goes
+        return True
+    return isinstance(value, tuple(t for t in allowed if t is not bool))
+
+
+def _type_name(allowed: tuple[type, ...]) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "none"}
+    return " or ".join(names[t] for t in allowed)
+
+
+def check_config_values(config) -> None:
+    """Every field of the dataclass ``config`` has its declared type, and every float is finite."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        allowed = _allowed_types(hints.get(field.name))
+        if allowed is not None and not _type_ok(value, allowed):
+            raise ConfigTypeError(f"{flag(field.name)} must be {_type_name(allowed)}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value) and not field.metadata.get("allow_nonfinite"):
+            raise ConfigError(f"{flag(field.name)} must be a finite number, got {value}")
+
+
+def check_range(name: str, value, low=None, high=None, *, low_open: bool = False, high_open: bool = False) -> None:
+    """``value`` is a finite number within [low, high] (an open end with low_open/high_open; None: unbounded)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(f"{flag(name)} must be a number, got {value!r}")
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if not math.isfinite(value) or below or above:
+        raise ConfigError(f"{flag(name)} must be {_interval(low, high, low_open, high_open)}, got {value}")
+
+
+def _interval(low, high, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"a finite number {'>' if low_open else '>='} {low}" if low is not None else "a finite number"
+    if low is None:
+        return f"a finite number {'<' if high_open else '<='} {high}"
+    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def check_readable_file(name: str, path: str | Path, what: str = "file") -> Path:
+    """``path`` is an existing regular file this user may read."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{flag(name)} {str(path)!r}: no such {what}")
+    if not path.is_file():
+        raise ConfigError(f"{flag(name)} {str(path)!r} is not a file; give a {what}")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{flag(name)} {str(path)!r}: no permission to read it")
+    return path
+
+
+def check_writable_dir(name: str, path: str | Path) -> Path:
+    """``path`` is a folder this user can create or write into: it exists as a writable folder, or its nearest
+    existing parent is one. Nothing is created."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag(name)} {str(path)!r} exists and is not a folder; give a folder path")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ConfigError(f"{flag(name)} {str(path)!r}: {str(existing)!r} is a file, so no folder can be made there")
+    if not os.access(existing, os.W_OK | os.X_OK) or not _can_create_in(existing):
+        where = "it" if existing == path else f"its parent {str(existing)!r}"
+        raise ConfigError(f"{flag(name)} {str(path)!r}: cannot write into {where}; choose a writable folder")
+    return path
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a folder can really be made here (os.access says yes to root on read-only or virtual file
+    systems such as /proc): an empty probe folder, removed at once."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".t2i-align-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
+
+
+def read_text_file(name: str, path: str | Path, what: str = "text file") -> str:
+    """The file's text, decoded as UTF-8 (a byte-order mark is dropped); one line saying where it is not UTF-8."""
+    path = check_readable_file(name, path, what)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{flag(name)} {str(path)!r} is not UTF-8 text (byte 0x{data[err.start]:02x} on line {line}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def check_common_inputs(config) -> None:
+    """What every command's config shares: typed, finite values and, where it has one, a writable --output_dir.
+    The first lines of each config's validate(), so ``train(config)`` checks exactly what the command line does."""
+    check_config_values(config)
+    if getattr(config, "output_dir", None):
+        check_writable_dir("output_dir", config.output_dir)
+
+
+def check_parquet_columns(name: str, path: str | Path, columns: tuple[str, ...]) -> None:
+    """A local .parquet file is readable as parquet (its footer, not its rows) and has ``columns``."""
+    path = check_readable_file(name, path, "parquet file")
+    import pyarrow.parquet as pq
+
+    try:
+        found = pq.read_schema(path).names
+    except Exception as err:  # pyarrow's errors: ArrowInvalid, OSError, ...
+        raise ConfigError(f"{flag(name)} {str(path)!r} is not a readable parquet file ({' '.join(str(err).split())})") from None
+    missing = [c for c in columns if c not in found]
+    if missing:
+        raise ConfigError(
+            f"{flag(name)} {str(path)!r} lacks the column(s) {', '.join(missing)}; needed: {', '.join(columns)} "
+            f"(found: {', '.join(found)})"
+        )
+
+
+def check_weight_files(name: str, folder: str | Path) -> None:
+    """Every .safetensors file of a local model folder (and its subfolders one level down: unet/, final/) has an
+    intact header covering the whole file, and every .json file there (model_index.json, config.json, ...) parses:
+    a truncated or corrupt model file is named here, before any work."""
+    import json
+
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        return  # a hub id, or a path that the model's own check reports
+    from safetensors import safe_open
+
+    for config in sorted([*folder.glob("*.json"), *folder.glob("*/*.json")]):
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ConfigError(f"{flag(name)}: the model file {str(config)!r} is not valid JSON ({err}); save or "
+                              "download it again") from None
+
+    for weights in sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")]):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as err:  # safetensors' SafetensorError, OSError
+            raise ConfigError(
+                f"{flag(name)}: the weights file {str(weights)!r} is truncated or corrupt ({' '.join(str(err).split())}); "
+                "save or download it again"
+            ) from None
+
+
+def check_optimiser_ranges(config) -> None:
+    """AdamW's settings, under whichever of the usual names a config has: betas in [0, 1), epsilon > 0, weight
+    decay and gradient-norm clip >= 0 (0: no clipping), dropouts in [0, 1), a warmup ratio in [0, 1]."""
+    bounds = {
+        "adam_beta1": dict(low=0, high=1, high_open=True), "adam_beta2": dict(low=0, high=1, high_open=True),
+        "adam_epsilon": dict(low=0, low_open=True), "adam_weight_decay": dict(low=0), "weight_decay": dict(low=0),
+        "max_grad_norm": dict(low=0), "head_dropout": dict(low=0, high=1, high_open=True),
+        "lora_dropout": dict(low=0, high=1, high_open=True), "lr_warmup_ratio": dict(low=0, high=1),
+    }
+    for name, bound in bounds.items():
+        if hasattr(config, name):
+            check_range(name, getattr(config, name), **bound)
