@@ -129,6 +129,19 @@ def check_window(window, num_steps: int) -> tuple[int, int]:
     return start, end
 
 
+def draw_window(size: int, window_range: tuple[int, int], generator: torch.Generator | None = None) -> tuple[int, int]:
+    """A window of ``size`` steps with its start uniform in [range_start, range_end - size] (Flow-GRPO-Fast).
+
+    As the authors' Fast pipeline does once per sampling batch (``sde_window_size`` / ``sde_window_range``).
+    """
+    low, high = (int(r) for r in window_range)
+    if size < 1 or low < 0 or high - low < size:
+        raise ValueError(f"window size {size} does not fit in window range {tuple(window_range)} (need 0 <= start, "
+                         "size >= 1, range_end - range_start >= size)")
+    start = low + int(torch.randint(0, high - size - low + 1, (1,), generator=generator))
+    return start, start + size
+
+
 def sample_flow_with_logprob(
     transformer_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     latents: torch.Tensor,

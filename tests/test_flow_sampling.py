@@ -173,3 +173,11 @@ def test_zero_noise_level_in_the_sampler_is_refused():
     scheduler = _scheduler(steps=2)
     with pytest.raises(ValueError, match="noise_level"):
         fs.sample_flow_with_logprob(_toy_velocity, torch.zeros(1, 4, 2, 2), scheduler.sigmas, None, 0.0)
+
+
+def test_draw_window_covers_every_start_of_the_range_and_nothing_else():
+    g = torch.Generator().manual_seed(0)
+    windows = {fs.draw_window(2, (1, 6), g) for _ in range(300)}
+    assert windows == {(s, s + 2) for s in range(1, 5)}
+    with pytest.raises(ValueError, match="does not fit"):
+        fs.draw_window(3, (0, 2))
