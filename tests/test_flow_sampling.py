@@ -44,6 +44,8 @@ def test_step_mean_and_std_match_hand_computed_values(sigma, sigma_next):
     s = a * math.sqrt(sigma / (1 - sigma))
     expected_mean = x * (1 + s * s / (2 * sigma) * dt) + v * (1 + s * s * (1 - sigma) / (2 * sigma)) * dt
     expected_std = s * math.sqrt(-dt)
+    # The paper's form of the same step: x + [v + s²/(2σ)·(x + (1-σ)·v)]·Δσ (its SDE drift, Euler-Maruyama).
+    assert x + (v + s * s / (2 * sigma) * (x + (1 - sigma) * v)) * dt == pytest.approx(expected_mean, abs=1e-12)
     step = fs.sde_step(torch.full((1, 1, 2, 2), x), torch.full((1, 1, 2, 2), v), sigma, sigma_next, sigma_max, a)
     assert step.mean.flatten().tolist() == pytest.approx([expected_mean] * 4, abs=1e-6)
     assert float(step.std) == pytest.approx(expected_std, rel=1e-6)
