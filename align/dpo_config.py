@@ -62,7 +62,11 @@ class DPOConfig:
     resolution: int | None = 512  # None = the model's native size
     random_flip: bool = True
     caption_dropout: float = 0.2  # share of captions replaced by "" (keeps CFG working)
-    cache_latents: bool = True  # encode each image through the VAE once
+    cache_latents: bool = True  # encode each pair once (both flips) into a latent store in the run folder (<run>/latents)
+    # DataLoader worker processes that decode, crop and flip the images (or read the latent store); 0: in-process
+    dataloader_num_workers: int = 0
+    # train from a latent store (python -m align.precompute); with --dataset, a missing store is built there first
+    latent_store: str | None = None
     # --- sampling (feedback, validation, before/after evaluation)
     num_inference_steps: int | None = None  # None: the model's testbed.json if any, else 50
     guidance_scale: float | None = None  # None: the model's testbed.json if any, else 7.5
@@ -81,8 +85,10 @@ class DPOConfig:
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
-        if bool(self.reward) == bool(self.dataset):
-            raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset (offline pairs)")
+        if bool(self.reward) == bool(self.dataset or self.latent_store):
+            raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset/--latent_store (offline pairs)")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if self.beta <= 0 or not math.isfinite(self.beta):
             raise ConfigError(f"--beta must be a positive number, got {self.beta}")
         if self.loss not in ("dpo", "sft"):
