@@ -208,8 +208,9 @@ def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) 
     for start in range(indices.start, indices.stop, batch_size):
         pixels = []
         for k in range(start, min(indices.stop, start + batch_size)):
+            pair = table.pair(k)
             for flip in (False, True):
-                pixels.extend(table.pixels(k, resolution, flip))  # winner, loser
+                pixels.extend(table.pair_pixels(pair, resolution, flip))  # winner, loser
         encoded = encode_images(pipe, torch.stack(pixels)).float().cpu()
         latents.append(encoded.reshape(-1, 2, 2, *encoded.shape[1:]))  # [pairs, flip, (w, l), C, h, w]
     captions = [table.caption(k) for k in indices]

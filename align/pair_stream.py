@@ -43,7 +43,7 @@ class PairTable:
         return len(self.rows)
 
     def caption(self, k: int) -> str:
-        value = self.dataset[int(self.rows[k])]["caption"]
+        value = self.dataset.data.column("caption")[int(self.rows[k])].as_py()  # that cell only
         return value if isinstance(value, str) else ""
 
     def pair(self, k: int) -> _Pair:
@@ -65,7 +65,9 @@ class PairTable:
     def pixels(self, k: int, resolution: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Winner and loser pixels of pair k: resized, centre-cropped, flipped if asked, in [-1, 1].
         An image that does not decode stops with one line naming the row."""
-        pair = self.pair(k)
+        return self.pair_pixels(self.pair(k), resolution, flip)
+
+    def pair_pixels(self, pair: _Pair, resolution: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             return pair_pixels(pair, resolution, flip)
         except UnreadableImageError as err:
@@ -216,10 +218,11 @@ class PairPixels(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, bool, bool]) -> dict:
         k, flip, drop = key
         try:
-            pixels_w, pixels_l = self.table.pixels(k, self.resolution, flip)
+            pair = self.table.pair(k)
+            pixels_w, pixels_l = self.table.pair_pixels(pair, self.resolution, flip)
         except DataError as err:  # handed to the training process, which stops with this one line
             return {"error": str(err)}
-        return {"pixels_w": pixels_w, "pixels_l": pixels_l, "caption": "" if drop else self.table.caption(k)}
+        return {"pixels_w": pixels_w, "pixels_l": pixels_l, "caption": "" if drop else pair.caption}
 
 
 class PlannedBatches(torch.utils.data.Sampler):
