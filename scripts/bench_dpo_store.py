@@ -171,10 +171,10 @@ def write_pairs(path: Path, count: int, size: int) -> None:
 
 def timed_run(script: Path, argv: list[str]) -> dict:
     """Run a training script in this process; the time of each optimizer step and the peak RSS."""
-    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     stamps = []
-    torch.optim.optimizer.register_optimizer_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
+    register_optimizer_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
     sys.argv = [str(script), *argv]
     runpy.run_path(str(script), run_name="__main__")
     intervals = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -231,8 +231,9 @@ def main() -> None:
         if not (model / "model_index.json").is_file():
             build_sd15_pipeline(model)
         data = work / "pairs.parquet"
-        write_pairs(data, max(8, args.steps * 2), args.resolution)
         store = work / f"store_{args.resolution}"
+        if not data.is_file() or not store.exists():  # a rewritten file is other data to the store's fingerprint
+            write_pairs(data, max(8, args.steps * 2), args.resolution)
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(work / "datasets_cache"), PYTHONPATH=str(ROOT))
         subprocess.run([sys.executable, "-m", "align.precompute", "--model", str(model), "--dataset", str(data),
                         "--output", str(store), "--resolution", str(args.resolution), "--dtype", "float32"],
