@@ -235,9 +235,11 @@ def main() -> None:
         if not data.is_file() or not store.exists():  # a rewritten file is other data to the store's fingerprint
             write_pairs(data, max(8, args.steps * 2), args.resolution)
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(work / "datasets_cache"), PYTHONPATH=str(ROOT))
-        subprocess.run([sys.executable, "-m", "align.precompute", "--model", str(model), "--dataset", str(data),
-                        "--output", str(store), "--resolution", str(args.resolution), "--dtype", "float32"],
-                       env=env, check=True, capture_output=True, cwd=ROOT)
+        built = subprocess.run([sys.executable, "-m", "align.precompute", "--model", str(model), "--dataset", str(data),
+                                "--output", str(store), "--resolution", str(args.resolution), "--dtype", "float32"],
+                               env=env, capture_output=True, text=True, cwd=ROOT)
+        if built.returncode != 0:
+            raise SystemExit(f"precompute failed:\n{built.stderr[-2000:]}")
         results = {}
         for name in ("peer", "ours"):
             out = work / f"run_{name}_{args.resolution}_{time.time_ns()}"
