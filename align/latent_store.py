@@ -188,7 +188,7 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
         if path.is_file():
             continue
         first, last = shard * spec.shard_size, min(spec.num_pairs, (shard + 1) * spec.shard_size)
-        tensors = encode_shard(pipe, table, range(first, last), spec.resolution, batch_size)
+        tensors = encode_shard(pipe, table.remapped(), range(first, last), spec.resolution, batch_size)
         with atomic_path(path) as tmp:
             save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}, str(tmp))
         log(f"[latents] shard {shard + 1}/{spec.num_shards} ({last - first} pairs) -> {path}")
@@ -247,6 +247,8 @@ class StoreLatents(torch.utils.data.Dataset):
         from safetensors import safe_open
 
         if index not in self._handles:
+            if len(self._handles) >= 2:  # close older maps: the pages read through them leave the RSS
+                self._handles.clear()
             self._handles[index] = safe_open(str(self.store / shard_name(index)), framework="pt")
         return self._handles[index]
 

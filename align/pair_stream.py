@@ -15,6 +15,7 @@ step and reads exactly what the uninterrupted run read.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -41,6 +42,14 @@ class PairTable:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def remapped(self) -> PairTable:
+        """The same pairs through a fresh memory map. Pages of a mapped file that were read stay in the
+        process's RSS until the map closes: a pass over every pair (a store build) reads each stretch
+        through its own map, so RSS does not grow with the dataset."""
+        import pickle
+
+        return dataclasses.replace(self, dataset=pickle.loads(pickle.dumps(self.dataset)))
 
     def caption(self, k: int) -> str:
         value = self.dataset.data.column("caption")[int(self.rows[k])].as_py()  # that cell only
@@ -209,14 +218,19 @@ def _as_float(value) -> float:
 class PairPixels(torch.utils.data.Dataset):
     """Items (k, flip, drop) -> winner/loser pixels and the caption ("" when dropped); read in workers."""
 
+    REMAP_EVERY = 1024  # items read through one memory map before a fresh one (see PairTable.remapped)
+
     def __init__(self, table: PairTable, resolution: int):
-        self.table, self.resolution = table, resolution
+        self.table, self.resolution, self._reads = table, resolution, 0
 
     def __len__(self) -> int:
         return len(self.table)
 
     def __getitem__(self, key: tuple[int, bool, bool]) -> dict:
         k, flip, drop = key
+        self._reads += 1
+        if self._reads % self.REMAP_EVERY == 0:
+            self.table = self.table.remapped()
         try:
             pair = self.table.pair(k)
             pixels_w, pixels_l = self.table.pair_pixels(pair, self.resolution, flip)

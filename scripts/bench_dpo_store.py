@@ -16,8 +16,8 @@ the other, in this same environment.
 
 The peer imports torchvision for its transforms, and the PyPI torchvision wheel does not import beside
 the CPU torch 2.13.0 wheel. The peer's process therefore gets a small stand-in `torchvision.transforms`
-(Resize, CenterCrop, RandomHorizontalFlip, ToTensor, Normalize on PIL images, written below), put on
-its path only. It does what torchvision does on PIL images (PIL's bilinear resize, a crop, a flip, a
+(Resize, CenterCrop, RandomHorizontalFlip, ToTensor, Normalize on PIL images, written below), put in
+its sys.modules only, after transformers and diffusers were imported (so they see no torchvision). It does what torchvision does on PIL images (PIL's bilinear resize, a crop, a flip, a
 conversion to a float tensor) and touches nothing in the timed training step.
 """
 
@@ -169,10 +169,30 @@ def write_pairs(path: Path, count: int, size: int) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def install_transforms_standin() -> None:
+    """Give the peer `torchvision.transforms` without telling transformers/diffusers that torchvision
+    exists: they are imported first (their availability checks run then), the stand-in after."""
+    import types
+
+    import accelerate  # noqa: F401
+    import datasets  # noqa: F401
+    import diffusers  # noqa: F401
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    transforms = types.ModuleType("torchvision.transforms")
+    exec(compile(TRANSFORMS_STANDIN, "torchvision_transforms_standin.py", "exec"), transforms.__dict__)
+    package = types.ModuleType("torchvision")
+    package.transforms = transforms
+    sys.modules["torchvision"], sys.modules["torchvision.transforms"] = package, transforms
+
+
 def timed_run(script: Path, argv: list[str]) -> dict:
     """Run a training script in this process; the time of each optimizer step and the peak RSS."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    if script == PEER:
+        install_transforms_standin()
     stamps = []
     register_optimizer_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
     sys.argv = [str(script), *argv]
@@ -186,11 +206,6 @@ def side(name: str, model: Path, data: Path, store: Path, out: Path, args) -> di
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(out / "datasets_cache"), PYTHONPATH=str(ROOT),
                WANDB_MODE="offline")
     if name == "peer":
-        standin = out / "standin"
-        (standin / "torchvision").mkdir(parents=True, exist_ok=True)
-        (standin / "torchvision" / "__init__.py").write_text('"""Stand-in: transforms only."""\nfrom . import transforms  # noqa\n')
-        (standin / "torchvision" / "transforms.py").write_text(TRANSFORMS_STANDIN)
-        env["PYTHONPATH"] = f"{standin}:{ROOT}"
         script, argv = PEER, [
             "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out / "peer"),
             "--resolution", str(args.resolution), "--train_batch_size", "1", "--gradient_accumulation_steps", "1",
