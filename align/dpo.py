@@ -348,8 +348,8 @@ def train(config: DPOConfig) -> Path:
         print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
 
     # 5. The pairs of the current round: AI feedback from the model as it stands (the base model, or the
-    #    resumed one; later online rounds are labelled in the loop), then the caches: text embeddings of
-    #    every caption (and ""), VAE latents of every pair image.
+    #    resumed one; later online rounds are labelled in the loop), then the DataLoader over them: latents
+    #    and text embeddings from a latent store (built first if needed), or images decoded by its workers.
     if judge is not None:
         table = label_round(accelerator, pipe, judge, config, prompts, start_step // steps_per_round, run.path, steps, guidance)
 
