@@ -6,6 +6,9 @@ folder (parquet files, or a ``datasets`` ``save_to_disk`` folder) or a Hugging F
 As in the official Diffusion-DPO code, ties are dropped by default and each pair is stored winner
 first. Unreadable images are found up front (each image is decoded once), counted and reported, so
 a long run never dies on a bad image halfway through.
+
+``load_pairs`` holds the pairs in memory (reward-model training, small sets). The DPO trainer reads
+pairs through ``align.pair_stream`` instead: memory-mapped, decoded by DataLoader workers.
 """
 
 from __future__ import annotations

@@ -113,26 +113,17 @@ class PairOrder:
         return int(self._perms[epoch][position])
 
 
-class LatentStore:
-    """VAE latents of pair images, computed once per (pair, flip) when caching is on."""
-
-    def __init__(self, pipe, pairs, resolution: int, enabled: bool):
-        self.pipe, self.pairs, self.resolution, self.enabled = pipe, pairs, resolution, enabled
-        self.cache: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, index: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        from align.data import pair_pixels
-        from align.pipeline import encode_images
-
-        key = (index, flip)
-        if key in self.cache:
-            return self.cache[key]
-        pixels_w, pixels_l = pair_pixels(self.pairs[index], self.resolution, flip)
-        latents = encode_images(self.pipe, torch.stack([pixels_w, pixels_l]))
-        result = (latents[0].cpu(), latents[1].cpu())
-        if self.enabled:
-            self.cache[key] = result
-        return result
+def micro_batch_keys(order: PairOrder, config: DPOConfig, step: int, micro: int, process: int, processes: int):
+    """The generator of one micro-step and its items (pair, flip, caption dropped) drawn from it; the
+    DataLoader's sampler calls this too, so what is read is a function of the step."""
+    # Keyed by the micro-batch's global slot (micro-step x processes + process), not by the process: N
+    # processes with accumulation A draw what one process with accumulation N x A draws, in the same order.
+    gen = step_generator(config.seed, step, micro * processes + process, 0)
+    counter = ((step * config.gradient_accumulation_steps + micro) * processes + process) * config.train_batch_size
+    batch = [order.index(counter + k) for k in range(config.train_batch_size)]
+    flips = (torch.rand(len(batch), generator=gen) < 0.5).tolist() if config.random_flip else [False] * len(batch)
+    drops = (torch.rand(len(batch), generator=gen) < config.caption_dropout).tolist()
+    return gen, list(zip(batch, flips, drops))
 
 
 def round_prompts(prompts: list[str], round_index: int, rounds: int) -> list[str]:
@@ -149,8 +140,8 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
-    from align.data import load_pairs
     from align.feedback import generate_feedback, make_pipeline_generator, pairwise_scheme
+    from align.pair_stream import open_pairs
 
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
@@ -183,10 +174,10 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
     if stopped:
         raise TrainingStopped(stopped)
     accelerator.wait_for_everyone()
-    pairs, stats = load_pairs(str(path), tie_policy=config.tie_policy, max_pairs=config.max_pairs)
+    table = open_pairs(str(path), tie_policy=config.tie_policy, max_pairs=config.max_pairs)
     if accelerator.is_main_process:
-        print(f"[data] {stats.summary()}", flush=True)
-    return pairs
+        print(f"[data] {table.stats.summary()}", flush=True)
+    return table
 
 
 def healthy_images_only(generate_images):
@@ -206,13 +197,74 @@ def healthy_images_only(generate_images):
     return generate
 
 
-def training_caches(pipe, pairs, resolution: int, config: DPOConfig):
-    """Text embeddings of every caption (and ""), VAE latents of every pair image, the pair order."""
-    from align.pipeline import encode_prompts
+def run_store_path(run_path: Path, round_index: int, rounds: int) -> Path:
+    """Where --cache_latents keeps the latents of a run's pairs (one store per feedback round)."""
+    return run_path / "latents" if rounds == 1 else run_path / "latents" / f"round_{round_index + 1}"
 
-    captions = sorted({p.caption for p in pairs} | {""})
-    text_cache = dict(zip(captions, encode_prompts(pipe, captions).cpu()))
-    return text_cache, LatentStore(pipe, pairs, resolution, enabled=config.cache_latents), PairOrder(len(pairs), config.seed)
+
+def check_latent_store(config: DPOConfig, table, resolution: int) -> None:
+    """A --latent_store that exists must fit the model, the resolution and (with --dataset) the pairs:
+    checked from the model's files, before the run folder is written or the model loads."""
+    from align.latent_store import check_store, model_fingerprint, read_manifest
+
+    if read_manifest(config.latent_store) is None and table is not None:
+        return  # built after the model loads
+    complete = table is None or read_manifest(config.latent_store).get("complete", False)
+    check_store(config.latent_store, model_fingerprint(config.model), resolution,
+                table.fingerprint if table is not None else None, need_complete=complete)
+
+
+def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, store: Path | None):
+    """The torch Dataset of this round's pairs and its epoch order. With a store (--latent_store, or
+    --cache_latents' store in the run folder) items are latents read from disk, else decoded images;
+    a missing or interrupted store is first built (resumably) by the main process."""
+    from align.latent_store import StoreLatents, StoreSpec, build_store, check_store, model_fingerprint
+    from align.pair_stream import PairPixels
+
+    if store is None:
+        return PairPixels(table, resolution), PairOrder(len(table), config.seed)
+    model_fp = model_fingerprint(config.model)
+    if table is not None:
+        dtype = "float32" if config.latent_store is None else "float16"
+        spec = StoreSpec(model_fp, resolution, table.fingerprint, len(table), 1024, dtype)
+        if accelerator.is_main_process:
+            from align.latent_store import read_manifest
+
+            held = read_manifest(store)
+            if held is None or not held.get("complete"):
+                if held is not None:  # an interrupted build: finish it with its own settings
+                    spec = StoreSpec(**{k: held[k] for k in spec.as_dict()})
+                print(f"[latents] encoding {len(table):,} pairs (both flips) into {store}", flush=True)
+                build_store(pipe, table, store, spec, log=lambda line: print(line, flush=True))
+        accelerator.wait_for_everyone()
+    manifest = check_store(store, model_fp, resolution, table.fingerprint if table is not None else None)
+    return StoreLatents(store, manifest), PairOrder(manifest["num_pairs"], config.seed)
+
+
+def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start: int, end: int):
+    """An iterator over the micro-batches of steps [start, end), read by DataLoader workers."""
+    from align.pair_stream import PlannedBatches, micro_batch_loader
+
+    def plan(step, micro):
+        return micro_batch_keys(order, config, step, micro, accelerator.process_index, accelerator.num_processes)[1]
+
+    sampler = PlannedBatches(plan, start, end, config.gradient_accumulation_steps)
+    return iter(micro_batch_loader(data, sampler, config.dataloader_num_workers))
+
+
+@torch.no_grad()
+def batch_latents_and_text(pipe, batch: dict):
+    """(winner latents, loser latents, text embeddings) of a micro-batch, on the CPU."""
+    from align.data import DataError
+    from align.pipeline import encode_images, encode_prompts
+
+    if "error" in batch:
+        raise DataError(batch["error"])
+    if "text" in batch:  # from a latent store
+        return batch["latents_w"], batch["latents_l"], batch["text"]
+    latents = encode_images(pipe, torch.cat([batch["pixels_w"], batch["pixels_l"]])).float().cpu()
+    latents_w, latents_l = latents.chunk(2)
+    return latents_w, latents_l, encode_prompts(pipe, batch["caption"]).float().cpu()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +277,7 @@ def train(config: DPOConfig) -> Path:
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
 
-    from align.data import load_pairs
+    from align.pair_stream import open_pairs
     from align.pipeline import (
         add_lora,
         disabled_adapter,
@@ -262,10 +314,15 @@ def train(config: DPOConfig) -> Path:
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
     guard_api_cost(dpo_api_plan(config, judge, eval_judge, feedback_prompts, eval_prompts), config.max_api_cost, verbose=main)
 
-    # Offline pairs are read (every image decoded once) before the model loads: a bad dataset stops here.
-    pairs = pair_stats = None
+    # Offline pairs are indexed (label columns only; images stay memory-mapped on disk) and a given
+    # latent store is checked against the model's files before the model loads: bad data stops here.
+    table = None
     if config.dataset:
-        pairs, pair_stats = load_pairs(config.dataset, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
+        table = open_pairs(config.dataset, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
+    if config.latent_store:
+        from align.latent_store import native_resolution
+
+        check_latent_store(config, table, config.resolution or native_resolution(config.model))
 
     if main:
         run.prepare()
@@ -287,8 +344,8 @@ def train(config: DPOConfig) -> Path:
     steps_per_round = config.max_steps // rounds
     if judge is not None:
         prompts = load_prompt_list(config.prompts)
-    elif main:
-        print(f"[data] {pair_stats.summary()}", flush=True)
+    elif main and table is not None:
+        print(f"[data] {table.stats.summary()}", flush=True)
 
     # 2. The trained UNet and its reference.
     unet = pipe.unet
@@ -332,16 +389,28 @@ def train(config: DPOConfig) -> Path:
         print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
 
     # 5. The pairs of the current round: AI feedback from the model as it stands (the base model, or the
-    #    resumed one; later online rounds are labelled in the loop), then the caches: text embeddings of
-    #    every caption (and ""), VAE latents of every pair image.
+    #    resumed one; later online rounds are labelled in the loop), then the DataLoader over them: latents
+    #    and text embeddings from a latent store (built first if needed), or images decoded by its workers.
     training_left = start_step < config.max_steps  # else only the final save, evaluation and report remain
     if judge is not None and training_left:
-        pairs = label_round(accelerator, pipe, judge, config, prompts, start_step // steps_per_round, run.path, steps, guidance)
+        table = label_round(accelerator, pipe, judge, config, prompts, start_step // steps_per_round, run.path, steps, guidance)
+
+    def store_of_round(round_index):
+        if config.latent_store:
+            return Path(config.latent_store)
+        return run_store_path(run.path, round_index, rounds) if config.cache_latents else None
+
+    def round_batches(table, step):
+        """The data of the round holding ``step``, read from ``step`` to the round's end."""
+        data, order = training_data(accelerator, pipe, table, resolution, config, store_of_round(step // steps_per_round))
+        end = (step // steps_per_round + 1) * steps_per_round
+        return micro_batches(data, order, config, accelerator, step, end), order
+
     if training_left:
-        text_cache, latents, order = training_caches(pipe, pairs, resolution, config)
+        batches, order = round_batches(table, start_step)
     if main and training_left:  # derived batch sizes, printed so they can be checked against the paper's 2048
         print(
-            f"[dpo] pairs: {len(pairs)} | per process per micro-step: {config.train_batch_size} | processes: "
+            f"[dpo] pairs: {order.num_pairs} | per process per micro-step: {config.train_batch_size} | processes: "
             f"{accelerator.num_processes} | accumulation: {config.gradient_accumulation_steps} | pairs per step: "
             f"{pairs_per_step} | steps: {config.max_steps} | learning rate: {lr:.3g}"
             f"{' (scaled by pairs per step)' if config.scale_lr else ''} | beta: {config.beta} | finetune: "
@@ -362,24 +431,15 @@ def train(config: DPOConfig) -> Path:
     last_good = run.latest_checkpoint()
     for step in progress:
         if step > start_step and step % steps_per_round == 0:  # online DPO: the next round's pairs
-            pairs = label_round(accelerator, pipe, judge, config, prompts, step // steps_per_round, run.path, steps, guidance)
-            text_cache, latents, order = training_caches(pipe, pairs, resolution, config)
+            table = label_round(accelerator, pipe, judge, config, prompts, step // steps_per_round, run.path, steps, guidance)
+            batches, order = round_batches(table, step)
         step_start = time.perf_counter()
         logs: dict[str, float] = {}
         for micro in range(config.gradient_accumulation_steps):
-            # Keyed by the micro-batch's global slot (micro-step x processes + process), not by the process: N
-            # processes with accumulation A draw what one process with accumulation N x A draws, in the same order.
-            slot = micro * accelerator.num_processes + accelerator.process_index
-            gen = step_generator(config.seed, step, slot, 0)
-            counter = ((step * config.gradient_accumulation_steps + micro) * accelerator.num_processes
-                       + accelerator.process_index) * config.train_batch_size
-            batch = [order.index(counter + k) for k in range(config.train_batch_size)]
-            flips = (torch.rand(len(batch), generator=gen) < 0.5).tolist() if config.random_flip else [False] * len(batch)
-            drops = (torch.rand(len(batch), generator=gen) < config.caption_dropout).tolist()
-            pair_latents = [latents.get(i, f) for i, f in zip(batch, flips)]
-            latents_w = torch.stack([w for w, _ in pair_latents])
-            latents_l = torch.stack([loser for _, loser in pair_latents])
-            text = torch.stack([text_cache["" if d else pairs[i].caption] for i, d in zip(batch, drops)])
+            # The pairs, flips and dropped captions were drawn from ``gen`` by the DataLoader's sampler
+            # (micro_batch_keys); redrawing them here leaves ``gen`` where the noise draws start.
+            gen, batch = micro_batch_keys(order, config, step, micro, accelerator.process_index, accelerator.num_processes)
+            latents_w, latents_l, text = batch_latents_and_text(pipe, next(batches))
 
             # One timestep and one noise draw per pair, shared by winner and loser.
             noise = torch.randn(latents_w.shape, generator=gen)

@@ -79,7 +79,12 @@ class DPOConfig:
     random_flip: bool = option(True, "flip training images horizontally at random", "data")
     caption_dropout: float = option(0.2, "share of captions replaced by '' (keeps classifier-free guidance "
                                     "working)", "data")
-    cache_latents: bool = option(True, "encode each training image through the VAE once", "data")
+    cache_latents: bool = option(True, "encode each pair once (both flips) into a latent store in the run folder "
+                                 "(<run>/latents)", "data")
+    dataloader_num_workers: int = option(0, "DataLoader worker processes that decode, crop and flip the images (or "
+                                         "read the latent store); 0: in the training process", "data")
+    latent_store: str | None = option(None, "train from a latent store (python -m align.precompute); with --dataset, "
+                                      "a missing store is built there first", "data")
     # --- sampling (feedback, validation, before/after evaluation)
     num_inference_steps: int | None = option(None, "DDIM steps of every generation (None: the model's "
                                              "testbed.json if any, else 50)", "sampling")
@@ -115,8 +120,10 @@ class DPOConfig:
 
         check_common_inputs(self)
         check_optimiser_ranges(self)
-        if bool(self.reward) == bool(self.dataset):
-            raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset (offline pairs)")
+        if bool(self.reward) == bool(self.dataset or self.latent_store):
+            raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset/--latent_store (offline pairs)")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if self.beta <= 0 or not math.isfinite(self.beta):
             raise ConfigError(f"--beta must be a positive number, got {self.beta}")
         if self.loss not in ("dpo", "sft"):

@@ -280,3 +280,94 @@ def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
         "sys.exit('pyarrow' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+# ------------------------------------------------------------------ streaming: align.pair_stream
+
+
+def test_open_pairs_indexes_labels_only_and_reads_pairs_from_the_mapped_table(tmp_path):
+    from align.pair_stream import open_pairs
+
+    table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
+    # Only the labels are read up front: the unreadable row is a pair until it is used.
+    assert list(table.rows) == [0, 1, 3, 4] and list(table.swap) == [False, True, False, True]
+    assert (table.stats.total, table.stats.kept, table.stats.ties_dropped) == (5, 4, 1)
+    pair = table.pair(1)
+    assert (pair.caption, pair.chosen, pair.rejected, pair.source_index) == ("a blue dog", BLUE, GREEN, 1)
+    w, l_ = table.pixels(3, 8, flip=False)
+    ref_w, ref_l = pair_pixels(PreferencePair("", WHITE, BLUE, 4), 8)
+    assert torch.equal(w, ref_w) and torch.equal(l_, ref_l)
+    with pytest.raises(DataError, match=r"row 3 holds an unreadable image.*fix or remove that row"):
+        table.pixels(2, 8, flip=False)
+    kept = open_pairs(str(tmp_path / "pairs.parquet"), tie_policy="keep_first", max_pairs=3, cache_dir=str(tmp_path / "cache"))
+    assert list(kept.rows) == [0, 1, 2] and kept.stats.ties_kept == 1 and kept.stats.total == 3
+    assert kept.fingerprint != table.fingerprint
+
+
+def test_open_pairs_from_saved_dataset_and_parquet_folder_offline(tmp_path):
+    """save_to_disk folders with datasets Image columns and a Hub-layout parquet folder (a Hub id
+    goes through the same load_dataset call but cannot be tested offline)."""
+    import datasets
+
+    from align.pair_stream import open_pairs
+
+    features = datasets.Features(caption=datasets.Value("string"), jpg_0=datasets.Image(), jpg_1=datasets.Image(),
+                                 label_0=datasets.Value("float64"), label_1=datasets.Value("float64"),
+                                 abstained=datasets.Value("bool"))
+    data = {"caption": [r[0] for r in ROWS], "jpg_0": [{"bytes": r[1], "path": None} for r in ROWS],
+            "jpg_1": [{"bytes": r[2], "path": None} for r in ROWS], "label_0": [r[3] for r in ROWS],
+            "label_1": [r[4] for r in ROWS], "abstained": [False, False, False, False, True]}
+    datasets.Dataset.from_dict(data, features=features).save_to_disk(str(tmp_path / "disk"))
+    table = open_pairs(str(tmp_path / "disk"))
+    assert list(table.rows) == [0, 1, 3] and table.stats.unlabelled == 1
+    assert table.pair(1).chosen == BLUE  # image columns come back as the encoded bytes
+
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    write_rows(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet")
+    assert list(open_pairs(str(tmp_path / "hub"), cache_dir=str(tmp_path / "cache")).rows) == [0, 1, 3, 4]
+
+
+def test_open_pairs_refuses_sources_without_the_pick_a_pic_columns(tmp_path):
+    import datasets
+
+    from align.pair_stream import open_pairs
+
+    pq.write_table(pa.table({"caption": ["x"], "image": [RED]}), tmp_path / "cols.parquet")
+    with pytest.raises(DataError, match=r"cols.parquet' lacks the Pick-a-Pic columns jpg_0, jpg_1, label_0, label_1"):
+        open_pairs(str(tmp_path / "cols.parquet"))
+    datasets.Dataset.from_dict({"caption": ["x"], "jpg_0": [RED]}).save_to_disk(str(tmp_path / "disk"))
+    with pytest.raises(DataError, match=r"lacks the Pick-a-Pic columns jpg_1, label_0, label_1"):
+        open_pairs(str(tmp_path / "disk"))
+    (tmp_path / "garbage.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="cannot read .*garbage.parquet as parquet"):
+        open_pairs(str(tmp_path / "garbage.parquet"))
+    with pytest.raises(DataError, match="no usable preference pairs"):
+        open_pairs(str(write_rows(tmp_path / "ties.parquet", rows=[ROWS[2]])), cache_dir=str(tmp_path / "cache"))
+
+
+def test_planned_batches_restart_at_any_step_and_workers_read_the_same_items(tmp_path):
+    from align.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
+
+    table = open_pairs(str(write_rows(tmp_path / "pairs.parquet", rows=[r for r in ROWS if r[0] != "broken"])),
+                       cache_dir=str(tmp_path / "cache"))
+
+    def plan(step, micro):
+        return [((step * 2 + micro + k) % len(table), (step + k) % 2 == 0, k == 1) for k in range(2)]
+
+    def read(start, workers):
+        loader = micro_batch_loader(PairPixels(table, 8), PlannedBatches(plan, start, 4, 2), workers)
+        return [(b["pixels_w"], b["pixels_l"], b["caption"]) for b in loader]
+
+    full = read(0, 0)
+    assert len(full) == 8 and full[0][2][1] == ""  # caption dropped where planned
+    for (w, l_, c), (w2, l2, c2) in zip(full[4:], read(2, 2)):  # resumed at step 2, read by two workers
+        assert torch.equal(w, w2) and torch.equal(l_, l2) and c == c2
+
+
+def test_unreadable_image_reaches_the_trainer_as_one_line(tmp_path):
+    from align.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
+
+    table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
+    loader = micro_batch_loader(PairPixels(table, 8), PlannedBatches(lambda s, m: [(0, False, False), (2, False, False)], 0, 1, 1), 1)
+    (batch,) = list(loader)
+    assert batch["error"].count("\n") == 0 and "row 3 holds an unreadable image" in batch["error"]

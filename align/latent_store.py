@@ -1,0 +1,277 @@
+"""A latent store: VAE latents and text embeddings of preference pairs, computed once, on disk.
+
+Layout of a store folder:
+    manifest.json              what was encoded: model fingerprint, resolution, dataset fingerprint,
+                               number of pairs, shard size, dtype, shapes; "complete" once all shards exist
+    empty_text.safetensors     the text embedding of "" (caption dropout)
+    shard_00000.safetensors    pairs [0, S): latents [n, 2 flips, 2 (winner, loser), C, h, w],
+                               text [U, 77, D] (the shard's distinct captions), caption_index [n], rows [n]
+    ...
+
+Each shard is written atomically (temporary file, then rename), so an interrupted build keeps its
+finished shards and a rerun encodes only the missing ones, giving the same bytes as a build that was
+never interrupted. Training memory-maps the shards (safetensors) and reads one pair at a time.
+
+What is stored: the centre crop at the training resolution, un-flipped AND flipped (the flip is drawn
+at train time), and the VAE posterior's mean times the scaling factor, exactly what the trainer
+encodes when it reads images (align.pipeline.encode_images), so training from a store is training
+from the images with the same latents. The official Diffusion-DPO code draws ``latent_dist.sample()``
+at every step instead; see docs/scale.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from align.data import DataError
+from align.runs import atomic_path, atomic_write_text
+
+STORE_FORMAT = 1
+MANIFEST = "manifest.json"
+EMPTY_TEXT = "empty_text.safetensors"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FINGERPRINTED_PARTS = ("vae", "text_encoder", "tokenizer")
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.safetensors"
+
+
+# ------------------------------------------------------------------------------------ fingerprints
+
+
+def model_folder(model: str) -> Path:
+    """The local folder of a pipeline: the folder given, or a hub id's Hugging Face cache snapshot."""
+    from align.pipeline import resolve_model
+
+    resolved = resolve_model(model)
+    folder = Path(resolved).expanduser()
+    if folder.is_dir():
+        return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(resolved, local_files_only=True, allow_patterns=[f"{p}/*" for p in FINGERPRINTED_PARTS] + ["model_index.json", "unet/config.json"]))
+    except Exception as err:  # not cached (offline or never downloaded)
+        raise DataError(
+            f"--model {model!r}: cannot find its files to fingerprint ({type(err).__name__}); "
+            "give a local pipeline folder or load the model once so it is in the Hugging Face cache"
+        ) from None
+
+
+def model_fingerprint(model: str) -> str:
+    """sha256 over the VAE's, text encoder's and tokenizer's files (configs and weights)."""
+    folder = model_folder(model)
+    digest = hashlib.sha256()
+    for part in FINGERPRINTED_PARTS:
+        for path in sorted(p for p in (folder / part).rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(folder)).encode())
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:32]
+
+
+def native_resolution(model: str) -> int:
+    """The pipeline's own image size: the UNet's sample size times the VAE's downsampling."""
+    folder = model_folder(model)
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    return int(unet["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
+
+
+# -------------------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What a store was built from; two builds with equal specs give the same bytes."""
+
+    model_fingerprint: str
+    resolution: int
+    dataset_fingerprint: str
+    num_pairs: int
+    shard_size: int
+    dtype: str
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_pairs // self.shard_size)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def read_manifest(store: str | Path) -> dict | None:
+    path = Path(store) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"latent store {str(store)!r}: {MANIFEST} is not valid JSON ({err})") from None
+    if manifest.get("format") != STORE_FORMAT:
+        raise DataError(f"latent store {str(store)!r} has format {manifest.get('format')!r}; this version reads {STORE_FORMAT}")
+    return manifest
+
+
+def check_store(store: str | Path, model_fp: str, resolution: int, dataset_fp: str | None = None,
+                need_complete: bool = True) -> dict:
+    """The manifest of a store that fits this model, resolution (and dataset); else one clear line."""
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise DataError(f"latent store {str(store)!r} not found (no {MANIFEST}); build it with python -m align.precompute")
+    if manifest["model_fingerprint"] != model_fp:
+        raise DataError(
+            f"latent store {str(store)!r} was encoded by another model (VAE/text encoder fingerprint "
+            f"{manifest['model_fingerprint'][:12]}, this model's {model_fp[:12]}); rebuild it for this --model"
+        )
+    if manifest["resolution"] != resolution:
+        raise DataError(
+            f"latent store {str(store)!r} holds {manifest['resolution']} px latents but this run trains at "
+            f"{resolution} px; pass --resolution {manifest['resolution']} or rebuild the store"
+        )
+    if dataset_fp is not None and manifest["dataset_fingerprint"] != dataset_fp:
+        raise DataError(
+            f"latent store {str(store)!r} was built from other pairs (dataset fingerprint "
+            f"{manifest['dataset_fingerprint']}, this --dataset/--tie_policy/--max_pairs gives {dataset_fp})"
+        )
+    if need_complete and not manifest.get("complete"):
+        raise DataError(
+            f"latent store {str(store)!r} is incomplete (an interrupted build); rerun python -m align.precompute "
+            "with the same arguments to finish it"
+        )
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------- build
+
+
+def prepare_store(store: str | Path, spec: StoreSpec) -> None:
+    """Refuse a folder holding something else; write the manifest of a new build (incomplete)."""
+    store = Path(store)
+    manifest = read_manifest(store)
+    if manifest is not None:
+        held = {k: manifest.get(k) for k in spec.as_dict()}
+        if held != spec.as_dict():
+            changed = ", ".join(f"{k} {held[k]!r} -> {v!r}" for k, v in spec.as_dict().items() if held[k] != v)
+            raise DataError(
+                f"latent store {str(store)!r} holds another build ({changed}); give a new --output folder"
+            )
+        return
+    if store.exists() and any(store.iterdir()):
+        raise DataError(f"--output {str(store)!r} is a non-empty folder without a {MANIFEST}; give a new or empty folder")
+    store.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(store / MANIFEST, json.dumps({"format": STORE_FORMAT, **spec.as_dict(), "complete": False}, indent=2))
+
+
+def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int = 8, log=print, after_shard=None) -> dict:
+    """Encode the pairs of ``table`` (align.pair_stream.PairTable) into ``store``; finished shards
+    are skipped, so an interrupted build resumes. Returns the completed manifest."""
+    from safetensors.torch import save_file
+
+    from align.pipeline import encode_prompts
+
+    store = Path(store)
+    prepare_store(store, spec)
+    dtype = DTYPES[spec.dtype]
+    if not (store / EMPTY_TEXT).is_file():
+        with torch.no_grad(), atomic_path(store / EMPTY_TEXT) as tmp:
+            save_file({"text": encode_prompts(pipe, [""])[0].to(dtype).contiguous().cpu()}, str(tmp))
+    for shard in range(spec.num_shards):
+        path = store / shard_name(shard)
+        if path.is_file():
+            continue
+        first, last = shard * spec.shard_size, min(spec.num_pairs, (shard + 1) * spec.shard_size)
+        tensors = encode_shard(pipe, table.remapped(), range(first, last), spec.resolution, batch_size)
+        with atomic_path(path) as tmp:
+            save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}, str(tmp))
+        log(f"[latents] shard {shard + 1}/{spec.num_shards} ({last - first} pairs) -> {path}")
+        if after_shard is not None:
+            after_shard(shard)
+    manifest = {"format": STORE_FORMAT, **spec.as_dict(), "complete": True}
+    atomic_write_text(store / MANIFEST, json.dumps(manifest, indent=2))
+    return manifest
+
+
+@torch.no_grad()
+def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) -> dict[str, torch.Tensor]:
+    """Latents of both images of each pair, un-flipped and flipped, and the shard's caption embeddings."""
+    from align.pipeline import encode_images, encode_prompts
+
+    latents = []
+    for start in range(indices.start, indices.stop, batch_size):
+        pixels = []
+        for k in range(start, min(indices.stop, start + batch_size)):
+            pair = table.pair(k)
+            for flip in (False, True):
+                pixels.extend(table.pair_pixels(pair, resolution, flip))  # winner, loser
+        encoded = encode_images(pipe, torch.stack(pixels)).float().cpu()
+        latents.append(encoded.reshape(-1, 2, 2, *encoded.shape[1:]))  # [pairs, flip, (w, l), C, h, w]
+    captions = [table.caption(k) for k in indices]
+    distinct = sorted(set(captions))
+    position = {c: i for i, c in enumerate(distinct)}
+    text = torch.cat([encode_prompts(pipe, distinct[i : i + batch_size]).float().cpu() for i in range(0, len(distinct), batch_size)])
+    return {
+        "latents": torch.cat(latents),
+        "text": text,
+        "caption_index": torch.tensor([position[c] for c in captions], dtype=torch.int64),
+        "rows": torch.from_numpy(table.rows[indices.start : indices.stop].copy()),
+    }
+
+
+# ------------------------------------------------------------------------------------------ read
+
+
+class StoreLatents(torch.utils.data.Dataset):
+    """Items (k, flip, drop) -> winner/loser latents and the text embedding ("" when dropped),
+    read from the memory-mapped shards (each DataLoader worker opens its own handles)."""
+
+    def __init__(self, store: str | Path, manifest: dict):
+        self.store, self.shard_size, self.num_pairs = Path(store), manifest["shard_size"], manifest["num_pairs"]
+        self._handles: dict[int, object] = {}
+        self._empty: torch.Tensor | None = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_handles": {}}  # file handles are per process
+
+    def __len__(self) -> int:
+        return self.num_pairs
+
+    def _shard(self, index: int):
+        from safetensors import safe_open
+
+        if index not in self._handles:
+            if len(self._handles) >= 2:  # close older maps: the pages read through them leave the RSS
+                self._handles.clear()
+            self._handles[index] = safe_open(str(self.store / shard_name(index)), framework="pt")
+        return self._handles[index]
+
+    def __getitem__(self, key: tuple[int, bool, bool]) -> dict:
+        try:
+            return self._read(*key)
+        except (OSError, KeyError, RuntimeError) as err:  # a shard removed or damaged after the check
+            return {"error": f"latent store {str(self.store)!r}: cannot read pair {key[0]}: {type(err).__name__}: {err}"}
+
+    def _read(self, k: int, flip: bool, drop: bool) -> dict:
+        from safetensors.torch import load_file
+
+        handle = self._shard(k // self.shard_size)
+        i = k % self.shard_size
+        pair = handle.get_slice("latents")[i : i + 1][0, int(flip)].float()
+        if drop:
+            if self._empty is None:
+                self._empty = load_file(str(self.store / EMPTY_TEXT))["text"].float()
+            text = self._empty
+        else:
+            caption = int(handle.get_slice("caption_index")[i : i + 1][0])
+            text = handle.get_slice("text")[caption : caption + 1][0].float()
+        return {"latents_w": pair[0], "latents_l": pair[1], "text": text}
+
+
+__all__ = ["DTYPES", "StoreLatents", "StoreSpec", "build_store", "check_store", "model_fingerprint", "native_resolution", "read_manifest"]

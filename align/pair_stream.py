@@ -1,0 +1,280 @@
+"""Preference pairs at scale: a memory-mapped table, an index of its training pairs, and the
+torch Dataset that DataLoader workers read pixels through.
+
+Nothing here holds a dataset in Python lists. The pairs stay in Arrow files that ``datasets``
+memory-maps (a local parquet file or folder is converted once into its cache, as ``load_dataset``
+does; a ``save_to_disk`` folder is mapped as it is); only the kept row numbers and a winner flag
+(9 bytes a pair) are in memory. Images are decoded, centre-cropped and flipped in the DataLoader's
+worker processes, each worker reading only the micro-batches it is handed.
+
+Which pair, which flip and whether the caption is dropped are decided by the trainer from
+generators seeded by (seed, step, micro-step, process), and handed to the DataLoader as the keys
+of each micro-batch: the sampler is a function of the step, so a resumed run restarts it at any
+step and reads exactly what the uninterrupted run read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from align.data import PAIR_COLUMNS, TIE_POLICIES, DataError, PairStats, _looks_like_path, pair_pixels
+from align.data import PreferencePair as _Pair
+from rewards.images import UnreadableImageError
+
+
+@dataclass
+class PairTable:
+    """The training pairs of a source: Arrow rows ``rows[k]``, winner = jpg_1 where ``swap[k]``."""
+
+    source: str
+    dataset: object  # datasets.Dataset (memory-mapped Arrow), image columns kept as encoded bytes
+    rows: np.ndarray  # int64 row numbers of the kept pairs
+    swap: np.ndarray  # bool: image 1 won, so it is the pair's first image
+    stats: PairStats
+    fingerprint: str  # names the source's data and the selection (split, tie policy, max_pairs)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def remapped(self) -> PairTable:
+        """The same pairs through a fresh memory map. Pages of a mapped file that were read stay in the
+        process's RSS until the map closes: a pass over every pair (a store build) reads each stretch
+        through its own map, so RSS does not grow with the dataset."""
+        import pickle
+
+        return dataclasses.replace(self, dataset=pickle.loads(pickle.dumps(self.dataset)))
+
+    def caption(self, k: int) -> str:
+        value = self.dataset.data.column("caption")[int(self.rows[k])].as_py()  # that cell only
+        return value if isinstance(value, str) else ""
+
+    def pair(self, k: int) -> _Pair:
+        """Pair k, winner first, with its encoded image bytes (read from the memory-mapped table)."""
+        from align.data import _image_bytes
+
+        row = int(self.rows[k])
+        record = self.dataset[row]
+        where = f"{self.source}: row {row}"
+        try:
+            jpg_0 = _image_bytes(record["jpg_0"], f"{where} jpg_0")
+            jpg_1 = _image_bytes(record["jpg_1"], f"{where} jpg_1")
+        except UnreadableImageError as err:
+            raise DataError(f"{err}; fix or remove that row (valid: PNG/JPEG bytes)") from None
+        caption = record["caption"] if isinstance(record["caption"], str) else ""
+        chosen, rejected = (jpg_1, jpg_0) if self.swap[k] else (jpg_0, jpg_1)
+        return _Pair(caption, chosen=chosen, rejected=rejected, source_index=row)
+
+    def pixels(self, k: int, resolution: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Winner and loser pixels of pair k: resized, centre-cropped, flipped if asked, in [-1, 1].
+        An image that does not decode stops with one line naming the row."""
+        return self.pair_pixels(self.pair(k), resolution, flip)
+
+    def pair_pixels(self, pair: _Pair, resolution: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return pair_pixels(pair, resolution, flip)
+        except UnreadableImageError as err:
+            raise DataError(
+                f"{self.source}: row {pair.source_index} holds an unreadable image ({err}); "
+                "fix or remove that row (valid: PNG/JPEG bytes)"
+            ) from None
+
+
+def open_pairs(
+    source: str,
+    split: str = "train",
+    tie_policy: str = "drop",
+    max_pairs: int | None = None,
+    cache_dir: str | None = None,
+) -> PairTable:
+    """The training pairs of a Pick-a-Pic-schema source, memory-mapped.
+
+    source: a .parquet file, a folder of parquet files, a ``save_to_disk`` folder, or a Hugging Face
+    dataset id (downloaded and memory-mapped by ``datasets``). Ties are dropped ("drop", official
+    code) or kept as wins of image 0 ("keep_first"); NaN labels and abstentions are never pairs.
+    Only the label columns are read here; images are read when a pair is used.
+    """
+    if tie_policy not in TIE_POLICIES:
+        raise DataError(f"tie_policy {tie_policy!r} is not valid; choose one of {', '.join(TIE_POLICIES)}")
+    if max_pairs is not None and max_pairs < 1:
+        raise DataError(f"max_pairs must be a positive number of pairs (or None for all), got {max_pairs}")
+    dataset = _open_table(str(source), split, cache_dir)
+    names = list(dataset.column_names)
+    missing = [c for c in PAIR_COLUMNS if c not in names]
+    if missing:
+        raise DataError(
+            f"preference source {source!r} lacks the Pick-a-Pic columns {', '.join(missing)}; needed: "
+            f"{', '.join(PAIR_COLUMNS)} (found: {', '.join(names)})"
+        )
+    dataset = _bytes_only(dataset.select_columns(list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else [])))
+    rows, swap, stats = _select_pairs(dataset, str(source), tie_policy, max_pairs)
+    key = f"{getattr(dataset, '_fingerprint', source)}|{split}|{tie_policy}|{max_pairs}|{len(rows)}"
+    return PairTable(str(source), dataset, rows, swap, stats, hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def _open_table(source: str, split: str, cache_dir: str | None):
+    import datasets
+
+    from align.data import _dataset_from_folder, _load_hf_dataset
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".parquet":
+            raise DataError(f"preference file {source!r} must be a .parquet file (Pick-a-Pic schema)")
+        _check_parquet(path)
+        try:
+            return datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir)
+        except Exception as err:  # the library raises many types
+            raise DataError(f"cannot read {source!r} as a parquet dataset: {type(err).__name__}: {err}") from err
+    if path.is_dir():
+        return _dataset_from_folder(path, split, cache_dir)
+    if _looks_like_path(source) or source.lower().endswith(".parquet"):
+        raise DataError(
+            f"preference source {source!r} not found; give a .parquet file, a folder of parquet files, "
+            "a datasets save_to_disk folder, or a Hugging Face dataset id"
+        )
+    return _load_hf_dataset(source, split, "preference dataset", cache_dir)
+
+
+def _check_parquet(path: Path) -> None:
+    """The columns, from the footer only: a file without them is refused before any conversion."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"cannot read {path} as parquet: {err}") from err
+    missing = [c for c in PAIR_COLUMNS if c not in names]
+    if missing:
+        raise DataError(
+            f"preference source {str(path)!r} lacks the Pick-a-Pic columns {', '.join(missing)}; needed: "
+            f"{', '.join(PAIR_COLUMNS)} (found: {', '.join(names)})"
+        )
+
+
+def _bytes_only(dataset):
+    """Image columns as encoded bytes: decoding happens in the workers, once per use."""
+    import datasets
+
+    for column in ("jpg_0", "jpg_1"):
+        if dataset.features is not None and isinstance(dataset.features[column], datasets.Image):
+            dataset = dataset.cast_column(column, datasets.Image(decode=False))
+    return dataset
+
+
+def _select_pairs(dataset, source: str, tie_policy: str, max_pairs: int | None):
+    """Kept row numbers and winner flags from the label columns alone (vectorised)."""
+    table = dataset.data  # Arrow table, memory-mapped
+    label_0 = _float_column(table.column("label_0"))
+    label_1 = _float_column(table.column("label_1"))
+    unlabelled = np.isnan(label_0) | np.isnan(label_1)
+    if "abstained" in dataset.column_names:
+        unlabelled |= np.asarray(table.column("abstained").fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
+    tie = ~unlabelled & (label_0 == label_1)
+    keep = ~unlabelled & (~tie | (tie_policy == "keep_first"))
+    rows = np.flatnonzero(keep).astype(np.int64)
+    if max_pairs is not None:
+        rows = rows[:max_pairs]
+    seen = int(rows[-1]) + 1 if max_pairs is not None and len(rows) == max_pairs else len(label_0)
+    stats = PairStats(source=source, total=seen, kept=len(rows))
+    stats.unlabelled = int(unlabelled[:seen].sum())
+    if tie_policy == "drop":
+        stats.ties_dropped = int(tie[:seen].sum())
+    else:
+        stats.ties_kept = int(tie[:seen].sum())
+    if not len(rows):
+        raise DataError(f"no usable preference pairs in {source!r}: {stats.summary()}")
+    return rows, label_1[rows] > label_0[rows], stats
+
+
+def _float_column(column) -> np.ndarray:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        column = pc.cast(column, pa.float64())
+    except pa.ArrowException:  # labels stored as text: parse what parses, NaN for the rest
+        return np.array([_as_float(v) for v in column.to_pylist()], dtype=np.float64)
+    return np.asarray(column.fill_null(math.nan).to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+def _as_float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+# ------------------------------------------------------------------------------- DataLoader parts
+
+
+class PairPixels(torch.utils.data.Dataset):
+    """Items (k, flip, drop) -> winner/loser pixels and the caption ("" when dropped); read in workers."""
+
+    REMAP_EVERY = 1024  # items read through one memory map before a fresh one (see PairTable.remapped)
+
+    def __init__(self, table: PairTable, resolution: int):
+        self.table, self.resolution, self._reads = table, resolution, 0
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, key: tuple[int, bool, bool]) -> dict:
+        k, flip, drop = key
+        self._reads += 1
+        if self._reads % self.REMAP_EVERY == 0:
+            self.table = self.table.remapped()
+        try:
+            pair = self.table.pair(k)
+            pixels_w, pixels_l = self.table.pair_pixels(pair, self.resolution, flip)
+        except DataError as err:  # handed to the training process, which stops with this one line
+            return {"error": str(err)}
+        return {"pixels_w": pixels_w, "pixels_l": pixels_l, "caption": "" if drop else pair.caption}
+
+
+class PlannedBatches(torch.utils.data.Sampler):
+    """The micro-batches of steps [start, end): ``plan(step, micro)`` gives a micro-batch's keys.
+    A function of the step, so a resumed run restarts it at its step."""
+
+    def __init__(self, plan, start: int, end: int, accumulation: int):
+        self.plan, self.start, self.end, self.accumulation = plan, start, end, accumulation
+
+    def __iter__(self):
+        for step in range(self.start, self.end):
+            for micro in range(self.accumulation):
+                yield self.plan(step, micro)
+
+    def __len__(self) -> int:
+        return (self.end - self.start) * self.accumulation
+
+
+def micro_batch_loader(dataset, sampler: PlannedBatches, num_workers: int) -> torch.utils.data.DataLoader:
+    """A DataLoader over planned micro-batches; workers decode, crop and flip (or read latents)."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        persistent_workers=False,
+    )
+
+
+def _collate(items: list[dict]) -> dict:
+    errors = [item["error"] for item in items if "error" in item]
+    if errors:
+        return {"error": errors[0]}
+    batch = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        batch[key] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
+    return batch
+
+
+__all__ = ["PairPixels", "PairTable", "PlannedBatches", "micro_batch_loader", "open_pairs"]

@@ -1,0 +1,142 @@
+"""Does DPO's peak memory depend on the dataset's size? Target (issue 37): 5,000 pairs at <= 1.10x
+the peak RSS of 500 pairs, same flags.
+
+    python scripts/bench_data_memory.py                          # 500 vs 5,000 pairs, 128 px
+    python scripts/bench_data_memory.py --sizes 500,5000 --cases images,images-workers,store
+
+Builds synthetic Pick-a-Pic-schema parquet files (caption, jpg_0, jpg_1, label_0, label_1; random
+JPEGs at --resolution px, one tie in ten; row groups of 100 rows, as large files are written), a tiny
+SD-architecture pipeline (tests/tiny_sd.py), and runs `align/dpo.py --finetune lora --max_steps 2`
+on each file in a fresh subprocess with a fresh datasets cache. Peak memory of a run: the largest
+single process's peak RSS (getrusage of the children), and the whole process tree's RSS sampled every
+20 ms (psutil: the trainer plus its DataLoader workers), in full and without file-backed pages
+(RSS - shared: the pages of memory-mapped data that were read count in RSS but the kernel can drop them).
+
+Cases: images          pixels decoded in the training process (--cache_latents false)
+       images-workers  the same with two DataLoader workers (--dataloader_num_workers 2)
+       store           the default: every pair encoded once into the run folder's latent store
+                       (at 32 px: the build encodes every pair, which at 128 px takes over an hour here)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+CASES = {
+    "images": ["--cache_latents", "false"],
+    "images-workers": ["--cache_latents", "false", "--dataloader_num_workers", "2"],
+    # Encoding 5,000 pairs at 128 px takes over an hour on two shared cores: the store case trains at 32 px.
+    "store": ["--resolution", "32"],
+}
+
+
+def write_pairs(path: Path, count: int, size: int, seed: int = 0) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    schema = pa.schema([("caption", pa.string()), ("jpg_0", pa.binary()), ("jpg_1", pa.binary()),
+                        ("label_0", pa.float64()), ("label_1", pa.float64())])
+
+    def jpeg():
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, format="JPEG", quality=90)
+        return buffer.getvalue()
+
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, count, 100):
+            rows = []
+            for i in range(start, min(count, start + 100)):
+                label = 0.5 if i % 10 == 9 else float(i % 2)
+                rows.append({"caption": f"a photo number {i}", "jpg_0": jpeg(), "jpg_1": jpeg(),
+                             "label_0": label, "label_1": 1.0 - label})
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+
+
+def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: Path) -> dict:
+    """Run dpo.py in a subprocess (from a fresh child of this script, so getrusage sees only it)."""
+    import psutil
+
+    env = dict(os.environ, HF_DATASETS_CACHE=str(workdir / "datasets_cache"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, str(ROOT / "align" / "dpo.py"), "--model", model, "--dataset", str(data),
+           "--output-dir", str(workdir / "run"), "--finetune", "lora", "--lora_rank", "4", "--resolution", str(resolution),
+           "--train_batch_size", "2", "--gradient_accumulation_steps", "1", "--max_steps", "2", "--learning_rate", "1e-4",
+           "--scale_lr", "false", "--lr_warmup_steps", "0", "--checkpointing_steps", "1000", "--validation_steps", "0",
+           "--report_to", "none", *extra]
+    start = time.perf_counter()
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent, tree_peak, anon_peak = psutil.Process(process.pid), 0, 0
+    while process.poll() is None:
+        try:
+            members = [parent, *parent.children(recursive=True)]
+            infos = [m.memory_info() for m in members]
+            tree_peak = max(tree_peak, sum(i.rss for i in infos))
+            anon_peak = max(anon_peak, sum(i.rss - i.shared for i in infos))  # without file-backed pages
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    out, err = process.communicate()
+    if process.returncode != 0:
+        raise SystemExit(f"dpo.py failed ({process.returncode}):\n{err[-3000:]}")
+    return {"max_process_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+            "tree_mb": tree_peak / 2**20, "anon_mb": anon_peak / 2**20, "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="500,5000")
+    parser.add_argument("--cases", default="images,images-workers,store")
+    parser.add_argument("--resolution", type=int, default=128)
+    parser.add_argument("--one", nargs=4, metavar=("MODEL", "DATA", "CASE", "WORKDIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        model, data, case, workdir = args.one
+        print(json.dumps(measure(model, Path(data), args.resolution, CASES[case], Path(workdir))))
+        return
+    from tiny_sd import build_tiny_pipeline
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = str(build_tiny_pipeline(tmp / "model"))
+        files = {}
+        for size in sizes:
+            files[size] = tmp / f"pairs_{size}.parquet"
+            write_pairs(files[size], size, args.resolution)
+            print(f"{size} pairs: {files[size].stat().st_size / 2**20:.1f} MB parquet", flush=True)
+        for case in args.cases.split(","):
+            results = {}
+            for size in sizes:
+                workdir = tmp / f"{case}_{size}"
+                out = subprocess.run([sys.executable, __file__, "--resolution", str(args.resolution), "--one", model,
+                                      str(files[size]), case, str(workdir)], capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{case} {size}: {out.stderr[-3000:]}")
+                results[size] = json.loads(out.stdout.strip().splitlines()[-1])
+                r = results[size]
+                print(f"{case:15s} {size:6d} pairs: peak RSS {r['max_process_mb']:7.1f} MB (largest process), "
+                      f"{r['tree_mb']:7.1f} MB (process tree), {r['anon_mb']:7.1f} MB (tree, anonymous), "
+                      f"{r['seconds']:.1f} s", flush=True)
+            small, large = results[sizes[0]], results[sizes[-1]]
+            print(f"{case:15s} ratio {sizes[-1]}/{sizes[0]} pairs: {large['max_process_mb'] / small['max_process_mb']:.3f} "
+                  f"(largest process), {large['tree_mb'] / small['tree_mb']:.3f} (tree), "
+                  f"{large['anon_mb'] / small['anon_mb']:.3f} (tree, anonymous); target <= 1.10", flush=True)
+
+
+if __name__ == "__main__":
+    main()
