@@ -106,6 +106,19 @@ def test_training_from_the_store_equals_training_from_images(tiny_model, pairs_f
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
 
 
+def test_cache_latents_builds_the_runs_store_once_and_trains_as_from_images(tiny_model, pairs_file, tmp_path):
+    settings = dict(dataset=pairs_file, max_steps=2, checkpointing_steps=10, caption_dropout=0.5)
+    cached = dpo.train(small_config(tiny_model, tmp_path / "cached", cache_latents=True, **settings))
+    plain = dpo.train(small_config(tiny_model, tmp_path / "plain", cache_latents=False, **settings))
+    manifest = read_manifest(cached / "latents")
+    assert manifest is not None and manifest["num_pairs"] == 5  # every pair encoded once, into the run folder
+    assert not (plain / "latents").exists()
+    a = [json.loads(line) for line in (cached / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
+    for x, y in zip(a, b, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7)
+
+
 def test_resume_mid_epoch_from_images_with_workers_is_exact(tiny_model, pairs_file, tmp_path):
     """5 pairs, 2 a step: step 2 starts mid-epoch. The resumed half reads through two workers."""
     from safetensors.torch import load_file

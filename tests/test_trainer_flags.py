@@ -75,30 +75,6 @@ def test_dpo_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000003"]
 
 
-@pytest.mark.parametrize("cache_latents", [True, False])
-def test_cache_latents_encodes_each_pair_and_flip_once(cache_latents, monkeypatch):
-    import align.data
-    import align.pipeline
-
-    calls = []
-
-    def fake_pixels(pair, resolution, flip):
-        return torch.full((3, 4, 4), float(pair)), torch.full((3, 4, 4), -float(pair) - flip)
-
-    def fake_encode(pipe, pixels):
-        calls.append(pixels)
-        return pixels * 2
-
-    monkeypatch.setattr(align.data, "pair_pixels", fake_pixels)
-    monkeypatch.setattr(align.pipeline, "encode_images", fake_encode)
-    store = dpo.LatentStore(pipe=None, pairs=[0, 1], resolution=4, enabled=cache_latents)
-    first = [store.get(i, flip) for i, flip in ((0, False), (1, True), (0, False), (1, True), (1, False))]
-    assert len(calls) == (3 if cache_latents else 5)  # cached: one VAE pass per (pair, flip)
-    for (w, lat), (w2, lat2) in zip(first[:2], first[2:4]):
-        assert torch.equal(w, w2) and torch.equal(lat, lat2)  # the same latents either way
-    assert torch.equal(first[1][1], torch.full((3, 4, 4), -4.0))
-
-
 def test_validation_prompts_win_over_held_out_and_training_prompts(tmp_path):
     files = {}
     for name in ("validation", "held_out", "training"):
