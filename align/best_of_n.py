@@ -28,15 +28,8 @@ import numpy as np
 import torch
 
 from align.cli import ConfigError, option
-from align.evaluate import (
-    GenerationCache,
-    ModelEntry,
-    compare_shuffled,
-    load_judge,
-    resolve_device,
-    sampling_settings,
-    split_list,
-)
+from align.generation import GenerationCache, ModelEntry, resolve_device, sampling_settings
+from align.judges import compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
 from rewards.base import is_pointwise
 

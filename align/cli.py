@@ -21,6 +21,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import NoReturn, TypeVar
 
+from align.errors import ConfigError
+from align.validation import check_config_values, read_text_file
+
 T = TypeVar("T")
 
 # --help sections, in the order they are printed.
@@ -39,10 +42,6 @@ def option(default=dataclasses.MISSING, help: str = "", group: str = "", *, defa
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
-
-
-class ConfigError(ValueError):
-    """A bad value in a config; trainers raise it from their validate() before any expensive work."""
 
 
 def die(message: str, code: int = 2) -> NoReturn:
@@ -196,8 +195,6 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
 
 
 def read_config_text(path: Path) -> str:
-    from align.validation import read_text_file
-
     try:
         return read_text_file("--config", path, "YAML file")
     except ConfigError as err:
@@ -207,7 +204,6 @@ def read_config_text(path: Path) -> str:
 def check_parsed_values(config) -> None:
     """Parse-time checks every command shares (align.validation): types and finite floats (NaN passes
     ``x <= 0``), before any config or run folder is written; and secrets masked in every log record."""
-    from align.validation import check_config_values
     from rewards.secrets import install_log_scrubber
 
     install_log_scrubber()

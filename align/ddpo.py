@@ -40,7 +40,7 @@ from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.compiled_sampling import CompileError  # noqa: E402
 from align.ddpo_config import DDPOConfig  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
-from align.evaluate import load_judge  # noqa: E402
+from align.judges import load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
 from align.quiet import quiet_output  # noqa: E402

@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 
 from align.cli import ConfigError, die, parse_config  # noqa: E402
 from align.dpo_config import DPOConfig  # noqa: E402
-from align.evaluate import load_judge  # noqa: E402
+from align.judges import load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
 from align.quiet import quiet_output  # noqa: E402

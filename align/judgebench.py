@@ -32,8 +32,8 @@ from pathlib import Path
 import rewards
 from align import judgebench_metrics as M
 from align.cli import ConfigError, die, option, parse_config
-from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
+from align.judges import load_judge
 from align.progress import progress_bar
 from align.quiet import quiet_output
 from rewards.judge_prompts import PROTOCOLS, load_template

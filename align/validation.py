@@ -23,7 +23,7 @@ import types
 import typing
 from pathlib import Path
 
-from align.cli import ConfigError
+from align.errors import ConfigError
 
 
 class ConfigTypeError(ConfigError, TypeError):

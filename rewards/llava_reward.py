@@ -32,7 +32,7 @@ from rewards.reward_heads import (
     preference_probability,
     read_last_token,
 )
-from rewards.trained import TrainedRewardJudge
+from rewards.reward_model_judge import TrainedRewardJudge
 
 PHI35_VISION = "microsoft/Phi-3.5-vision-instruct"
 QWEN25_VL = "Qwen/Qwen2.5-VL-7B-Instruct"
