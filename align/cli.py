@@ -16,13 +16,14 @@ import dataclasses
 import io
 import re
 import sys
+import textwrap
+import typing
 from dataclasses import field
 from pathlib import Path
 from types import MappingProxyType
 from typing import NoReturn, TypeVar
 
 from align.errors import ConfigError
-from align.validation import check_config_values, read_text_file
 
 T = TypeVar("T")
 
@@ -81,8 +82,6 @@ class OptionHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return {"int": "INT", "float": "FLOAT", "str": "STR", "string_to_bool": "BOOL"}.get(kind, "VALUE")
 
     def _split_lines(self, text, width):
-        import textwrap
-
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
 
@@ -93,8 +92,6 @@ def _trl_parser_class():
         """TrlParser with one --help section per option group; the group key never reaches argparse."""
 
         def _add_dataclass_arguments(self, dtype):
-            import typing
-
             sections = {name: self.add_argument_group(name) for name in GROUPS}
             hints = typing.get_type_hints(dtype)
             for fld in dataclasses.fields(dtype):
@@ -195,6 +192,8 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
 
 
 def read_config_text(path: Path) -> str:
+    from align.validation import read_text_file  # not at the top: --help stays light (tempfile, json)
+
     try:
         return read_text_file("--config", path, "YAML file")
     except ConfigError as err:
@@ -204,6 +203,7 @@ def read_config_text(path: Path) -> str:
 def check_parsed_values(config) -> None:
     """Parse-time checks every command shares (align.validation): types and finite floats (NaN passes
     ``x <= 0``), before any config or run folder is written; and secrets masked in every log record."""
+    from align.validation import check_config_values
     from rewards.secrets import install_log_scrubber
 
     install_log_scrubber()

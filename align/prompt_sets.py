@@ -20,6 +20,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
+from datasets import load_dataset
+from huggingface_hub import hf_hub_download
+
+from align.cli import ConfigError
+from align.testbed.scene import sample_captions
+from align.validation import read_text_file
+from rewards.shapes_grammar import parse_caption
 from rewards.spec import parse_spec
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -117,9 +125,6 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
 
 
 def _testbed(n: int, seed: int) -> PromptSet:
-    from align.testbed.scene import sample_captions
-    from rewards.shapes_grammar import parse_caption
-
     prompts = sample_captions(n, seed=seed)
     return PromptSet("testbed", prompts, [parse_caption(p).category for p in prompts])
 
@@ -141,9 +146,6 @@ def read_text_prompts(path: Path) -> PromptSet:
 
 def _read_utf8(path: Path) -> str:
     """A prompt file's text; one line (not a traceback) for a file that is not UTF-8 or cannot be read."""
-    from align.cli import ConfigError
-    from align.validation import read_text_file
-
     try:
         return read_text_file("prompt file", path)
     except ConfigError as err:
@@ -174,8 +176,6 @@ def read_prompt_file(path: Path, column: str | None = None, category_column: str
 
 
 def _read_table(path: Path) -> list[dict]:
-    import pandas as pd
-
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
@@ -213,8 +213,6 @@ def _hub_set(name: str, hub: HubPromptSet, options: dict) -> PromptSet:
             raise PromptSetError(f"{name}[source=...]: file not found: {path}")
         result = _from_rows(str(path), _read_table(path), hub.column, hub.category_column if _has_column(path, hub.category_column) else None)
     else:
-        from datasets import load_dataset
-
         split = options.get("split", hub.split)
         try:
             # streaming reads only this split's files (Pick-a-Pic's full set is hundreds of GB)
@@ -260,8 +258,6 @@ def _hpsv2(name: str, options: dict) -> PromptSet:
 
 
 def _download_hpsv2_style(style: str, name: str) -> list:
-    from huggingface_hub import hf_hub_download
-
     try:
         local = hf_hub_download(HPSV2_REPO, f"benchmark/{style}.json", repo_type="dataset")
     except Exception as err:  # network / offline / missing file

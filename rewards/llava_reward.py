@@ -18,14 +18,24 @@ repository's remote code: no trust_remote_code) or Qwen2.5-VL (native in transfo
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
+import yaml
+from huggingface_hub import snapshot_download
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import load_peft_weights
+from PIL import Image
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rewards.base import Preference
 from rewards.images import Images, num_images, to_pil
+from rewards.phi3v import load_phi3v
+from rewards.phi3v_processor import Phi3VInputs
 from rewards.reward_heads import (
     SkipCrossAttention,
     general_preference_probability,
@@ -33,6 +43,7 @@ from rewards.reward_heads import (
     read_last_token,
 )
 from rewards.reward_model_judge import TrainedRewardJudge
+from rewards.vlm import load_processor
 
 PHI35_VISION = "microsoft/Phi-3.5-vision-instruct"
 QWEN25_VL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -103,8 +114,6 @@ def qwen_fetch_size(width: int, height: int, factor: int = QWEN_PATCH_FACTOR, mi
 def qwen_fetch_image(image):
     """The authors' ``fetch_image`` step before the Qwen processor: RGB, resized to ``qwen_fetch_size``
     with PIL's default filter (bicubic)."""
-    from PIL import Image
-
     image = image.convert("RGB")
     size = qwen_fetch_size(*image.size)
     return image if size == image.size else image.resize(size, Image.BICUBIC)
@@ -132,8 +141,6 @@ def pack_image_tokens(embeddings: list[torch.Tensor]) -> tuple[torch.Tensor, tor
 
 def _model_type(model: str) -> str | None:
     """model_type from a local folder's config.json, else a guess from the hub id."""
-    import json
-
     config = Path(model).expanduser() / "config.json"
     if config.is_file():
         return json.loads(config.read_text()).get("model_type")
@@ -186,10 +193,6 @@ class LlavaRewardModel(nn.Module):
         """``processor``: an already built processor (default: the backbone folder's own)."""
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        from rewards.phi3v import load_phi3v
-        from rewards.phi3v_processor import Phi3VInputs
-        from rewards.vlm import load_processor
-
         kind = check_backbone(model, trust_remote_code)
         try:
             if kind == "qwen2.5-vl":
@@ -224,28 +227,20 @@ class LlavaRewardModel(nn.Module):
 
     def add_lora(self, rank: int = 128, alpha: float = 256.0, dropout: float = 0.05) -> None:
         """LoRA on the LLM's attention and MLP projections; vision tower frozen, projector trained."""
-        from peft import LoraConfig
-
         self.mllm.requires_grad_(False)
         self._inject_lora(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGETS[self.kind]))
         self.projector().requires_grad_(True)
 
     def _inject_lora(self, config) -> None:
         # peft directly (not transformers' add_adapter, which needs a newer peft than some installs have)
-        from peft import inject_adapter_in_model
-
         inject_adapter_in_model(config, self.mllm, adapter_name="default")
         self.lora_config = config
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """Adapter tensors under PEFT's saved names (no adapter name), as in adapter_model.safetensors."""
-        from peft import get_peft_model_state_dict
-
         return {name: t.detach().cpu().contiguous() for name, t in get_peft_model_state_dict(self.mllm).items()}
 
     def save_lora(self, folder: str | Path) -> None:
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.lora_config.save_pretrained(str(folder))
@@ -253,9 +248,6 @@ class LlavaRewardModel(nn.Module):
 
     def load_lora(self, folder: str | Path) -> None:
         """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors/.bin) onto the backbone."""
-        from peft import LoraConfig, set_peft_model_state_dict
-        from peft.utils import load_peft_weights
-
         folder = Path(folder)
         config = LoraConfig.from_pretrained(str(folder))
         if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
@@ -280,8 +272,6 @@ class LlavaRewardModel(nn.Module):
             )
 
     def set_adapters_enabled(self, enabled: bool) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         for module in self.mllm.modules():
             if isinstance(module, BaseTunerLayer):
                 module.enable_adapters(enabled)
@@ -382,9 +372,6 @@ class LlavaRewardModel(nn.Module):
 
     def save(self, folder: str | Path) -> dict:
         """The authors' layout: lora/, reward_head.safetensors (their keys), reward_config.yaml."""
-        import yaml
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         if getattr(self, "lora_config", None) is not None:
@@ -411,7 +398,6 @@ def resolve_checkpoint(checkpoint: str) -> Path:
     parts = checkpoint.split("/")
     if len(parts) < 2 or checkpoint.startswith((".", "/", "~")):
         raise LlavaRewardError(f"LLaVA-Reward checkpoint {checkpoint!r}: no such folder (and not '<owner>/<repo>[/<subfolder>]')")
-    from huggingface_hub import snapshot_download
 
     repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
     try:
@@ -422,8 +408,6 @@ def resolve_checkpoint(checkpoint: str) -> Path:
 
 
 def read_reward_config(folder: Path) -> dict:
-    import yaml
-
     path = folder / REWARD_CONFIG
     if not path.is_file():
         raise LlavaRewardError(f"LLaVA-Reward checkpoint {str(folder)!r} has no {REWARD_CONFIG}")
@@ -439,8 +423,6 @@ def load_head_file(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
         path = folder / name
         if path.is_file():
             if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
                 return load_file(str(path)), str(path)
             # the authors' torch pickle: read tensors only, never run pickled code
             return torch.load(path, map_location="cpu", weights_only=True), str(path)
@@ -449,8 +431,6 @@ def load_head_file(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def _base_model_of(folder: Path, base_model: str | None) -> str:
     """Explicit option > our marker > the checkpoint's config.json model_type (Phi-3.5-vision default)."""
-    import json
-
     if base_model:
         return base_model
     marker = folder / "reward_model.json"

@@ -14,10 +14,15 @@ At load, scores are s = r / (tau * T), so P(a > b) = sigmoid(s_a - s_b) is calib
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rewards import TRAINED_MARKER
@@ -25,6 +30,7 @@ from rewards.blip import BLIP_ITM_MAX_TOKENS, blip_text_cls
 from rewards.llava_reward import load_reward_checkpoint
 from rewards.reward_heads import MLPHead
 from rewards.reward_model_judge import TrainedRewardError, TrainedRewardJudge
+from rewards.secrets import scrub
 from rewards.weights import resolve_device
 
 MARKER = TRAINED_MARKER  # the file the registry looks for in a folder
@@ -48,8 +54,6 @@ class EmbeddingRewardModel(nn.Module):
     @classmethod
     def load_backbone(cls, folder: str, dtype: torch.dtype = torch.float32):
         """The transformers backbone (``backbone_class``) and its processor from a folder or hub id."""
-        import transformers
-
         backbone = getattr(transformers, cls.backbone_class).from_pretrained(str(folder), dtype=dtype)
         return backbone, transformers.AutoProcessor.from_pretrained(str(folder))
 
@@ -101,13 +105,9 @@ class EmbeddingRewardModel(nn.Module):
 
     def save(self, folder: str | Path) -> dict:
         """Write backbone/ (LoRA merged) and head.safetensors; returns the marker fields describing them."""
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         backbone = self.backbone
         if hasattr(backbone, "merge_and_unload"):  # a peft LoRA wrapper: save plain backbone weights
-            import copy
-
             backbone = copy.deepcopy(backbone).merge_and_unload()
         backbone.save_pretrained(folder / "backbone")
         self.processor.save_pretrained(folder / "backbone")
@@ -118,8 +118,6 @@ class EmbeddingRewardModel(nn.Module):
 
     @classmethod
     def from_folder(cls, folder: str | Path, meta: dict, dtype: torch.dtype = torch.float32) -> EmbeddingRewardModel:
-        from safetensors.torch import load_file
-
         folder = Path(folder)
         backbone_dir = folder / meta.get("backbone", "backbone")
         head_file = folder / "head.safetensors"
@@ -233,11 +231,7 @@ def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float3
 
 def write_marker(folder: str | Path, meta: dict) -> None:
     """Write reward_model.json atomically (last, so a folder with it is complete)."""
-    import os
-    import tempfile
-
     folder = Path(folder)
-    from rewards.secrets import scrub
 
     text = json.dumps(scrub({"format_version": FORMAT_VERSION, **meta}), indent=2, sort_keys=True)  # no secrets
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MARKER}.", suffix=".tmp")

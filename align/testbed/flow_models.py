@@ -15,6 +15,9 @@ projection). The pooled embedding is both CLIPs' projected EOS features concaten
 
 from __future__ import annotations
 
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
 from align.testbed import models
 
 # Short prompt sequences keep the joint attention cheap on a CPU (the longest caption is 16 tokens).
@@ -73,14 +76,10 @@ def build_text_encoders(tokenizer) -> tuple:
 
 
 def build_transformer(size: str = "small"):
-    from diffusers import SD3Transformer2DModel
-
     return SD3Transformer2DModel(**transformer_config(size))
 
 
 def build_scheduler():
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     return FlowMatchEulerDiscreteScheduler(**scheduler_config())
 
 
@@ -116,7 +115,6 @@ def load_pipeline(folder, dtype=None):
     As for SD3 loaded without T5, diffusers wants ``text_encoder_3=None, tokenizer_3=None`` passed
     explicitly (a null entry in model_index.json alone is refused).
     """
-    import torch
     from diffusers import StableDiffusion3Pipeline
 
     return StableDiffusion3Pipeline.from_pretrained(
