@@ -41,12 +41,13 @@ from align.generation import (
     slug,
 )
 from align.health import degenerate_reason
-from align.judges import compare_shuffled, load_judge, split_list
+from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import CI_METHODS, FeatureNetwork
 from align.pipeline import ModelLoadError, resolve_model
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
 from align.runs import atomic_write_text
+from align.testbed.scene import render
 from align.validation import check_common_inputs, check_weight_files
 from rewards.base import is_pointwise
 from rewards.images import load_image, to_tensor
@@ -255,8 +256,6 @@ def embedding_function(name: str):
 def load_reference_images(spec: str, prompts: list[str], seeds: list[int], size: int) -> torch.Tensor:
     """'testbed': the true scene of every (prompt, seed); otherwise every image in a folder, resized."""
     if spec == "testbed":
-        from align.testbed.scene import render
-
         return to_tensor([render(p, seed=sample_seed(s, p), size=size) for s in seeds for p in prompts])
     folder = Path(spec).expanduser()
     files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")) if folder.is_dir() else []
@@ -282,17 +281,9 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
             raise ConfigError(f"model {model.name!r}: no such folder {model.path!r}")
         if local:
             check_weight_files(f"--models {model.name}", path)  # a truncated file is named before any generation
-    for spec in split_list(config.judges):
-        try:
-            rewards.check_name(spec)
-        except ValueError as err:
-            raise ConfigError(f"--judges: {err}") from None
-    for feature, used in ((config.fid_feature, config.fid_reference), (config.cmmd_feature, config.cmmd)):
-        if used and feature not in FID_FEATURES_BUILTIN:
-            try:
-                rewards.check_name(feature)
-            except ValueError as err:
-                raise ConfigError(f"feature network: {err}") from None
+    check_judge_names(split_list(config.judges), "--judges")
+    features = ((config.fid_feature, config.fid_reference), (config.cmmd_feature, config.cmmd))
+    check_judge_names([f for f, used in features if used and f not in FID_FEATURES_BUILTIN], "feature network")
     if config.fid_reference and config.fid_reference != "testbed" and not Path(config.fid_reference).expanduser().is_dir():
         raise ConfigError(f"--fid_reference {config.fid_reference!r} must be 'testbed' or a folder of images")
     try:
@@ -309,7 +300,6 @@ def evaluate(config: EvalConfig) -> dict:
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
     seeds = parse_seeds(config.seeds)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
-
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
     out = Path(config.output_dir)  # made by the first file written (atomic writes create folders), so a model
     # that fails to load leaves nothing behind

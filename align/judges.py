@@ -17,6 +17,15 @@ def split_list(text: str | None) -> list[str]:
     return _split_top_level(text or "")
 
 
+def check_judge_names(specs, flag: str, allow_mix: bool = False) -> None:
+    """Every judge spec known to ``rewards`` (no judge is loaded); else one ConfigError naming the flag."""
+    for spec in filter(None, specs):
+        try:
+            rewards.check_name(spec, allow_mix=allow_mix)
+        except ValueError as err:
+            raise ConfigError(f"{flag}: {err}") from None
+
+
 def load_judge(spec: str, **options):
     """Load a judge and let it fail fast: a missing API key or weights, a model id the server rejects, a missing
     SDK or an option the judge does not take stop here with one message (ConfigError), before any generation."""
