@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rewards.base import Judge, Preference
+from rewards.base import Judge, Preference, check_pair_counts
 from rewards.images import Images, num_images, to_pil
 from rewards.weights import batched, check_batch_size, check_prompts
 
@@ -52,12 +52,7 @@ class TrainedRewardJudge(Judge):
         return rewards / self.scale if self.calibrated else rewards
 
     def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
-        n = len(prompts)
-        if num_images(images_a) != n or num_images(images_b) != n:
-            raise ValueError(
-                f"compare needs one prompt per pair: got {n} prompts, "
-                f"{num_images(images_a)} images A and {num_images(images_b)} images B"
-            )
+        check_pair_counts(prompts, images_a, images_b)
         reward_a, reward_b = self.raw_rewards(prompts, images_a), self.raw_rewards(prompts, images_b)
         out = []
         for ra, rb in zip(reward_a.tolist(), reward_b.tolist()):
