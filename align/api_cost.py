@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from align.cli import ConfigError
-from align.feedback import pairwise_scheme
 from rewards.base import is_pointwise
 
 
@@ -80,6 +79,8 @@ def evaluation_rounds(every: int, total: int, before: bool = True) -> int:
 def dpo_api_plan(config, judge, eval_judge, feedback_prompts: int, eval_prompts: int) -> list[JudgeCalls]:
     """Diffusion-DPO with AI feedback: each prompt's K images scored (pointwise judge) or its adjacent pairs
     compared (pairwise judge), in every round; plus the held-out evaluation's images."""
+    from align.feedback import pairwise_scheme  # pyarrow: not on every command's import path
+
     plans = []
     if judge is not None:
         if is_pointwise(judge):

@@ -35,8 +35,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from diffusers import UNet2DConditionModel
-from peft.tuners.lora import LoraLayer
 
 from align.pipeline import ModelLoadError, check_model, dtype_argument, merged_adapter
 
@@ -84,6 +82,8 @@ def _dtype(name: str) -> torch.dtype:
 
 def build_package(model: str, shapes: SamplingShapes, device: str, out: Path) -> None:
     """Export the model's UNet at ``shapes`` and compile it with AOTInductor into ``out`` (the child's job)."""
+    from diffusers import UNet2DConditionModel
+
     dtype = _dtype(shapes.dtype)
     unet = UNet2DConditionModel.from_pretrained(check_model(model), subfolder="unet", **dtype_argument(dtype)).to(device).eval()
     example = (
@@ -252,6 +252,8 @@ class CompiledSamplingUNet:
     UNet's weights as they are at that call; other inputs run ``unet`` itself."""
 
     def __init__(self, package: Path, unet, shapes: SamplingShapes):
+        from peft.tuners.lora import LoraLayer
+
         self.unet, self.shapes = unet, shapes
         package = check_built_here(package)  # native code: only what this user built on this machine
         # The C++ loader that torch._inductor.aoti_load_package wraps: that wrapper imports inductor's

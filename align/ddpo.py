@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers.optimization import get_scheduler
 
 # `accelerate launch align/ddpo.py` runs this file as a script: make the repo importable.
 if __package__ in (None, ""):
@@ -225,6 +224,7 @@ def gather_rewards(accelerator, futures) -> tuple[torch.Tensor | None, dict[str,
 def train(config: DDPOConfig) -> Path:
     """Run DDPO; returns the run folder."""
     from accelerate.utils import gather_object, set_seed
+    from diffusers.optimization import get_scheduler
 
     from align.pipeline import (
         add_lora,

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-from diffusers.optimization import get_scheduler
 
 # `accelerate launch align/dpo.py` runs this file as a script: make the repo importable.
 if __package__ in (None, ""):
@@ -216,6 +215,7 @@ def training_caches(pipe, pairs, resolution: int, config: DPOConfig):
 def train(config: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the run folder."""
     from accelerate.utils import set_seed
+    from diffusers.optimization import get_scheduler
 
     from align.data import load_pairs
     from align.pipeline import (

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from datasets import load_dataset
 from PIL import Image
 
 from rewards.images import decode_image, load_image
@@ -183,6 +182,8 @@ def _read_local(path: Path) -> list[dict]:
 
 
 def _read_hub(repo_id: str, revision: str, subsets: tuple[str, ...], limit: int | None) -> list[BenchSample]:
+    from datasets import load_dataset
+
     samples = []
     for subset in subsets:
         split = subset if limit is None else f"{subset}[:{limit}]"

@@ -9,12 +9,6 @@ from pathlib import Path
 
 import torch
 import yaml
-from diffusers import UNet2DConditionModel
-from diffusers.utils import convert_state_dict_to_diffusers, deprecation_utils
-from peft import LoraConfig
-from peft.tuners.lora import Linear as LoraLinear
-from peft.tuners.lora import LoraLayer
-from peft.utils import get_peft_model_state_dict
 
 from align.progress import progress_bar
 from align.runs import CONFIG_FILE
@@ -58,6 +52,8 @@ def check_model(model: str) -> str:
 def dtype_argument(dtype: torch.dtype) -> dict:
     """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers has it (``torch_dtype=`` is deprecated
     there and warns), ``torch_dtype=`` on the older releases that know only that name."""
+    from diffusers.utils import deprecation_utils
+
     return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
 
 
@@ -86,6 +82,8 @@ def testbed_settings(model: str) -> dict:
 
 def add_lora(unet, rank: int = 4, alpha: float | None = None, target_modules=DEFAULT_LORA_TARGETS, dropout: float = 0.0):
     """Attach a PEFT LoRA adapter ("default") to the UNet; only its weights train."""
+    from peft import LoraConfig
+
     unet.requires_grad_(False)
     config = LoraConfig(
         r=rank,
@@ -114,6 +112,8 @@ def merged_adapter(unet):
     instead of three, the same outputs up to float rounding. Gradients do not reach the adapter
     inside. On exit the original weight tensors are put back as they were (restored, not
     un-merged by subtraction, which would drift over many merges)."""
+    from peft.tuners.lora import LoraLayer
+
     layers = [m for m in unet.modules() if isinstance(m, LoraLayer)]
     if not layers or any(any(m.use_dora.get(a, False) for a in m.active_adapters) for m in layers):
         yield unet  # nothing to merge, or DoRA (its update is not a plain additive delta)
@@ -143,6 +143,8 @@ def lora_as_merged_weight(unet):
     weight-sized gradient matmul per layer in the backward. Layers with dropout, a LoRA bias or a
     variant (DoRA) keep PEFT's forward; with the adapter disabled every layer is its base layer.
     """
+    from peft.tuners.lora import Linear as LoraLinear
+
     def merged_forward(layer, peft_forward):
         def forward(x, *args, **kwargs):
             if layer.disable_adapters or layer.merged or args or kwargs:
@@ -191,6 +193,9 @@ def frozen_copy(unet):
 
 def lora_state_dict(unet) -> dict[str, torch.Tensor]:
     """LoRA weights in diffusers' key format (what pipe.load_lora_weights expects)."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
     return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
 
 
@@ -231,6 +236,8 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
 
     A run folder's config.yaml names its base model; ``base`` overrides it (needed for bare LoRA folders).
     """
+    from diffusers import UNet2DConditionModel
+
     p = Path(path).expanduser()
     if p.is_dir() and (p / CONFIG_FILE).is_file() and (p / "final").is_dir():  # a run folder
         base = base or run_base_model(path)

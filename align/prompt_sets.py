@@ -20,10 +20,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
-from datasets import load_dataset
-from huggingface_hub import hf_hub_download
-
 from align.cli import ConfigError
 from align.testbed.scene import sample_captions
 from align.validation import read_text_file
@@ -176,6 +172,8 @@ def read_prompt_file(path: Path, column: str | None = None, category_column: str
 
 
 def _read_table(path: Path) -> list[dict]:
+    import pandas as pd  # heavy; only for prompt tables
+
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
@@ -213,6 +211,8 @@ def _hub_set(name: str, hub: HubPromptSet, options: dict) -> PromptSet:
             raise PromptSetError(f"{name}[source=...]: file not found: {path}")
         result = _from_rows(str(path), _read_table(path), hub.column, hub.category_column if _has_column(path, hub.category_column) else None)
     else:
+        from datasets import load_dataset
+
         split = options.get("split", hub.split)
         try:
             # streaming reads only this split's files (Pick-a-Pic's full set is hundreds of GB)
@@ -258,6 +258,8 @@ def _hpsv2(name: str, options: dict) -> PromptSet:
 
 
 def _download_hpsv2_style(style: str, name: str) -> list:
+    from huggingface_hub import hf_hub_download
+
     try:
         local = hf_hub_download(HPSV2_REPO, f"benchmark/{style}.json", repo_type="dataset")
     except Exception as err:  # network / offline / missing file

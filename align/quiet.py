@@ -10,9 +10,6 @@ from __future__ import annotations
 import logging
 import re
 
-from diffusers.utils import logging as diffusers_logging
-from transformers.utils import logging as transformers_logging
-
 from align.progress import set_quiet
 
 
@@ -41,6 +38,9 @@ def _drop(logger_name: str, pattern: str) -> None:
 def _hide_weight_loading_bars() -> None:
     """transformers' "Loading weights" and diffusers' "Loading pipeline components" bars: loading takes seconds
     and says nothing the user acts on. Download bars (huggingface_hub) stay."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
     diffusers_logging.disable_progress_bar()
     set_hook = getattr(transformers_logging, "set_tqdm_hook", None)
     if set_hook is not None:

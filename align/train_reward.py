@@ -25,10 +25,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import get_scheduler
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,7 +52,6 @@ from align.runs import (  # noqa: E402
     restores_old_run_on_failure,
 )
 from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
-from align.testbed.pairs import rendered_pairs, write_parquet
 from align.testbed.tokenizer import testbed_tokenizer
 from align.trainer_run import resume_from_checkpoint, run_trainer, start_run  # noqa: E402
 from align.training import (  # noqa: E402
@@ -218,6 +214,8 @@ def make_oracle_pairs(spec: str, path: Path, batch: int = 256) -> Path:
     the distillation set-up, an expensive judge's labels for a cheap model. The construction's
     label is kept in ``label_0_ground_truth`` for reference.
     """
+    from align.testbed.pairs import rendered_pairs, write_parquet  # pandas: only for the testbed oracle
+
     n, seed = parse_testbed_oracle(spec)
     table = rendered_pairs(n, seed)
     oracle = rewards.load("shapes-oracle")
@@ -248,6 +246,8 @@ def oracle_pairs_file(spec: str, run: RunFolder, accelerator) -> str:
 
 def load_unpaired(source: str) -> list[Example]:
     """Unpaired labels for the BCE term: a parquet with caption, jpg (image bytes) and label in [0, 1]."""
+    import pyarrow.parquet as pq  # heavy; only for --unpaired
+
     path = Path(source).expanduser()
     if not path.is_file() or path.suffix != ".parquet":
         raise DataError(f"--unpaired {source!r} must be a .parquet file with columns caption, jpg, label")
@@ -294,6 +294,8 @@ def build_model(config: RewardTrainConfig):
     hidden = tuple(int(h) for h in config.head_hidden.split(",") if h.strip())
     model = model_class(backbone, processor, hidden=hidden, dropout=config.head_dropout)
     if config.finetune == "lora":
+        from peft import LoraConfig, get_peft_model
+
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                           target_modules=list(model_class.lora_targets))
         model.backbone = get_peft_model(backbone, lora)
@@ -393,6 +395,7 @@ def check_inputs(config: RewardTrainConfig) -> None:
 def train(config: RewardTrainConfig) -> Path:
     """Train a reward model; returns the final folder (loadable with rewards.load)."""
     from accelerate.utils import set_seed
+    from transformers import get_scheduler
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)

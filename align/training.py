@@ -10,8 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from diffusers.models.attention_processor import AttnProcessor2_0
-from diffusers.optimization import SchedulerType
 from safetensors.torch import load_file, save_file
 
 from align.cli import ConfigError
@@ -51,6 +49,8 @@ def load_prompt_list(spec: str) -> list[str]:
 
 def check_lr_schedule(name: str, warmup_steps: int) -> None:
     """--lr_scheduler names one of diffusers' get_scheduler schedules; --lr_warmup_steps is >= 0."""
+    from diffusers.optimization import SchedulerType
+
     schedules = [t.value for t in SchedulerType]
     if name not in schedules:
         raise ConfigError(f"--lr_scheduler must be one of {', '.join(schedules)}, got {name!r}")
@@ -302,6 +302,8 @@ def adamw_class(use_8bit_adam: bool):
 def keep_default_attention(unet) -> None:
     """SDPA attention: diffusers' default AttnProcessor2_0 (torch's scaled_dot_product_attention); put it back if a
     loaded model carries another processor. LoRA (PEFT) wraps the projections, not the processor, so it stays."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
     processors = getattr(unet, "attn_processors", {})
     if processors and not all(isinstance(p, AttnProcessor2_0) for p in processors.values()):
         unet.set_attn_processor(AttnProcessor2_0())

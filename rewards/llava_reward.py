@@ -24,18 +24,12 @@ from pathlib import Path
 
 import torch
 import yaml
-from huggingface_hub import snapshot_download
-from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
-from peft.tuners.tuners_utils import BaseTunerLayer
-from peft.utils import load_peft_weights
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rewards.base import Preference
 from rewards.images import Images, num_images, to_pil
-from rewards.phi3v import load_phi3v
-from rewards.phi3v_processor import Phi3VInputs
 from rewards.reward_heads import (
     SkipCrossAttention,
     general_preference_probability,
@@ -43,7 +37,6 @@ from rewards.reward_heads import (
     read_last_token,
 )
 from rewards.reward_model_judge import TrainedRewardJudge
-from rewards.vlm import load_processor
 
 PHI35_VISION = "microsoft/Phi-3.5-vision-instruct"
 QWEN25_VL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -193,6 +186,10 @@ class LlavaRewardModel(nn.Module):
         """``processor``: an already built processor (default: the backbone folder's own)."""
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+        from rewards.phi3v import load_phi3v
+        from rewards.phi3v_processor import Phi3VInputs
+        from rewards.vlm import load_processor
+
         kind = check_backbone(model, trust_remote_code)
         try:
             if kind == "qwen2.5-vl":
@@ -227,17 +224,23 @@ class LlavaRewardModel(nn.Module):
 
     def add_lora(self, rank: int = 128, alpha: float = 256.0, dropout: float = 0.05) -> None:
         """LoRA on the LLM's attention and MLP projections; vision tower frozen, projector trained."""
+        from peft import LoraConfig
+
         self.mllm.requires_grad_(False)
         self._inject_lora(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGETS[self.kind]))
         self.projector().requires_grad_(True)
 
     def _inject_lora(self, config) -> None:
         # peft directly (not transformers' add_adapter, which needs a newer peft than some installs have)
+        from peft import inject_adapter_in_model
+
         inject_adapter_in_model(config, self.mllm, adapter_name="default")
         self.lora_config = config
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """Adapter tensors under PEFT's saved names (no adapter name), as in adapter_model.safetensors."""
+        from peft import get_peft_model_state_dict
+
         return {name: t.detach().cpu().contiguous() for name, t in get_peft_model_state_dict(self.mllm).items()}
 
     def save_lora(self, folder: str | Path) -> None:
@@ -248,6 +251,9 @@ class LlavaRewardModel(nn.Module):
 
     def load_lora(self, folder: str | Path) -> None:
         """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors/.bin) onto the backbone."""
+        from peft import LoraConfig, set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
         folder = Path(folder)
         config = LoraConfig.from_pretrained(str(folder))
         if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
@@ -272,6 +278,8 @@ class LlavaRewardModel(nn.Module):
             )
 
     def set_adapters_enabled(self, enabled: bool) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         for module in self.mllm.modules():
             if isinstance(module, BaseTunerLayer):
                 module.enable_adapters(enabled)
@@ -398,6 +406,7 @@ def resolve_checkpoint(checkpoint: str) -> Path:
     parts = checkpoint.split("/")
     if len(parts) < 2 or checkpoint.startswith((".", "/", "~")):
         raise LlavaRewardError(f"LLaVA-Reward checkpoint {checkpoint!r}: no such folder (and not '<owner>/<repo>[/<subfolder>]')")
+    from huggingface_hub import snapshot_download
 
     repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
     try:

@@ -16,7 +16,6 @@ projection). The pooled embedding is both CLIPs' projected EOS features concaten
 from __future__ import annotations
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
 from align.testbed import models
 
@@ -76,10 +75,14 @@ def build_text_encoders(tokenizer) -> tuple:
 
 
 def build_transformer(size: str = "small"):
+    from diffusers import SD3Transformer2DModel
+
     return SD3Transformer2DModel(**transformer_config(size))
 
 
 def build_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     return FlowMatchEulerDiscreteScheduler(**scheduler_config())
 
 

@@ -8,8 +8,6 @@ in each ``config.json``); ``build_*`` functions instantiate randomly initialised
 
 from __future__ import annotations
 
-from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
-
 # 32 px images; the VAE halves the side twice, so latents are 8 x 8 x 4 (as SD: 512 px -> 64 x 64 x 4).
 IMAGE_SIZE = 32
 VAE_BLOCK_CHANNELS = (16, 32, 64)
@@ -115,10 +113,14 @@ def _tokenizer_ids(tokenizer) -> dict:
 
 
 def build_vae():
+    from diffusers import AutoencoderKL
+
     return AutoencoderKL(**vae_config())
 
 
 def build_unet():
+    from diffusers import UNet2DConditionModel
+
     return UNet2DConditionModel(**unet_config())
 
 
@@ -129,6 +131,8 @@ def build_text_encoder(tokenizer):
 
 
 def build_scheduler():
+    from diffusers import DDIMScheduler
+
     return DDIMScheduler(**scheduler_config())
 
 

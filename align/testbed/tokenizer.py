@@ -15,8 +15,6 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from transformers import CLIPTokenizer
-
 from rewards import shapes_grammar as grammar
 
 BOS_TOKEN = "<|startoftext|>"
@@ -99,6 +97,8 @@ def vocab_and_merges(words: Iterable[str]) -> tuple[dict[str, int], list[tuple[s
 
 def build_tokenizer(words: Iterable[str]):
     """A ``transformers.CLIPTokenizer`` in which every word of ``words`` is a single token."""
+    from transformers import CLIPTokenizer
+
     vocab, merges = vocab_and_merges(words)
     return CLIPTokenizer(
         vocab=vocab,
@@ -124,6 +124,8 @@ def save_tokenizer(folder: str | Path, words: Iterable[str]):
     ``save_pretrained`` then adds ``tokenizer.json`` and ``tokenizer_config.json`` (which
     records ``model_max_length``). Returns the tokenizer loaded from the folder.
     """
+    from transformers import CLIPTokenizer
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab, merges = vocab_and_merges(words)
