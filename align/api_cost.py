@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from align.cli import ConfigError
+from rewards.base import is_pointwise
 
 
 @dataclass
@@ -76,8 +79,7 @@ def evaluation_rounds(every: int, total: int, before: bool = True) -> int:
 def dpo_api_plan(config, judge, eval_judge, feedback_prompts: int, eval_prompts: int) -> list[JudgeCalls]:
     """Diffusion-DPO with AI feedback: each prompt's K images scored (pointwise judge) or its adjacent pairs
     compared (pairwise judge), in every round; plus the held-out evaluation's images."""
-    from align.feedback import pairwise_scheme
-    from rewards.base import is_pointwise
+    from align.feedback import pairwise_scheme  # pyarrow: not on every command's import path
 
     plans = []
     if judge is not None:
@@ -114,8 +116,6 @@ def ddpo_api_plan(config, reward_members, eval_members, eval_prompts: int) -> li
 def evaluate_api_plan(judges: dict, num_models: int, samples: int) -> list[JudgeCalls]:
     """align.evaluate: a pointwise judge scores every model's samples; a pairwise one compares every two models on
     every sample (win rates), both orders where the judge asks both."""
-    from rewards.base import is_pointwise
-
     plans = []
     for judge in judges.values():
         if is_pointwise(judge):
@@ -130,8 +130,6 @@ def best_of_n_api_plan(selector, others: dict, num_prompts: int, n: int, curve_p
     """align.best_of_n: the selector scores all N candidates per prompt (a pairwise selector runs a knockout, N - 1
     comparisons), zero-order search scores up to N more; the other judges score every candidate, or (pairwise)
     compare each curve point's pick with the N = 1 pick."""
-    from rewards.base import is_pointwise
-
     candidates = num_prompts * n
     if is_pointwise(selector):
         plans = [JudgeCalls(selector, "selecting", scores=candidates * (2 if zero_order else 1))]
@@ -148,8 +146,6 @@ def best_of_n_api_plan(selector, others: dict, num_prompts: int, n: int, curve_p
 def guard_on_every_process(accelerator, plans: list[JudgeCalls], max_usd: float) -> float:
     """guard_api_cost where only the main process holds some judges (DDPO's evaluation judge): every process
     learns the main one's verdict, so none waits at a barrier for a process that has stopped."""
-    import torch
-
     error = None
     try:
         total = guard_api_cost(plans, max_usd, verbose=accelerator.is_main_process)

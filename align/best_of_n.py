@@ -27,17 +27,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align.cli import ConfigError, option
-from align.evaluate import (
-    GenerationCache,
-    ModelEntry,
-    compare_shuffled,
-    load_judge,
-    resolve_device,
-    sampling_settings,
-    split_list,
-)
+from align import report
+from align.api_cost import best_of_n_api_plan, guard_api_cost
+from align.cli import ConfigError, die, option, parse_config
+from align.feedback import derive_seed
+from align.generation import GenerationCache, ModelEntry, resolve_device, sampling_settings
+from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
+from align.pipeline import ModelLoadError, check_model
+from align.progress import progress_bar
+from align.prompt_sets import PromptSetError, load_prompt_set
+from align.quiet import quiet_output
+from align.report import png_bytes
+from align.runs import atomic_write_bytes, atomic_write_text
+from align.validation import check_common_inputs, check_weight_files, check_writable_dir
 from rewards.base import is_pointwise
 
 SEARCHES = ("random", "zero-order")
@@ -76,8 +79,6 @@ class BestOfNConfig:
                                  "judge")
 
     def validate(self) -> None:
-        from align.validation import check_common_inputs, check_writable_dir
-
         check_common_inputs(self)
         if self.cache_dir:
             check_writable_dir("cache_dir", self.cache_dir)
@@ -152,8 +153,6 @@ def neighbour_noise(pivot: torch.Tensor, radius: float, generator: torch.Generat
 
 
 def candidate_seed(seed: int, prompt_index: int, k: int) -> int:
-    from align.feedback import derive_seed
-
     return derive_seed(seed, prompt_index, k)
 
 
@@ -171,8 +170,6 @@ def seed_noise(seed: int, shape: tuple) -> torch.Tensor:
 def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings: dict, batch_size: int,
                         progress: str | None = None) -> torch.Tensor:
     """Images [N, 3, H, W] in [0, 1] from explicit initial noises [N, C, h, w]; ``progress``: a bar's label."""
-    from align.progress import progress_bar
-
     out = []
     device = pipe.unet.device
     for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
@@ -194,11 +191,6 @@ def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings
 
 
 def check_inputs(config: BestOfNConfig):
-    import rewards
-    from align.pipeline import ModelLoadError, check_model
-    from align.prompt_sets import PromptSetError, load_prompt_set
-    from align.validation import check_weight_files
-
     config.validate()
     try:
         if not (Path(config.model).expanduser() / "final").is_dir():
@@ -208,11 +200,7 @@ def check_inputs(config: BestOfNConfig):
     check_weight_files("--model", config.model)  # a truncated file is named before any generation
     if config.base_model:
         check_weight_files("--base_model", config.base_model)
-    for spec in [config.reward, *split_list(config.eval_judges)]:
-        try:
-            rewards.check_name(spec)
-        except ValueError as err:
-            raise ConfigError(f"judge {spec!r}: {err}") from None
+    check_judge_names([config.reward, *split_list(config.eval_judges)], "--reward/--eval_judges")
     try:
         return load_prompt_set(config.prompts, config.num_prompts, seed=config.prompt_seed)
     except PromptSetError as err:
@@ -227,7 +215,6 @@ def score_all(judge, prompts: list[str], images: torch.Tensor, num_candidates: i
 
 def best_of_n(config: BestOfNConfig) -> dict:
     from align.pipeline import load_trained
-    from align.runs import atomic_write_bytes, atomic_write_text
 
     prompt_set = check_inputs(config)
     prompts = prompt_set.prompts
@@ -235,8 +222,6 @@ def best_of_n(config: BestOfNConfig) -> dict:
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
-    from align.api_cost import best_of_n_api_plan, guard_api_cost
-
     guard_api_cost(best_of_n_api_plan(selector, others, len(prompts), config.n, len(curve_sizes(config.n)),
                                       config.search == "zero-order"), config.max_api_cost)
     settings = sampling_settings(config, config.base_model or config.model)
@@ -299,8 +284,6 @@ def best_of_n(config: BestOfNConfig) -> dict:
         zero_order = run_zero_order(pipe, selector, prompts, shape, settings, config, eval_judges={s: others[s] for s in eval_scores})
 
     # 3. the chosen images, results and report
-    from align.report import png_bytes
-
     for i in range(num_prompts):
         atomic_write_bytes(out / "chosen" / f"{i:04d}.png", png_bytes(images[i, chosen[i]]))
     results = {
@@ -374,8 +357,6 @@ def run_zero_order(pipe, selector, prompts, shape, settings, config: BestOfNConf
 
 
 def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chosen: np.ndarray, grid_prompts: int) -> None:
-    from align import report
-
     sizes = results["sizes"]
     series = {spec: (sizes, values, results["sem"][spec]) for spec, values in results["curves"].items()}
     rows = [{"N": size, **{spec: values[i] for spec, values in results["curves"].items()}} for i, size in enumerate(sizes)]
@@ -422,10 +403,6 @@ def write_best_of_n_report(path: Path, results: dict, images: torch.Tensor, chos
 
 
 def main(argv: list[str] | None = None) -> None:
-    from align.cli import die, parse_config
-    from align.pipeline import ModelLoadError
-    from align.quiet import quiet_output
-
     config = parse_config(BestOfNConfig, argv, description=__doc__)
     quiet_output(config.quiet)
     try:

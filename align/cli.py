@@ -16,10 +16,14 @@ import dataclasses
 import io
 import re
 import sys
+import textwrap
+import typing
 from dataclasses import field
 from pathlib import Path
 from types import MappingProxyType
 from typing import NoReturn, TypeVar
+
+from align.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -39,10 +43,6 @@ def option(default=dataclasses.MISSING, help: str = "", group: str = "", *, defa
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
-
-
-class ConfigError(ValueError):
-    """A bad value in a config; trainers raise it from their validate() before any expensive work."""
 
 
 def die(message: str, code: int = 2) -> NoReturn:
@@ -82,8 +82,6 @@ class OptionHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return {"int": "INT", "float": "FLOAT", "str": "STR", "string_to_bool": "BOOL"}.get(kind, "VALUE")
 
     def _split_lines(self, text, width):
-        import textwrap
-
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
 
@@ -94,8 +92,6 @@ def _trl_parser_class():
         """TrlParser with one --help section per option group; the group key never reaches argparse."""
 
         def _add_dataclass_arguments(self, dtype):
-            import typing
-
             sections = {name: self.add_argument_group(name) for name in GROUPS}
             hints = typing.get_type_hints(dtype)
             for fld in dataclasses.fields(dtype):
@@ -196,7 +192,7 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
 
 
 def read_config_text(path: Path) -> str:
-    from align.validation import read_text_file
+    from align.validation import read_text_file  # not at the top: --help stays light (tempfile, json)
 
     try:
         return read_text_file("--config", path, "YAML file")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +35,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from align.pipeline import ModelLoadError, check_model, dtype_argument, merged_adapter
 
 PACKAGE_FILE = "sampling_unet.pt2"
 KEY_FILE = "sampling_unet.json"  # beside the package: what it was built for (for people; the index is what is trusted)
@@ -81,8 +84,6 @@ def build_package(model: str, shapes: SamplingShapes, device: str, out: Path) ->
     """Export the model's UNet at ``shapes`` and compile it with AOTInductor into ``out`` (the child's job)."""
     from diffusers import UNet2DConditionModel
 
-    from align.pipeline import check_model, dtype_argument
-
     dtype = _dtype(shapes.dtype)
     unet = UNet2DConditionModel.from_pretrained(check_model(model), subfolder="unet", **dtype_argument(dtype)).to(device).eval()
     example = (
@@ -124,8 +125,6 @@ def _private_folder(root: Path) -> Path:
 def _model_fingerprint(model: str) -> dict:
     """What of the model the compiled code depends on: its UNet's architecture (the weights are bound at
     every call, so they are not part of it)."""
-    from align.pipeline import ModelLoadError, check_model
-
     try:
         resolved = check_model(model)
     except ModelLoadError as err:
@@ -151,8 +150,6 @@ def _file_sha256(path: Path) -> str:
 @contextlib.contextmanager
 def _locked(root: Path):
     """One writer of the index at a time (processes of one run, or two runs, building at once)."""
-    import fcntl
-
     with open(root / ".lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -304,8 +301,6 @@ class CompiledSamplingUNet:
     def check_against_eager(self, seed: int = 0) -> float:
         """Largest difference from the eager UNet on random inputs of the compiled shapes, relative to the
         output's scale; raises if it is beyond float rounding (inductor has generated wrong CPU kernels)."""
-        from align.pipeline import merged_adapter
-
         gen = torch.Generator().manual_seed(seed)
         dtype, device = _dtype(self.shapes.dtype), next(self.unet.parameters()).device
         sample = torch.randn(self.shapes.sample, generator=gen).to(device, dtype)

@@ -23,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import shutil
 import sys
+import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,18 +39,18 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from align.advantages import PerPromptStatTracker, compute_advantages  # noqa: E402
-from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.api_cost import ddpo_api_plan, guard_on_every_process
+from align.cli import ConfigError  # noqa: E402
 from align.compiled_sampling import CompileError  # noqa: E402
+from align.data import DataError
 from align.ddpo_config import DDPOConfig  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
-from align.evaluate import load_judge  # noqa: E402
+from align.health import images_finite
+from align.judges import check_judge_names, load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
-from align.quiet import quiet_output  # noqa: E402
 from align.runs import (  # noqa: E402
     RunFolder,
-    RunFolderError,
-    atomic_folder,
     atomic_write_text,
     restores_old_run_on_failure,
 )
@@ -57,6 +60,13 @@ from align.sampling import (  # noqa: E402
     gaussian_log_prob,
     guided_noise_prediction,
     sample_with_logprob,
+)
+from align.trainer_run import (  # noqa: E402
+    check_config_and_model,
+    run_trainer,
+    save_final_weights,
+    start_run,
+    write_diffusion_model_card,
 )
 from align.training import (  # noqa: E402
     TrainingStopped,
@@ -83,22 +93,8 @@ STATE_FILE = "ddpo_state.json"
 
 def check_inputs(config: DDPOConfig) -> None:
     """Every bad input that can be found without loading a model or calling a judge."""
-    import rewards
-    from align.data import DataError
-    from align.pipeline import ModelLoadError, check_model
-    from align.validation import check_weight_files
-
-    config.validate()
-    adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
-    try:
-        check_weight_files("--model", check_model(config.model))  # a truncated weights file is named here
-    except ModelLoadError as err:
-        raise ConfigError(str(err)) from None
-    for spec in filter(None, (config.reward, config.eval_judge)):
-        try:
-            rewards.check_name(spec, allow_mix=True)
-        except ValueError as err:
-            raise ConfigError(f"--reward/--eval_judge: {err}") from None
+    check_config_and_model(config)
+    check_judge_names((config.reward, config.eval_judge), "--reward/--eval_judge", allow_mix=True)
     for spec in filter(None, (config.prompts, config.eval_prompts)):
         try:
             if not load_prompt_list(spec):
@@ -109,10 +105,6 @@ def check_inputs(config: DDPOConfig) -> None:
 
 def compile_toolchain_problem(device: torch.device) -> str | None:
     """Why torch.compile cannot build its C++ kernels on this CPU (compiler, Python headers), or None."""
-    import os
-    import shutil
-    import sysconfig
-
     if device.type != "cpu":
         return None
     if not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++")):
@@ -241,8 +233,6 @@ def train(config: DDPOConfig) -> Path:
         frozen_copy,
         load_pipeline,
         lora_as_merged_weight,
-        save_full_unet,
-        save_lora,
     )
 
     check_inputs(config)
@@ -271,17 +261,12 @@ def train(config: DDPOConfig) -> Path:
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
-    from align.api_cost import ddpo_api_plan, guard_on_every_process
-
     eval_members = eval_judge.reward.members if eval_judge is not None else []  # the main process's only
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
     guard_on_every_process(accelerator, ddpo_api_plan(config, reward_fn.members, eval_members, eval_prompts),
                            config.max_api_cost)
 
-    if main:
-        run.prepare()
-        run.save_config(asdict(config))
-    accelerator.wait_for_everyone()
+    start_run(accelerator, run, config)
     members = reward_fn.members + (eval_judge.reward.members if eval_judge is not None else [])
     keep_judge_answers([member.judge for member in members], run.path, process)
     set_seed(config.seed)
@@ -459,13 +444,7 @@ def train(config: DDPOConfig) -> Path:
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
-        trained = accelerator.unwrap_model(train_unet)
-        with atomic_folder(run.path / "final") as final:
-            if config.finetune == "lora":
-                save_lora(trained, final)
-            else:
-                save_full_unet(trained, final)
-            write_model_card(final, config, run)
+        save_final_weights(accelerator, train_unet, run.path, config.finetune, lambda final: write_model_card(final, config, run))
         from align.run_report import write_training_report
 
         write_training_report(run.path, title=f"DDPO: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
@@ -480,8 +459,6 @@ def train(config: DDPOConfig) -> Path:
 def stop_on_nonfinite_images(accelerator, batches, epoch: int, last_good) -> None:
     """A NaN/inf image sampled on any process (a diverged model) stops every process before the update, as a
     failed reward does."""
-    from align.health import images_finite
-
     bad = 0.0 if all(images_finite(b.images) for b in batches) else 1.0
     if accelerator.gather(torch.tensor([bad], device=accelerator.device)).max() > 0:
         raise TrainingStopped(
@@ -637,56 +614,25 @@ def log_samples(accelerator, run: RunFolder, batches, rewards: torch.Tensor, cou
 def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
     metrics = run.read_metrics()
     first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
-    weights = (
-        "`pytorch_lora_weights.safetensors` (load with `pipe.load_lora_weights(folder)`)"
-        if config.finetune == "lora"
-        else "a diffusers `unet/` folder"
-    )
     tail = ""
     if config.deterministic_tail:
         tail = (f" on the first {config.num_train_timesteps} steps, then {config.num_untrained_timesteps} "
                 "deterministic (eta 0) steps")
-    text = f"""---
-base_model: {config.model}
-tags: [text-to-image, diffusers, ddpo, reinforcement-learning]
----
-# DDPO fine-tune of {config.model}
-
-Trained with DDPO (Black et al. 2023) to maximise the reward `{config.reward}`.
-Weights: {weights}.
-
-| setting | value |
-|---|---|
-| sampling | DDIM, {config.num_inference_steps} steps, eta {config.eta}{tail}, guidance {config.guidance_scale} |
-| trained steps per sample | {config.num_train_timesteps} ({config.timestep_selection}) |
-| epochs x samples | {config.num_epochs} x {config.samples_per_epoch} |
-| advantages | {config.advantage} |
-| PPO | clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef} |
-| learning rate | {config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps) |
-| reward mean, first epoch | {first.get('reward_mean', float('nan')):.4f} |
-| reward mean, last epoch | {last.get('reward_mean', float('nan')):.4f} |
-"""
-    atomic_write_text(folder / "README.md", text)
+    write_diffusion_model_card(folder, config.model, config.finetune, "DDPO", "ddpo, reinforcement-learning",
+                               f"Trained with DDPO (Black et al. 2023) to maximise the reward `{config.reward}`.", {
+        "sampling": f"DDIM, {config.num_inference_steps} steps, eta {config.eta}{tail}, guidance {config.guidance_scale}",
+        "trained steps per sample": f"{config.num_train_timesteps} ({config.timestep_selection})",
+        "epochs x samples": f"{config.num_epochs} x {config.samples_per_epoch}",
+        "advantages": config.advantage,
+        "PPO": f"clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef}",
+        "learning rate": f"{config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps)",
+        "reward mean, first epoch": f"{first.get('reward_mean', float('nan')):.4f}",
+        "reward mean, last epoch": f"{last.get('reward_mean', float('nan')):.4f}",
+    })
 
 
 def main(argv: list[str] | None = None) -> None:
-    from align.pipeline import ModelLoadError
-
-    config = parse_config(DDPOConfig, argv, description=__doc__)
-    quiet_output(config.quiet)
-    try:
-        train(config)
-    except (ConfigError, RunFolderError, ModelLoadError) as err:  # ModelLoadError: one line naming the model's files
-        die(str(err))
-    except (TrainingStopped, RewardError, CompileError) as err:
-        die(str(err), code=3)
-    except Exception as err:  # data/model errors with their own clear messages
-        from align.data import DataError
-        from align.pipeline import ModelLoadError
-
-        if isinstance(err, (DataError, ModelLoadError)):
-            die(str(err))
-        raise
+    run_trainer(DDPOConfig, train, argv, __doc__, stopped=(TrainingStopped, RewardError, CompileError))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from align.advantages import MODES
 from align.cli import ConfigError, option
 from align.training import check_lr_schedule, check_periodic_evaluation
+from align.validation import check_common_inputs, check_optimiser_ranges
 
 TIMESTEP_SELECTIONS = ("random", "high_noise")
 
@@ -118,8 +119,6 @@ class DDPOConfig:
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
-        from align.validation import check_common_inputs, check_optimiser_ranges
-
         check_common_inputs(self)
         check_optimiser_ranges(self)
         if not self.prompts:

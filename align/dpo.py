@@ -18,7 +18,6 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,18 +26,24 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from align.cli import ConfigError, die, parse_config  # noqa: E402
+from align.api_cost import dpo_api_plan, guard_api_cost  # noqa: E402
+from align.cli import ConfigError  # noqa: E402
 from align.dpo_config import DPOConfig  # noqa: E402
-from align.evaluate import load_judge  # noqa: E402
+from align.judges import check_judge_names, load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
-from align.quiet import quiet_output  # noqa: E402
 from align.runs import (  # noqa: E402
     RunFolder,
-    RunFolderError,
-    atomic_folder,
     atomic_write_text,
     restores_old_run_on_failure,
+)
+from align.trainer_run import (  # noqa: E402
+    check_config_and_model,
+    resume_from_checkpoint,
+    run_trainer,
+    save_final_weights,
+    start_run,
+    write_diffusion_model_card,
 )
 from align.training import (  # noqa: E402
     TrainingStopped,
@@ -67,21 +72,8 @@ from rewards.base import is_pointwise  # noqa: E402
 
 def check_inputs(config: DPOConfig) -> None:
     """Every bad input that can be found without loading a model or calling a judge."""
-    import rewards
-    from align.pipeline import ModelLoadError, check_model
-    from align.validation import check_weight_files
-
-    config.validate()
-    adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
-    try:
-        check_weight_files("--model", check_model(config.model))  # a truncated weights file is named here
-    except ModelLoadError as err:
-        raise ConfigError(str(err)) from None
-    for spec in filter(None, (config.reward, config.eval_judge)):
-        try:
-            rewards.check_name(spec)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    check_config_and_model(config)
+    check_judge_names((config.reward, config.eval_judge), "--reward/--eval_judge")
     prompt_specs = (config.prompts if config.reward else None, config.eval_prompts, config.validation_prompts)
     for spec in filter(None, prompt_specs):
         load_prompt_list(spec)
@@ -284,8 +276,6 @@ def train(config: DPOConfig) -> Path:
         frozen_copy,
         load_pipeline,
         lora_as_merged_weight,
-        save_full_unet,
-        save_lora,
         testbed_settings,
     )
 
@@ -308,8 +298,6 @@ def train(config: DPOConfig) -> Path:
         require_pointwise_eval_judge(eval_judge_spec, is_pointwise(eval_judge))
 
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
-    from align.api_cost import dpo_api_plan, guard_api_cost
-
     feedback_prompts = len(load_prompt_list(config.prompts)) if judge is not None else 0
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
     guard_api_cost(dpo_api_plan(config, judge, eval_judge, feedback_prompts, eval_prompts), config.max_api_cost, verbose=main)
@@ -324,10 +312,7 @@ def train(config: DPOConfig) -> Path:
 
         check_latent_store(config, table, config.resolution or native_resolution(config.model))
 
-    if main:
-        run.prepare()
-        run.save_config(asdict(config))
-    accelerator.wait_for_everyone()
+    start_run(accelerator, run, config)
     keep_judge_answers(filter(None, (judge, eval_judge)), run.path, accelerator.process_index)
     set_seed(config.seed)
 
@@ -376,17 +361,12 @@ def train(config: DPOConfig) -> Path:
     prediction_type = noise_scheduler.config.prediction_type
 
     # 4. Resume.
-    start_step = 0
-    checkpoint = run.resume_checkpoint()
-    if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        start_step = json.loads((checkpoint / "state.json").read_text())["step"]
-        if main:
-            run.truncate_metrics(start_step)
-            print(f"[dpo] resumed from {checkpoint} at step {start_step}", flush=True)
-    elif config.resume and main:
-        run.truncate_metrics(0)
-        print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
+    start_step = resume_from_checkpoint(accelerator, run, "dpo")
+    if start_step is None:
+        start_step = 0
+        if config.resume and main:
+            run.truncate_metrics(0)
+            print("[dpo] --resume latest: no checkpoint yet, starting from step 0", flush=True)
 
     # 5. The pairs of the current round: AI feedback from the model as it stands (the base model, or the
     #    resumed one; later online rounds are labelled in the loop), then the DataLoader over them: latents
@@ -507,13 +487,7 @@ def train(config: DPOConfig) -> Path:
     if main:
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
-        trained = accelerator.unwrap_model(unet)
-        with atomic_folder(run.path / "final") as final:
-            if config.finetune == "lora":
-                save_lora(trained, final)
-            else:
-                save_full_unet(trained, final)
-            write_model_card(final, config, run)
+        save_final_weights(accelerator, unet, run.path, config.finetune, lambda final: write_model_card(final, config, run))
         write_run_report(run, config)
         run.let_go_of_old_run()
     for used in {id(j): j for j in (judge, eval_judge) if j is not None}.values():
@@ -552,31 +526,16 @@ def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
     feedback = f"AI feedback from the judge `{config.reward}`" if config.reward else f"pairs from `{config.dataset}`"
     if config.reward and config.feedback_rounds > 1:
         feedback += f" in {config.feedback_rounds} online rounds (each labelling the model trained so far)"
-    weights = (
-        "`pytorch_lora_weights.safetensors` (load with `pipe.load_lora_weights(folder)`)"
-        if config.finetune == "lora"
-        else "a diffusers `unet/` folder"
-    )
-    text = f"""---
-base_model: {config.model}
-tags: [text-to-image, diffusers, diffusion-dpo]
----
-# Diffusion-DPO fine-tune of {config.model}
-
-Trained with Diffusion-DPO (Wallace et al. 2024) on {feedback}.
-Weights: {weights}.
-
-| setting | value |
-|---|---|
-| objective | {config.loss} (beta = {config.beta}) |
-| fine-tuning | {config.finetune} |
-| steps | {config.max_steps} |
-| pairs per step | {config.train_batch_size} x processes x {config.gradient_accumulation_steps} |
-| learning rate | {config.learning_rate} {'x pairs per step' if config.scale_lr else ''} |
-| final loss | {last.get('loss', float('nan')):.4f} |
-| final implicit accuracy | {last.get('implicit_acc', float('nan')):.3f} |
-"""
-    atomic_write_text(folder / "README.md", text)
+    write_diffusion_model_card(folder, config.model, config.finetune, "Diffusion-DPO", "diffusion-dpo",
+                               f"Trained with Diffusion-DPO (Wallace et al. 2024) on {feedback}.", {
+        "objective": f"{config.loss} (beta = {config.beta})",
+        "fine-tuning": config.finetune,
+        "steps": config.max_steps,
+        "pairs per step": f"{config.train_batch_size} x processes x {config.gradient_accumulation_steps}",
+        "learning rate": f"{config.learning_rate} {'x pairs per step' if config.scale_lr else ''}",
+        "final loss": f"{last.get('loss', float('nan')):.4f}",
+        "final implicit accuracy": f"{last.get('implicit_acc', float('nan')):.3f}",
+    })
 
 
 def write_run_report(run: RunFolder, config: DPOConfig) -> None:
@@ -587,22 +546,7 @@ def write_run_report(run: RunFolder, config: DPOConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from align.pipeline import ModelLoadError
-
-    config = parse_config(DPOConfig, argv, description=__doc__)
-    quiet_output(config.quiet)
-    try:
-        train(config)
-    except (ConfigError, RunFolderError, ModelLoadError) as err:  # ModelLoadError: one line naming the model's files
-        die(str(err))
-    except TrainingStopped as err:
-        die(str(err), code=3)
-    except Exception as err:  # judge/data errors with their own clear messages
-        from align.data import DataError
-
-        if isinstance(err, DataError):
-            die(str(err))
-        raise
+    run_trainer(DPOConfig, train, argv, __doc__)
 
 
 if __name__ == "__main__":

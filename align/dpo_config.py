@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from align.cli import ConfigError, option
 from align.training import check_lr_schedule, check_periodic_evaluation
+from align.validation import check_common_inputs, check_optimiser_ranges
 
 
 @dataclass
@@ -116,8 +117,6 @@ class DPOConfig:
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
-        from align.validation import check_common_inputs, check_optimiser_ranges
-
         check_common_inputs(self)
         check_optimiser_ranges(self)
         if bool(self.reward) == bool(self.dataset or self.latent_store):
@@ -136,7 +135,8 @@ class DPOConfig:
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
-        from align.feedback import PAIRINGS
+
+        from align.feedback import PAIRINGS  # pyarrow: not on every command's import path
 
         if self.feedback_pairing not in PAIRINGS:
             raise ConfigError(f"--feedback_pairing must be {' or '.join(PAIRINGS)}, got {self.feedback_pairing!r}")

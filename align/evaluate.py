@@ -17,17 +17,40 @@ generates only what is new. Outputs: results.json, results.csv (the rank table) 
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from align.cli import ConfigError, option
+import rewards
+from align import metrics, report
+from align.api_cost import evaluate_api_plan, guard_api_cost
+from align.cli import ConfigError, die, option, parse_config
+from align.generation import (
+    GenerationCache,
+    ModelEntry,
+    generate_missing,
+    resolve_device,
+    sample_seed,
+    sampling_settings,
+    slug,
+)
+from align.health import degenerate_reason
+from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
+from align.metrics import CI_METHODS, FeatureNetwork
+from align.pipeline import ModelLoadError, resolve_model
+from align.prompt_sets import PromptSetError, load_prompt_set
+from align.quiet import quiet_output
+from align.runs import atomic_write_text
+from align.testbed.scene import render
+from align.validation import check_common_inputs, check_weight_files
 from rewards.base import is_pointwise
+from rewards.images import load_image, to_tensor
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
 
@@ -73,9 +96,6 @@ class EvalConfig:
                                  "judge")
 
     def validate(self) -> None:
-        from align.metrics import CI_METHODS
-        from align.validation import check_common_inputs
-
         check_common_inputs(self)
 
         if not split_list(self.models):
@@ -93,20 +113,7 @@ class EvalConfig:
             raise ConfigError("--cmmd needs --fid_reference (the images to compare against)")
 
 
-@dataclass
-class ModelEntry:
-    name: str
-    path: str
-
-
 # ------------------------------------------------------------------------------------- parsing
-
-
-def split_list(text: str | None) -> list[str]:
-    """Split a comma list, keeping commas inside [...] (judge options) together."""
-    from rewards.spec import _split_top_level
-
-    return _split_top_level(text or "")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -134,114 +141,6 @@ def parse_models(text: str) -> list[ModelEntry]:
     return entries
 
 
-def sample_seed(seed: int, prompt: str) -> int:
-    """The generation seed of (prompt, seed): the same for every model, 32 bits for any RNG."""
-    digest = hashlib.blake2b(f"{seed}\x00{prompt}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
-
-
-def slug(text: str, limit: int = 40) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:limit] or "x"
-
-
-# ------------------------------------------------------------------------------------ generation
-
-
-def model_fingerprint(path: str) -> str:
-    """Changes when the model's files change (a re-trained run folder gets fresh images)."""
-    from align.pipeline import resolve_model
-
-    p = Path(resolve_model(path)).expanduser()
-    if not p.exists():
-        return path  # a hub id: its revision is fixed by the hub cache
-    parts = []
-    for f in sorted(p.rglob("*")):
-        if f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".yaml", ".txt") and "checkpoints" not in f.parts:
-            stat = f.stat()
-            parts.append(f"{f.relative_to(p)}:{stat.st_size}:{stat.st_mtime_ns}")
-    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
-
-
-class GenerationCache:
-    """PNG files per model and settings: <root>/<model-slug>-<hash>/<prompt-hash>_s<seed>.png."""
-
-    def __init__(self, root: Path, model: ModelEntry, settings: dict, base: str | None):
-        key = json.dumps({"model": model.path, "files": model_fingerprint(model.path), "base": base, **settings}, sort_keys=True)
-        self.folder = root / f"{slug(model.name)}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
-        self.meta = {"model": model.path, "name": model.name, "base": base, **settings}
-
-    def path(self, prompt: str, seed: int) -> Path:
-        return self.folder / f"{hashlib.sha1(prompt.encode()).hexdigest()[:16]}_s{seed}.png"
-
-    def missing(self, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        return [(p, s) for p, s in items if not self.path(p, s).is_file()]
-
-    def save(self, prompt: str, seed: int, image: torch.Tensor) -> None:
-        from align.report import png_bytes
-        from align.runs import atomic_write_bytes, atomic_write_text
-
-        if not (self.folder / "meta.json").is_file():
-            atomic_write_text(self.folder / "meta.json", json.dumps(self.meta, indent=1))
-        atomic_write_bytes(self.path(prompt, seed), png_bytes(image))
-
-    def load(self, items: list[tuple[str, int]]) -> torch.Tensor:
-        from rewards.images import load_image, to_tensor
-
-        return to_tensor([load_image(self.path(p, s)) for p, s in items])
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
-def sampling_settings(config, model_path: str) -> dict:
-    """Steps, guidance and resolution: flags first, then the (base) model's testbed.json, then SD's defaults."""
-    from align.pipeline import base_of, testbed_settings
-
-    try:
-        stored = testbed_settings(base_of(model_path))
-    except (OSError, ValueError):  # a hub id, or a folder without testbed.json (ModelLoadError is a ValueError)
-        stored = {}
-    return {
-        "num_inference_steps": config.num_inference_steps or stored.get("num_inference_steps", 50),
-        "guidance_scale": config.guidance_scale if config.guidance_scale is not None else stored.get("guidance_scale", 7.5),
-        "resolution": config.resolution or stored.get("resolution"),
-    }
-
-
-def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings: dict, base: str | None, device: str, batch_size: int) -> int:
-    """Generate and cache the (prompt, seed) items not cached yet; returns how many were generated."""
-    from align.pipeline import generate_images, load_trained
-    from align.progress import progress_bar
-
-    todo = cache.missing(items)
-    if not todo:
-        return 0
-    print(f"[evaluate] {model.name}: generating {len(todo)} images ({len(items) - len(todo)} cached)", flush=True)
-    pipe = load_trained(model.path, device=device, base=base)
-    size = settings["resolution"]
-    for start in progress_bar(range(0, len(todo), batch_size), desc=f"generate ({model.name})", unit="batch"):
-        chunk = todo[start : start + batch_size]
-        images = generate_images(
-            pipe,
-            [p for p, _ in chunk],
-            [sample_seed(s, p) for p, s in chunk],
-            num_inference_steps=settings["num_inference_steps"],
-            guidance_scale=settings["guidance_scale"],
-            height=size,
-            width=size,
-            batch_size=batch_size,
-        )
-        for (prompt, seed), image in zip(chunk, images):
-            cache.save(prompt, seed, image)
-    del pipe
-    return len(todo)
-
-
 # -------------------------------------------------------------------------------------- judging
 
 
@@ -253,28 +152,11 @@ class ScoreCache:
         self.table: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
 
     def save(self) -> None:
-        from align.runs import atomic_write_text
-
         atomic_write_text(self.path, json.dumps(self.table))
 
 
 def image_key(path: Path, prompt: str) -> str:
     return hashlib.sha1(path.read_bytes() + b"\x00" + prompt.encode()).hexdigest()
-
-
-def load_judge(spec: str, **options):
-    """Load a judge and let it fail fast: a missing API key or weights, a model id the server rejects, a missing
-    SDK or an option the judge does not take stop here with one message (ConfigError), before any generation."""
-    import rewards
-
-    try:
-        judge = rewards.load(spec, **options)
-        check_ready = getattr(judge, "check_ready", None)
-        if callable(check_ready):
-            check_ready()
-    except (ValueError, RuntimeError, OSError, ImportError) as err:
-        raise ConfigError(f"judge {spec!r} is not usable: {err}") from None
-    return judge
 
 
 def score_model(judge, spec: str, prompts: list[str], images: torch.Tensor, paths: list[Path], cache_root: Path, deterministic: bool) -> np.ndarray:
@@ -302,8 +184,6 @@ def is_deterministic(judge) -> bool:
 
 def evaluate_judge(judge, spec: str, names: list[str], prompts: list[str], num_prompts: int, images: dict, paths: dict, cache_root: Path, ci: str) -> dict:
     """Per-model mean score, win rate against the first model, per-prompt ranks, first places."""
-    from align import metrics
-
     num_models = len(names)
     samples = len(prompts)  # seed-major: sample k is prompt k % num_prompts
     if is_pointwise(judge):
@@ -341,18 +221,6 @@ def evaluate_judge(judge, spec: str, names: list[str], prompts: list[str], num_p
     }
 
 
-def compare_shuffled(judge, prompts: list[str], images_a: torch.Tensor, images_b: torch.Tensor, rng) -> np.ndarray:
-    """Outcomes of A against B, each pair shown in a random order, so a position bias cancels out."""
-    from align import metrics
-
-    swap = torch.from_numpy(rng.random(len(prompts)) < 0.5)
-    mask = swap.view(-1, 1, 1, 1)
-    first = torch.where(mask, images_b, images_a)
-    second = torch.where(mask, images_a, images_b)
-    outcome = metrics.outcomes_from_preferences(judge.compare(prompts, first, second))
-    return np.where(swap.numpy(), 1 - outcome, outcome)
-
-
 def _per_prompt_mean(values: np.ndarray, num_prompts: int) -> np.ndarray:
     """[models, seeds * prompts] (seed-major: sample k is prompt k % P) -> [models, prompts], mean over seeds."""
     models, samples = values.shape
@@ -364,8 +232,6 @@ def _per_prompt_mean(values: np.ndarray, num_prompts: int) -> np.ndarray:
 
 def feature_network(name: str, inception_weights: str | None = None):
     """'inception' (torchmetrics' default), 'pixels' (8x8 pooled RGB, no weights), or an embedding judge."""
-    from align.metrics import FeatureNetwork
-
     if name == "inception":
         return "inception"
     if name == "pixels":
@@ -377,8 +243,6 @@ def feature_network(name: str, inception_weights: str | None = None):
 
 def embedding_function(name: str):
     """Image embeddings [N, d] of a CLIP-like judge (clip, shapes-clip, pickscore)."""
-    import rewards
-
     judge = rewards.load(name)
     embedder = getattr(judge, "embedder", None)
     if embedder is None or not hasattr(embedder, "image_embeddings"):
@@ -391,11 +255,7 @@ def embedding_function(name: str):
 
 def load_reference_images(spec: str, prompts: list[str], seeds: list[int], size: int) -> torch.Tensor:
     """'testbed': the true scene of every (prompt, seed); otherwise every image in a folder, resized."""
-    from rewards.images import load_image, to_tensor
-
     if spec == "testbed":
-        from align.testbed.scene import render
-
         return to_tensor([render(p, seed=sample_seed(s, p), size=size) for s in seeds for p in prompts])
     folder = Path(spec).expanduser()
     files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")) if folder.is_dir() else []
@@ -409,11 +269,6 @@ def load_reference_images(spec: str, prompts: list[str], seeds: list[int], size:
 
 def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
     """Everything that can be checked before a model is loaded or an image generated."""
-    import rewards
-    from align.pipeline import ModelLoadError, resolve_model
-    from align.prompt_sets import PromptSetError, load_prompt_set
-    from align.validation import check_weight_files
-
     config.validate()
     models = parse_models(config.models)
     for model in models:
@@ -426,17 +281,9 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
             raise ConfigError(f"model {model.name!r}: no such folder {model.path!r}")
         if local:
             check_weight_files(f"--models {model.name}", path)  # a truncated file is named before any generation
-    for spec in split_list(config.judges):
-        try:
-            rewards.check_name(spec)
-        except ValueError as err:
-            raise ConfigError(f"--judges: {err}") from None
-    for feature, used in ((config.fid_feature, config.fid_reference), (config.cmmd_feature, config.cmmd)):
-        if used and feature not in FID_FEATURES_BUILTIN:
-            try:
-                rewards.check_name(feature)
-            except ValueError as err:
-                raise ConfigError(f"feature network: {err}") from None
+    check_judge_names(split_list(config.judges), "--judges")
+    features = ((config.fid_feature, config.fid_reference), (config.cmmd_feature, config.cmmd))
+    check_judge_names([f for f, used in features if used and f not in FID_FEATURES_BUILTIN], "feature network")
     if config.fid_reference and config.fid_reference != "testbed" and not Path(config.fid_reference).expanduser().is_dir():
         raise ConfigError(f"--fid_reference {config.fid_reference!r} must be 'testbed' or a folder of images")
     try:
@@ -448,15 +295,11 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
 
 def evaluate(config: EvalConfig) -> dict:
     """Run the whole evaluation; returns the results dict also written to results.json."""
-    from align import metrics
-
     models, prompt_set = check_inputs(config)
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
     seeds = parse_seeds(config.seeds)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
-    from align.api_cost import evaluate_api_plan, guard_api_cost
-
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
     out = Path(config.output_dir)  # made by the first file written (atomic writes create folders), so a model
     # that fails to load leaves nothing behind
@@ -531,8 +374,6 @@ def degenerate_models(images: dict, names: list[str]) -> dict[str, str]:
     """{model: why} for models whose images are degenerate (NaN, or mostly blank: a diverged model's black
     images); they are not scored or ranked as if they were merely bad. The base must be sound: win rates
     are against it."""
-    from align.health import degenerate_reason
-
     found = {n: reason for n in names if (reason := degenerate_reason(images[n]))}
     if names[0] in found:
         raise ConfigError(f"the base model {names[0]!r} gives degenerate images ({found[names[0]]}): there is nothing "
@@ -569,11 +410,6 @@ def rank_table(results: dict) -> list[dict]:
 
 def write_outputs(results: dict, out: Path, images: dict, names: list[str], prompts: list[str], seeds: list[int], grid_prompts: int) -> None:
     """results.json, results.csv (the rank table) and report.html, each written atomically."""
-    import csv
-    import io
-
-    from align.runs import atomic_write_text
-
     atomic_write_text(out / "results.json", json.dumps(results, indent=1, default=_json_default))
     buf = io.StringIO()
     columns = list(dict.fromkeys(k for row in results["table"] for k in row))
@@ -591,8 +427,6 @@ def _json_default(value):
 
 
 def write_eval_report(path: Path, results: dict, images: dict, names: list[str], prompts: list[str], seeds: list[int], grid_prompts: int) -> None:
-    from align import report
-
     cfg = results["config"]
     sections = [
         report.Section(
@@ -664,8 +498,6 @@ def write_eval_report(path: Path, results: dict, images: dict, names: list[str],
 
 def degenerate_note(models: list[dict]) -> str:
     """The models left out of the rank table because their images are degenerate, and why."""
-    from align import report
-
     left_out = [m for m in models if m.get("degenerate")]
     if not left_out:
         return ""
@@ -675,8 +507,6 @@ def degenerate_note(models: list[dict]) -> str:
 
 def category_table(scores: list, names: list[str], categories: list[str], num_prompts: int) -> str:
     """Mean score per prompt category and model (MJ-Bench's categories for the bundled sets)."""
-    from align import report
-
     values = np.asarray(scores, dtype=float)
     cats = np.asarray(categories * (values.shape[1] // num_prompts))
     rows = []
@@ -687,10 +517,6 @@ def category_table(scores: list, names: list[str], categories: list[str], num_pr
 
 
 def main(argv: list[str] | None = None) -> None:
-    from align.cli import die, parse_config
-    from align.pipeline import ModelLoadError
-    from align.quiet import quiet_output
-
     config = parse_config(EvalConfig, argv, description=__doc__)
     quiet_output(config.quiet)
     try:

@@ -23,21 +23,33 @@ bias_groups.csv, verdicts.jsonl (every verdict with the judge's raw output), sum
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import io
 import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 import rewards
+from align import judgebench_answers as A
 from align import judgebench_metrics as M
+from align import report
+from align.api_cost import JudgeCalls, guard_api_cost, is_paid
 from align.cli import ConfigError, die, option, parse_config
-from align.evaluate import load_judge
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
+from align.judges import load_judge
 from align.progress import progress_bar
 from align.quiet import quiet_output
+from align.report import write_report
+from align.runs import atomic_write_bytes, atomic_write_text, scrub_secrets
+from align.testbed.mjbench import write_benchmark
+from align.validation import check_common_inputs
 from rewards.judge_prompts import PROTOCOLS, load_template
-from rewards.secrets import scrub_text
+from rewards.secrets import check_key_env_name, scrub_text
 
 
 @dataclass
@@ -105,9 +117,6 @@ def split_judges(text: str) -> list[str]:
 
 def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
     """Validate everything cheap before any data is generated or any judge is loaded; ConfigError (one line) if not."""
-    from align.validation import check_common_inputs
-    from rewards.secrets import check_key_env_name
-
     check_common_inputs(config)
     judges = split_judges(config.judges)
     if not judges:
@@ -312,8 +321,6 @@ def prepare_data(config: JudgeBenchConfig, subsets: tuple[str, ...]) -> tuple[li
     """Load (or, for 'testbed', generate and then load) the benchmark rows."""
     source = config.data
     if config.data == "testbed":
-        from align.testbed.mjbench import write_benchmark
-
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         source = str(Path(config.output_dir) / "testbed_benchmark.parquet")
         write_benchmark(
@@ -337,8 +344,6 @@ def load_benchmark_judge(spec: str, config: JudgeBenchConfig):
 
 def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, config: JudgeBenchConfig) -> float:
     """The API judges' calls on this benchmark (answers already in their caches free), priced before any is made."""
-    from align.api_cost import JudgeCalls, guard_api_cost, is_paid
-
     plans = []
     for spec in judge_specs:
         name = rewards.parse_spec(spec)[0]
@@ -506,9 +511,6 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
 
 
 def csv_text(rows: list[dict], keys: list[str]) -> str:
-    import csv
-    import io
-
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
@@ -580,8 +582,6 @@ def bias_group_rows(summaries: list[dict]) -> list[dict]:
 
 def leaderboard_png(rows: list[dict]) -> bytes:
     """Horizontal bars per judge: accuracy with ties per subset, the two orders, and the bias scores."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -621,8 +621,6 @@ def leaderboard_png(rows: list[dict]) -> bytes:
 
 def report_html_sections(config, source, pairs, bias, summaries, png: bytes, base_dir) -> list:
     """Sections for align.report.write_report: leaderboard, plot, per category, example pairs."""
-    from align import report
-
     rows = ranked([s["row"] for s in summaries])
     columns = leaderboard_columns(rows)
     table_rows = [{h: (100 * r[k] if kind == "pct" and not _missing(r.get(k)) else r.get(k))
@@ -669,12 +667,6 @@ def _example_pairs(pairs: list[BenchSample], per_group: int = 2) -> list[BenchSa
 
 
 def write_outputs(config, source, pairs, bias, runs, summaries, base_dir=None) -> None:
-    import dataclasses
-
-    import yaml
-
-    from align.runs import atomic_write_bytes, atomic_write_text, scrub_secrets
-
     out = Path(config.output_dir)
     rows = [s["row"] for s in summaries]
     atomic_write_text(out / "config.yaml", yaml.safe_dump(scrub_secrets(dataclasses.asdict(config)), sort_keys=False))
@@ -688,7 +680,6 @@ def write_outputs(config, source, pairs, bias, runs, summaries, base_dir=None) -
         atomic_write_text(out / "bias_groups.csv", csv_text(bias_group_rows(summaries), keys))
     png = leaderboard_png(rows)
     atomic_write_bytes(out / "leaderboard.png", png)
-    from align.report import write_report
 
     sections = report_html_sections(config, source, pairs, bias, summaries, png, base_dir)
     write_report(out / "report.html", sections, title="Judge benchmark (MJ-Bench protocol)")
@@ -732,9 +723,6 @@ def _pct(value) -> str:
 
 def rescore_answers(config: JudgeBenchConfig) -> list[dict]:
     """--answers: every metric from recorded answers; no judge is loaded and no model is called."""
-    from align import judgebench_answers as A
-    from align.runs import atomic_write_text
-
     out = Path(config.output_dir)
     if (out / "answers.md").exists() and not config.overwrite:
         die(f"--output-dir {out} already holds re-scored answers (answers.md); pass --overwrite or choose another folder")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 from PIL import Image
 
 from rewards.images import decode_image, load_image
@@ -159,8 +160,6 @@ def _limit_per_subset(samples: list[BenchSample], limit: int) -> list[BenchSampl
 def _read_local(path: Path) -> list[dict]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             return pq.read_table(path).to_pylist()
         except Exception as err:  # pyarrow raises several types for a damaged file

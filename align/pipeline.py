@@ -8,6 +8,11 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
+
+from align.progress import progress_bar
+from align.runs import CONFIG_FILE
+from align.testbed.weights import TESTBED_SETTINGS_FILE, MissingTestbedWeightsError, testbed_pipeline_dir
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -20,8 +25,6 @@ class ModelLoadError(ValueError):
 def resolve_model(model: str) -> str:
     """'testbed' -> the bundled shapes-testbed pipeline; hub ids and local folders pass through."""
     if model == "testbed":
-        from align.testbed.weights import MissingTestbedWeightsError, testbed_pipeline_dir
-
         try:
             return str(testbed_pipeline_dir())
         except MissingTestbedWeightsError as err:
@@ -73,8 +76,6 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | 
 
 def testbed_settings(model: str) -> dict:
     """Inference defaults stored beside a testbed pipeline (steps, guidance, resolution), if any."""
-    from align.testbed.weights import TESTBED_SETTINGS_FILE
-
     path = Path(resolve_model(model)) / TESTBED_SETTINGS_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -218,10 +219,6 @@ def save_full_unet(unet, folder: str | Path) -> Path:
 
 def run_base_model(path: str) -> str | None:
     """The pipeline a run folder was trained from (``model`` in its config.yaml), if it names one."""
-    import yaml
-
-    from align.runs import CONFIG_FILE
-
     config_file = Path(path).expanduser() / CONFIG_FILE
     if not config_file.is_file():
         return None
@@ -240,8 +237,6 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
     A run folder's config.yaml names its base model; ``base`` overrides it (needed for bare LoRA folders).
     """
     from diffusers import UNet2DConditionModel
-
-    from align.runs import CONFIG_FILE
 
     p = Path(path).expanduser()
     if p.is_dir() and (p / CONFIG_FILE).is_file() and (p / "final").is_dir():  # a run folder
@@ -313,8 +308,6 @@ def generate_images(
 ) -> torch.Tensor:
     """Images [N, 3, H, W] in [0, 1]; image i depends only on (prompt i, seed i), not on batching.
     ``progress``: the label of a progress bar over the batches (none without it)."""
-    from align.progress import progress_bar
-
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     out = []

@@ -9,6 +9,8 @@ terminal (tqdm's disable=None: nothing lands in log files or CI output), and nev
 
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 _quiet = False
 
 
@@ -25,8 +27,6 @@ def is_quiet() -> bool:
 def progress_bar(iterable=None, desc: str | None = None, total: int | None = None, unit: str = "it",
                  enabled: bool = True, leave: bool = True, file=None):
     """A tqdm bar over ``iterable`` (or a manual one with ``total``); a silent pass-through when switched off."""
-    from tqdm.auto import tqdm
-
     # None: tqdm draws only when the output is a terminal.
     disable = True if (_quiet or not enabled) else None
     return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave, disable=disable, file=file)

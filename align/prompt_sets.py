@@ -20,6 +20,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from align.cli import ConfigError
+from align.testbed.scene import sample_captions
+from align.validation import read_text_file
+from rewards.shapes_grammar import parse_caption
 from rewards.spec import parse_spec
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -117,9 +121,6 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
 
 
 def _testbed(n: int, seed: int) -> PromptSet:
-    from align.testbed.scene import sample_captions
-    from rewards.shapes_grammar import parse_caption
-
     prompts = sample_captions(n, seed=seed)
     return PromptSet("testbed", prompts, [parse_caption(p).category for p in prompts])
 
@@ -141,9 +142,6 @@ def read_text_prompts(path: Path) -> PromptSet:
 
 def _read_utf8(path: Path) -> str:
     """A prompt file's text; one line (not a traceback) for a file that is not UTF-8 or cannot be read."""
-    from align.cli import ConfigError
-    from align.validation import read_text_file
-
     try:
         return read_text_file("prompt file", path)
     except ConfigError as err:
@@ -174,7 +172,7 @@ def read_prompt_file(path: Path, column: str | None = None, category_column: str
 
 
 def _read_table(path: Path) -> list[dict]:
-    import pandas as pd
+    import pandas as pd  # heavy; only for prompt tables
 
     suffix = path.suffix.lower()
     try:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from align.runs import atomic_write_text
 from rewards.images import to_pil
 
 _STYLE = """
@@ -274,8 +275,6 @@ def render_report(sections: Sequence[Section], title: str = "Report") -> str:
 
 def write_report(path: str | Path, sections: Sequence[Section], title: str = "Report") -> Path:
     """Write the HTML page atomically and return its path."""
-    from align.runs import atomic_write_text
-
     path = Path(path)
     atomic_write_text(path, render_report(sections, title))
     return path

@@ -19,7 +19,7 @@ align/dpo.py and align/ddpo.py as ``--reward <output_dir>/final``.
 
 from __future__ import annotations
 
-import json
+import io
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -30,7 +30,10 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from align.cli import ConfigError, die, option, parse_config  # noqa: E402
+import rewards
+from align.cli import ConfigError, option  # noqa: E402
+from align.data import PAIR_COLUMNS, DataError, load_pairs
+from align.report import Section, img_tag, table_html
 from align.reward_losses import (  # noqa: E402
     binary_cross_entropy_loss,
     bradley_terry_loss,
@@ -44,9 +47,13 @@ from align.runs import (  # noqa: E402
     RunFolder,
     RunFolderError,
     atomic_folder,
+    atomic_write_bytes,
     atomic_write_text,
     restores_old_run_on_failure,
 )
+from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
+from align.testbed.tokenizer import testbed_tokenizer
+from align.trainer_run import resume_from_checkpoint, run_trainer, start_run  # noqa: E402
 from align.training import (  # noqa: E402
     TrainingStopped,
     end_training,
@@ -54,6 +61,10 @@ from align.training import (  # noqa: E402
     register_trainable_checkpoint_hooks,
     save_checkpoint,
 )
+from align.validation import check_common_inputs, check_optimiser_ranges, check_parquet_columns
+from rewards.images import decode_image
+from rewards.llava_reward import LlavaRewardModel, check_backbone
+from rewards.trained import BlipRewardModel, ClipRewardModel, write_marker
 
 BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
@@ -119,8 +130,6 @@ class RewardTrainConfig:
     name: str | None = option(None, "the judge's name (None: the output folder's name)", "output")
 
     def validate(self) -> None:
-        from align.validation import check_common_inputs, check_optimiser_ranges
-
         check_common_inputs(self)
         check_optimiser_ranges(self)
         if not self.dataset:
@@ -205,9 +214,7 @@ def make_oracle_pairs(spec: str, path: Path, batch: int = 256) -> Path:
     the distillation set-up, an expensive judge's labels for a cheap model. The construction's
     label is kept in ``label_0_ground_truth`` for reference.
     """
-    import rewards
-    from align.testbed.pairs import rendered_pairs, write_parquet
-    from rewards.images import decode_image
+    from align.testbed.pairs import rendered_pairs, write_parquet  # pandas: only for the testbed oracle
 
     n, seed = parse_testbed_oracle(spec)
     table = rendered_pairs(n, seed)
@@ -239,9 +246,7 @@ def oracle_pairs_file(spec: str, run: RunFolder, accelerator) -> str:
 
 def load_unpaired(source: str) -> list[Example]:
     """Unpaired labels for the BCE term: a parquet with caption, jpg (image bytes) and label in [0, 1]."""
-    import pyarrow.parquet as pq
-
-    from align.data import DataError
+    import pyarrow.parquet as pq  # heavy; only for --unpaired
 
     path = Path(source).expanduser()
     if not path.is_file() or path.suffix != ".parquet":
@@ -264,8 +269,6 @@ def load_unpaired(source: str) -> list[Example]:
 
 
 def decode(data: bytes, where: str):
-    from rewards.images import decode_image
-
     return decode_image(data, where)
 
 
@@ -276,8 +279,6 @@ def decode(data: bytes, where: str):
 def build_model(config: RewardTrainConfig):
     """A model with ``forward(prompts, pil_images) -> rewards[N]`` and ``save(folder) -> dict``."""
     if config.backbone == "mllm":
-        from rewards.llava_reward import LlavaRewardModel
-
         model = LlavaRewardModel.from_base(
             config.model, skip_cross_attention=config.skip_cross_attention, trust_remote_code=config.trust_remote_code
         )
@@ -287,7 +288,6 @@ def build_model(config: RewardTrainConfig):
         elif config.finetune == "head":
             model.freeze_backbone()
         return model
-    from rewards.trained import BlipRewardModel, ClipRewardModel
 
     model_class = ClipRewardModel if config.backbone == "clip" else BlipRewardModel
     backbone, processor = load_embedding_backbone(config.model, model_class)
@@ -311,9 +311,6 @@ def load_embedding_backbone(spec: str, model_class):
     if spec in (TESTBED_SCRATCH, "testbed") and model_class.kind != "clip-mlp":
         raise ConfigError(f"--model {spec} is a CLIP model; use it with --backbone clip")
     if spec == TESTBED_SCRATCH:
-        from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
-        from align.testbed.tokenizer import testbed_tokenizer
-
         tokenizer = testbed_tokenizer()
         return build_shapes_clip(tokenizer), CLIPProcessor(image_processor=shapes_clip_image_processor(), tokenizer=tokenizer)
     if spec == "testbed":
@@ -381,9 +378,6 @@ def pair_rewards(model, pairs, batch_size: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def check_inputs(config: RewardTrainConfig) -> None:
-    from align.data import PAIR_COLUMNS
-    from align.validation import check_parquet_columns
-
     config.validate()
     # Local parquet files: readable, with their columns, before the run folder is made (rows are read later).
     for flag_name, source, columns in (("dataset", config.dataset, PAIR_COLUMNS), ("eval_dataset", config.eval_dataset, PAIR_COLUMNS),
@@ -391,8 +385,6 @@ def check_inputs(config: RewardTrainConfig) -> None:
         if source and str(source).lower().endswith(".parquet") and not source.startswith(TESTBED_ORACLE):
             check_parquet_columns(flag_name, source, columns)
     if config.backbone == "mllm":
-        from rewards.llava_reward import check_backbone
-
         try:
             check_backbone(config.model, trust_remote_code=config.trust_remote_code)
         except ValueError as err:
@@ -405,8 +397,6 @@ def train(config: RewardTrainConfig) -> Path:
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    from align.data import load_pairs
-
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
@@ -414,10 +404,7 @@ def train(config: RewardTrainConfig) -> Path:
         log_with=None if config.report_to == "none" else config.report_to, project_dir=str(run.path),
     )
     main = accelerator.is_main_process
-    if main:
-        run.prepare()
-        run.save_config(asdict(config))
-    accelerator.wait_for_everyone()
+    start_run(accelerator, run, config)
     set_seed(config.seed)
 
     # 1. Data: pairs (winner first), a held-out split, optional unpaired labels.
@@ -463,16 +450,11 @@ def train(config: RewardTrainConfig) -> Path:
         accelerator.init_trackers("train_reward", config={k: str(v) for k, v in asdict(config).items()})
 
     # 3. Resume: model, optimiser, schedule and RNG states; the data position follows from the step.
-    start_step = 0
-    checkpoint = run.resume_checkpoint()
-    if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        start_step = json.loads((checkpoint / "state.json").read_text())["step"]
-        if main:
-            run.truncate_metrics(start_step)
-            print(f"[reward] resumed from {checkpoint} at step {start_step}", flush=True)
-    elif config.resume:
-        raise RunFolderError(f"--resume {config.resume!r}: no complete checkpoint in {run.path}")
+    start_step = resume_from_checkpoint(accelerator, run, "reward")
+    if start_step is None:
+        if config.resume:
+            raise RunFolderError(f"--resume {config.resume!r}: no complete checkpoint in {run.path}")
+        start_step = 0
 
     order = Order(len(train_pairs), config.seed)
     unpaired_order = Order(len(unpaired), config.seed + 1) if unpaired else None
@@ -531,7 +513,6 @@ def train(config: RewardTrainConfig) -> Path:
         trained = accelerator.unwrap_model(model)
         r_w, r_l = pair_rewards(trained, eval_pairs, config.train_batch_size * 2)
         calibration = calibrate(r_w, r_l, config.tau, fit=config.calibrate)
-        from rewards.trained import write_marker
 
         with atomic_folder(final) as staged:  # the whole final/ at once: a half-written one never loads
             meta = trained.save(staged)
@@ -594,14 +575,10 @@ def calibrate(r_w: torch.Tensor, r_l: torch.Tensor, tau: float, fit: bool = True
 
 
 def save_reliability_plot(calibration: dict, path: Path) -> None:
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from align.runs import atomic_write_bytes
 
     fig, ax = plt.subplots(figsize=(4, 4))
     ax.plot([0, 1], [0, 1], color="grey", lw=1, ls="--", label="perfect")
@@ -621,8 +598,6 @@ def save_reliability_plot(calibration: dict, path: Path) -> None:
 
 def calibration_section(meta: dict, plot: Path):
     """The report section with the held-out accuracy, the calibration and the reliability diagram."""
-    from align.report import Section, img_tag, table_html
-
     cal = meta["calibration"]
     rows = [
         {"": "pairwise accuracy", "value": f"{meta['eval_accuracy']:.4f} ({meta['eval_pairs']} pairs)"},
@@ -658,19 +633,7 @@ The reliability diagram of the held-out pairs is `reliability.png`.
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(RewardTrainConfig, argv, description=__doc__)
-    try:
-        train(config)
-    except (ConfigError, RunFolderError) as err:
-        die(str(err))
-    except TrainingStopped as err:
-        die(str(err), code=3)
-    except Exception as err:
-        from align.data import DataError
-
-        if isinstance(err, DataError):
-            die(str(err))
-        raise
+    run_trainer(RewardTrainConfig, train, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from align.cli import ConfigError
+from align.health import degenerate_reason, weights_finite
+from align.metrics import mean_and_sem
+from align.prompt_sets import PromptSetError, load_prompt_set
+from align.report import image_grid
 from align.runs import (
     CHECKPOINT_STATE,
     EVALS,
+    JUDGE_ANSWERS,
     RunFolder,
     RunFolderError,
     atomic_path,
@@ -30,8 +38,6 @@ class TrainingStopped(RuntimeError):
 
 def load_prompt_list(spec: str) -> list[str]:
     """A prompt set by name (parti, drawbench, testbed:<n>[:<seed>], mjbench, ...) or a prompt file."""
-    from align.prompt_sets import PromptSetError, load_prompt_set
-
     try:
         prompts = load_prompt_set(spec).prompts
     except (PromptSetError, FileNotFoundError) as err:
@@ -66,8 +72,6 @@ def keep_judge_answers(judges, run_path: Path, process: int) -> None:
     round) after its checkpoint with the same seeds, and gets the same images' verdicts from there instead of paying
     for them again (and so the same rewards: the resume stays exact with a judge that answers differently each time).
     One file per process: each re-generates only its own images, and no two processes write one SQLite file."""
-    from align.runs import JUDGE_ANSWERS
-
     for judge in judges:
         keep = getattr(judge, "keep_answers_in", None)
         if callable(keep):
@@ -78,7 +82,6 @@ def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> No
     """With LoRA (or a frozen backbone), checkpoints hold only the trainable tensors, not the frozen model."""
     if not only_trainable:
         return
-    from safetensors.torch import load_file, save_file
 
     def save_hook(models, weights, output_dir):
         for model in models:
@@ -130,8 +133,6 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int, extra_fil
 
 def stop_unless_weights_finite(params, step_name: str, last_good) -> None:
     """After an optimiser step: NaN/inf in a trainable weight stops training before it is checkpointed."""
-    from align.health import weights_finite
-
     if not weights_finite(params):
         raise TrainingStopped(
             f"non-finite trainable weights after {step_name}; stopped before they were saved. The last good "
@@ -140,8 +141,6 @@ def stop_unless_weights_finite(params, step_name: str, last_good) -> None:
 
 
 def save_image_row(images: torch.Tensor, path: Path) -> None:
-    from align.report import image_grid
-
     with atomic_path(path) as tmp:
         image_grid(images, ncols=len(images), pad=0).save(tmp, format="PNG")
 
@@ -149,8 +148,6 @@ def save_image_row(images: torch.Tensor, path: Path) -> None:
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
     """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
     ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
-    from align.health import degenerate_reason
-    from align.metrics import mean_and_sem
     from align.pipeline import generate_images, merged_adapter
 
     held_out = load_prompt_list(config.eval_prompts)
@@ -215,8 +212,6 @@ def end_training(accelerator) -> None:
     run from Python, waits on gloo's loop thread for ever). Callers drop their own references to the
     prepared model, optimiser and scheduler before calling this.
     """
-    import gc
-
     accelerator.free_memory()
     gc.collect()  # DDP's hooks keep the wrapper in reference cycles
     accelerator.end_training()
@@ -231,8 +226,6 @@ PRECISIONS = ("no", "fp16", "bf16")
 def resolve_mixed_precision(flag: str | None, environ=None) -> str:
     """The mixed precision a run uses: --mixed_precision if given, else what `accelerate launch` (its flag or
     its config file) put in ACCELERATE_MIXED_PRECISION, else "no"."""
-    import os
-
     environ = os.environ if environ is None else environ
     if flag is not None:
         source, value = "--mixed_precision", flag
@@ -255,8 +248,6 @@ DISTRIBUTED_HELP = ("what works: one process, or multi-process data parallel (DD
 
 def refuse_unsupported_launch(environ=None) -> None:
     """Before the Accelerator is built: DeepSpeed, FSDP and Megatron-LM are not tested here, so refuse them."""
-    import os
-
     environ = os.environ if environ is None else environ
     for variable, name in UNSUPPORTED_LAUNCHERS.items():
         if str(environ.get(variable, "")).lower() in ("1", "true", "yes"):

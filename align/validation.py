@@ -17,13 +17,15 @@ is one line naming the input, what was wrong and what would be valid; ``main()``
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import tempfile
 import types
 import typing
 from pathlib import Path
 
-from align.cli import ConfigError
+from align.errors import ConfigError
 
 
 class ConfigTypeError(ConfigError, TypeError):
@@ -132,8 +134,6 @@ def check_writable_dir(name: str, path: str | Path) -> Path:
 def _can_create_in(folder: Path) -> bool:
     """Whether a folder can really be made here (os.access says yes to root on read-only or virtual file
     systems such as /proc): an empty probe folder, removed at once."""
-    import tempfile
-
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".t2i-align-probe-", dir=folder))
     except OSError:
@@ -184,8 +184,6 @@ def check_weight_files(name: str, folder: str | Path) -> None:
     """Every .safetensors file of a local model folder (and its subfolders one level down: unet/, final/) has an
     intact header covering the whole file, and every .json file there (model_index.json, config.json, ...) parses:
     a truncated or corrupt model file is named here, before any work."""
-    import json
-
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         return  # a hub id, or a path that the model's own check reports

@@ -70,7 +70,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
 
     import rewards
-    from align.evaluate import EvalConfig, sampling_settings
+    from align.evaluate import EvalConfig
+    from align.generation import sampling_settings
     from align.pipeline import decode_latents, encode_images, generate_images, load_trained
     from align.testbed.scene import render
     from align.training import load_prompt_list

@@ -36,7 +36,7 @@ from rewards.concurrency import (
     gather_bounded,
     run_sync,
 )
-from rewards.images import encode_png
+from rewards.images import encode_png, to_pil
 from rewards.mllm import JudgeNotReadyError, JudgeRequest, MllmJudge
 from rewards.secrets import check_key_env_name, install_log_scrubber
 
@@ -191,7 +191,6 @@ class ApiJudge(MllmJudge):
         are answered by the cache already (free)."""
         if self._cache is None:
             return 0
-        from rewards.images import to_pil
 
         first = to_pil(images_a)
         if images_b is None:

@@ -98,12 +98,7 @@ class Judge:
         )
 
     def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
-        n = len(prompts)
-        if num_images(images_a) != n or num_images(images_b) != n:
-            raise ValueError(
-                f"compare needs one prompt per pair: got {n} prompts, "
-                f"{num_images(images_a)} images A and {num_images(images_b)} images B"
-            )
+        check_pair_counts(prompts, images_a, images_b)
         scores_a = self.score(prompts, images_a).detach().float().cpu()
         scores_b = self.score(prompts, images_b).detach().float().cpu()
         return [preference_from_scores(float(a), float(b), self.tie_margin) for a, b in zip(scores_a, scores_b)]
@@ -115,6 +110,16 @@ class Judge:
 # The base class's own methods too: a subclass that inherits compare gets it checked as well.
 Judge.score = _checked(Judge.score, "score")
 Judge.compare = _checked(Judge.compare, "compare")
+
+
+def check_pair_counts(prompts: list[str], images_a: Images, images_b: Images) -> None:
+    """compare() takes one prompt per pair: as many prompts as images A and images B."""
+    n = len(prompts)
+    if num_images(images_a) != n or num_images(images_b) != n:
+        raise ValueError(
+            f"compare needs one prompt per pair: got {n} prompts, "
+            f"{num_images(images_a)} images A and {num_images(images_b)} images B"
+        )
 
 
 def preference_from_scores(score_a: float, score_b: float, tie_margin: float = 0.0) -> Preference:

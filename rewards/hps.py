@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+from transformers import AutoConfig
 
 from rewards.checkpoint_keys import check_exact, open_clip_to_transformers_clip
 from rewards.clip import CLIP_H14_PROCESSOR, ClipEmbedder, ClipSimilarity, check_clip_config, load_processor
@@ -67,8 +68,6 @@ def HpsV21(
     tie_margin: float = 0.0,
 ) -> ClipSimilarity:
     """HPS v2.1. ``model``: hub repo, folder or the .pt file itself; ``base``: the CLIP-H config + tokenizer."""
-    from transformers import AutoConfig
-
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     check_batch_size(batch_size)

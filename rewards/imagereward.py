@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
+from transformers import AutoTokenizer, BlipTextConfig, BlipVisionConfig
 from transformers.initialization import no_init_weights
 
 from rewards.base import Judge
@@ -76,8 +77,6 @@ class ImageRewardModel(nn.Module):
 
 def vision_config_from_checkpoint(state: dict[str, torch.Tensor]):
     """BLIP ViT sizes read off the checkpoint's tensors (width, depth, patch, image size, MLP)."""
-    from transformers import BlipVisionConfig
-
     try:
         width = state["blip.visual_encoder.cls_token"].shape[-1]
         patch = state["blip.visual_encoder.patch_embed.proj.weight"].shape[-1]
@@ -103,8 +102,6 @@ def vision_config_from_checkpoint(state: dict[str, torch.Tensor]):
 
 def text_config_from_med_config(med: dict, encoder_width: int):
     """BLIP's med_config.json (a BertConfig) -> BlipTextConfig with cross-attention to the ViT."""
-    from transformers import BlipTextConfig
-
     return BlipTextConfig(
         vocab_size=med["vocab_size"],
         hidden_size=med["hidden_size"],
@@ -202,8 +199,6 @@ class BlipRewardJudge(Judge):
 def _load(
     judge: str, model, filename, med_config, tokenizer, mean, std, device, dtype, batch_size, tie_margin
 ) -> BlipRewardJudge:
-    from transformers import AutoTokenizer
-
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     check_batch_size(batch_size)

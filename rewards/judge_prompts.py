@@ -20,7 +20,9 @@ cached answer is never reused for a question that was not asked.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 TEMPLATE_VERSION = "mjb-v1"
 
@@ -91,8 +93,6 @@ MJBENCH_CRITERIA: dict[str, str] = {
 def load_template(path: str) -> str:
     """A prompt template file (e.g. one of MJ-Bench's ``eval/eval_prompts/*.txt``): Python format
     text with a ``{caption}`` field and ``{{`` / ``}}`` for literal braces. Checked here, once."""
-    from pathlib import Path
-
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"prompt_template {path!r} is not a file; give a text file with a {{caption}} field")
@@ -158,8 +158,6 @@ class JudgeQuestion:
         if self.protocol != "project":  # the project's keys stay as they were, so cached answers still match
             key += f"|{self.protocol}"
         if self.template is not None:
-            import hashlib
-
             key += "|template:" + hashlib.sha256(self.template.encode()).hexdigest()[:16]
         return key
 

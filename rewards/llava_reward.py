@@ -18,10 +18,14 @@ repository's remote code: no trust_remote_code) or Qwen2.5-VL (native in transfo
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rewards.base import Preference
@@ -32,7 +36,7 @@ from rewards.reward_heads import (
     preference_probability,
     read_last_token,
 )
-from rewards.trained import TrainedRewardJudge
+from rewards.reward_model_judge import TrainedRewardJudge
 
 PHI35_VISION = "microsoft/Phi-3.5-vision-instruct"
 QWEN25_VL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -103,8 +107,6 @@ def qwen_fetch_size(width: int, height: int, factor: int = QWEN_PATCH_FACTOR, mi
 def qwen_fetch_image(image):
     """The authors' ``fetch_image`` step before the Qwen processor: RGB, resized to ``qwen_fetch_size``
     with PIL's default filter (bicubic)."""
-    from PIL import Image
-
     image = image.convert("RGB")
     size = qwen_fetch_size(*image.size)
     return image if size == image.size else image.resize(size, Image.BICUBIC)
@@ -132,8 +134,6 @@ def pack_image_tokens(embeddings: list[torch.Tensor]) -> tuple[torch.Tensor, tor
 
 def _model_type(model: str) -> str | None:
     """model_type from a local folder's config.json, else a guess from the hub id."""
-    import json
-
     config = Path(model).expanduser() / "config.json"
     if config.is_file():
         return json.loads(config.read_text()).get("model_type")
@@ -244,8 +244,6 @@ class LlavaRewardModel(nn.Module):
         return {name: t.detach().cpu().contiguous() for name, t in get_peft_model_state_dict(self.mllm).items()}
 
     def save_lora(self, folder: str | Path) -> None:
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.lora_config.save_pretrained(str(folder))
@@ -382,9 +380,6 @@ class LlavaRewardModel(nn.Module):
 
     def save(self, folder: str | Path) -> dict:
         """The authors' layout: lora/, reward_head.safetensors (their keys), reward_config.yaml."""
-        import yaml
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         if getattr(self, "lora_config", None) is not None:
@@ -422,8 +417,6 @@ def resolve_checkpoint(checkpoint: str) -> Path:
 
 
 def read_reward_config(folder: Path) -> dict:
-    import yaml
-
     path = folder / REWARD_CONFIG
     if not path.is_file():
         raise LlavaRewardError(f"LLaVA-Reward checkpoint {str(folder)!r} has no {REWARD_CONFIG}")
@@ -439,8 +432,6 @@ def load_head_file(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
         path = folder / name
         if path.is_file():
             if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
                 return load_file(str(path)), str(path)
             # the authors' torch pickle: read tensors only, never run pickled code
             return torch.load(path, map_location="cpu", weights_only=True), str(path)
@@ -449,8 +440,6 @@ def load_head_file(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def _base_model_of(folder: Path, base_model: str | None) -> str:
     """Explicit option > our marker > the checkpoint's config.json model_type (Phi-3.5-vision default)."""
-    import json
-
     if base_model:
         return base_model
     marker = folder / "reward_model.json"

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from PIL import Image
 
-from rewards.base import Judge, Preference, preference_from_scores
+from rewards.base import Judge, Preference, check_pair_counts, preference_from_scores
 from rewards.cache import CachedAnswer, JudgeCache, cache_key, image_hash
 from rewards.concurrency import CallStats
-from rewards.images import Images, num_images, to_pil
+from rewards.images import Images, to_pil
 from rewards.judge_prompts import JudgeQuestion, load_template, render
 from rewards.parsing import FAILED, OK, Parsed, parse_answer
 
@@ -140,12 +140,8 @@ class MllmJudge(Judge):
         return torch.tensor([a.parsed.value if a.parsed.ok else math.nan for a in answers], dtype=torch.float32)
 
     def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
+        check_pair_counts(prompts, images_a, images_b)
         n = len(prompts)
-        if num_images(images_a) != n or num_images(images_b) != n:
-            raise ValueError(
-                f"compare needs one prompt per pair: got {n} prompts, "
-                f"{num_images(images_a)} images A and {num_images(images_b)} images B"
-            )
         pa, pb = to_pil(images_a), to_pil(images_b)
         if self.mode != "pair":  # pointwise: score all 2n images in one batch (one round of concurrency)
             scores = self.score(list(prompts) * 2, pa + pb).tolist()

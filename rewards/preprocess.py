@@ -22,6 +22,7 @@ from __future__ import annotations
 import html
 import re
 
+import ftfy
 import numpy as np
 import torch
 from PIL import Image
@@ -94,8 +95,6 @@ def openai_clip_pixels(images: list[Image.Image], size: int, mean, std) -> torch
 
 def open_clip_clean(text: str) -> str:
     """open_clip's caption cleaning before its BPE: ftfy, html.unescape twice, whitespace collapsed."""
-    import ftfy
-
     text = ftfy.fix_text(text)
     text = html.unescape(html.unescape(text)).strip()
     return re.sub(r"\s+", " ", text).strip()

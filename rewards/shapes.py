@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from scipy import ndimage
 
-from rewards.base import Judge, Preference, preference_from_scores
+from rewards.base import Judge, Preference, check_pair_counts, preference_from_scores
 from rewards.images import Images, num_images
 from rewards.shapes_grammar import (
     BACKGROUND,
@@ -363,12 +363,7 @@ class ShapesOracle(Judge):
         return scores
 
     def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
-        n = len(prompts)
-        if num_images(images_a) != n or num_images(images_b) != n:
-            raise ValueError(
-                f"compare needs one prompt per pair: got {n} prompts, "
-                f"{num_images(images_a)} images A and {num_images(images_b)} images B"
-            )
+        check_pair_counts(prompts, images_a, images_b)
         scores_a, details_a = self.score_with_details(prompts, images_a)
         scores_b, details_b = self.score_with_details(prompts, images_b)
         out = []

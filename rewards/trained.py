@@ -14,26 +14,28 @@ At load, scores are s = r / (tau * T), so P(a > b) = sigmoid(s_a - s_b) is calib
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rewards import TRAINED_MARKER
-from rewards.base import Judge, Preference
 from rewards.blip import BLIP_ITM_MAX_TOKENS, blip_text_cls
-from rewards.images import Images, num_images, to_pil
+from rewards.llava_reward import load_reward_checkpoint
 from rewards.reward_heads import MLPHead
-from rewards.weights import batched, check_batch_size, check_prompts, resolve_device
+from rewards.reward_model_judge import TrainedRewardError, TrainedRewardJudge
+from rewards.secrets import scrub
+from rewards.weights import resolve_device
 
 MARKER = TRAINED_MARKER  # the file the registry looks for in a folder
 FORMAT_VERSION = 1
 KINDS = ("clip-mlp", "blip-mlp", "mllm-skipca")
-
-
-class TrainedRewardError(ValueError):
-    """A trained reward-model folder that cannot be loaded (missing files, unknown kind)."""
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -52,8 +54,6 @@ class EmbeddingRewardModel(nn.Module):
     @classmethod
     def load_backbone(cls, folder: str, dtype: torch.dtype = torch.float32):
         """The transformers backbone (``backbone_class``) and its processor from a folder or hub id."""
-        import transformers
-
         backbone = getattr(transformers, cls.backbone_class).from_pretrained(str(folder), dtype=dtype)
         return backbone, transformers.AutoProcessor.from_pretrained(str(folder))
 
@@ -105,13 +105,9 @@ class EmbeddingRewardModel(nn.Module):
 
     def save(self, folder: str | Path) -> dict:
         """Write backbone/ (LoRA merged) and head.safetensors; returns the marker fields describing them."""
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         backbone = self.backbone
         if hasattr(backbone, "merge_and_unload"):  # a peft LoRA wrapper: save plain backbone weights
-            import copy
-
             backbone = copy.deepcopy(backbone).merge_and_unload()
         backbone.save_pretrained(folder / "backbone")
         self.processor.save_pretrained(folder / "backbone")
@@ -122,8 +118,6 @@ class EmbeddingRewardModel(nn.Module):
 
     @classmethod
     def from_folder(cls, folder: str | Path, meta: dict, dtype: torch.dtype = torch.float32) -> EmbeddingRewardModel:
-        from safetensors.torch import load_file
-
         folder = Path(folder)
         backbone_dir = folder / meta.get("backbone", "backbone")
         head_file = folder / "head.safetensors"
@@ -186,67 +180,6 @@ class BlipRewardModel(EmbeddingRewardModel):
 EMBEDDING_MODELS = {cls.kind: cls for cls in (ClipRewardModel, BlipRewardModel)}
 
 
-# ---------------------------------------------------------------------------------------- judge
-
-
-class TrainedRewardJudge(Judge):
-    """A judge over any model with ``rewards(prompts, pil_images) -> tensor[N]``.
-
-    score() = r / (tau * T) with the stored calibration temperature T (calibrated=True), or the
-    raw reward r (calibrated=False). compare() gives P(a > b) = sigmoid((r_a - r_b) / (tau * T)).
-    """
-
-    def __init__(self, model, name: str, tau: float = 1.0, temperature: float = 1.0, calibrated: bool = True,
-                 batch_size: int = 32, tie_margin: float = 0.0):
-        super().__init__(name=name, tie_margin=tie_margin)
-        if tau <= 0 or temperature <= 0:
-            raise TrainedRewardError(f"judge {name!r}: tau and temperature must be > 0, got {tau} and {temperature}")
-        self.model = model.eval()
-        self.tau, self.temperature, self.calibrated = float(tau), float(temperature), calibrated
-        self.batch_size = check_batch_size(batch_size)
-
-    @property
-    def scale(self) -> float:
-        """Divide raw rewards by this to get preference logits."""
-        return self.tau * self.temperature
-
-    @torch.no_grad()
-    def raw_rewards(self, prompts: list[str], images: Images) -> torch.Tensor:
-        prompts = check_prompts(prompts, num_images(images), self.name)
-        pil = to_pil(images)
-        out = [
-            self.model.rewards(prompts[i : i + len(chunk)], chunk).float().cpu()
-            for i, chunk in zip(range(0, len(pil), self.batch_size), batched(pil, self.batch_size))
-        ]
-        return torch.cat(out) if out else torch.empty(0)
-
-    def score(self, prompts: list[str], images: Images) -> torch.Tensor:
-        rewards = self.raw_rewards(prompts, images)
-        return rewards / self.scale if self.calibrated else rewards
-
-    def compare(self, prompts: list[str], images_a: Images, images_b: Images) -> list[Preference]:
-        n = len(prompts)
-        if num_images(images_a) != n or num_images(images_b) != n:
-            raise ValueError(
-                f"compare needs one prompt per pair: got {n} prompts, "
-                f"{num_images(images_a)} images A and {num_images(images_b)} images B"
-            )
-        reward_a, reward_b = self.raw_rewards(prompts, images_a), self.raw_rewards(prompts, images_b)
-        out = []
-        for ra, rb in zip(reward_a.tolist(), reward_b.tolist()):
-            logit = (ra - rb) / self.scale
-            raw = {"reward_a": ra, "reward_b": rb, "logit": logit}
-            if abs(logit if self.calibrated else ra - rb) <= self.tie_margin:
-                out.append(Preference(0.5, tie=True, raw=raw))
-            else:
-                out.append(Preference(float(torch.sigmoid(torch.tensor(logit))), raw=raw))
-        return out
-
-    def __repr__(self) -> str:
-        return (f"TrainedRewardJudge(name={self.name!r}, tau={self.tau}, temperature={self.temperature:.4g}, "
-                f"calibrated={self.calibrated})")
-
-
 # ----------------------------------------------------------------------------------- load by path
 
 
@@ -283,8 +216,6 @@ def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float3
                                      "valid: device, dtype, batch_size, calibrated, tie_margin, name")
         model = EMBEDDING_MODELS[meta["kind"]].from_folder(folder, meta, dtype=dtype).to(device)
     else:
-        from rewards.llava_reward import load_reward_checkpoint
-
         model = load_reward_checkpoint(folder, device=device, dtype=dtype, **options)
     calibration = meta.get("calibration") or {}
     return TrainedRewardJudge(
@@ -300,11 +231,7 @@ def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float3
 
 def write_marker(folder: str | Path, meta: dict) -> None:
     """Write reward_model.json atomically (last, so a folder with it is complete)."""
-    import os
-    import tempfile
-
     folder = Path(folder)
-    from rewards.secrets import scrub
 
     text = json.dumps(scrub({"format_version": FORMAT_VERSION, **meta}), indent=2, sort_keys=True)  # no secrets
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MARKER}.", suffix=".tmp")

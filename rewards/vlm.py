@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AutoConfig
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+from transformers.utils import is_torchvision_available
 
 from rewards.cache import CachedAnswer
 from rewards.mllm import JudgeNotReadyError, JudgeRequest, MllmJudge
@@ -52,7 +55,6 @@ def load_processor(model: str, trust_remote_code: bool = False):
     processors fall back to their PIL implementation by themselves (``backend="pil"``).
     """
     from transformers import AutoProcessor
-    from transformers.utils import is_torchvision_available
 
     try:
         return AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
@@ -67,9 +69,6 @@ def load_processor(model: str, trust_remote_code: bool = False):
 
 def _processor_with_video(model: str, trust_remote_code: bool) -> type | None:
     """The processor class transformers maps the checkpoint's config to, if that class holds a video processor."""
-    from transformers import AutoConfig
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
-
     config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     processor_class = PROCESSOR_MAPPING.get(type(config), None)
     if processor_class is None or "video_processor" not in processor_class.get_attributes():

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from huggingface_hub import hf_hub_download
 
 T = TypeVar("T")
 
@@ -51,7 +52,6 @@ def resolve_file(source: str | os.PathLike, filename: str, judge: str) -> Path:
         raise missing(judge, str(source), f"folder has no {filename!r} (it holds: {found})")
     if not _looks_like_repo_id(str(source)):
         raise missing(judge, str(source), "no such file or folder (and it is not a hub repo id)")
-    from huggingface_hub import hf_hub_download
 
     try:
         return Path(hf_hub_download(str(source), filename))

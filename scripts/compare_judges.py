@@ -74,7 +74,7 @@ class CompareConfig:
                              "output")
 
     def validate(self) -> None:
-        from align.evaluate import split_list
+        from align.judges import split_list
 
         judges = split_list(self.judges)
         if len(judges) < 2:
@@ -97,8 +97,9 @@ class CompareConfig:
 def shared_generator(config: CompareConfig):
     """generate_images(prompts, seeds) over the base model, memoised: every judge labels the same
     images (same prompts and seeds), so they are generated once for all judges."""
-    from align.evaluate import EvalConfig, sampling_settings
+    from align.evaluate import EvalConfig
     from align.feedback import make_pipeline_generator
+    from align.generation import sampling_settings
     from align.pipeline import load_pipeline
 
     settings = sampling_settings(EvalConfig(), config.model)  # no flags: the base model's own settings
@@ -136,8 +137,8 @@ def label_outcomes(path: Path) -> tuple[list[str], list, list, np.ndarray]:
 def feedback_for_all(config: CompareConfig, judges: list[str], out: Path) -> tuple[dict[str, Path], dict]:
     """Each judge labels the same base-model images (align.feedback); its accuracy is the agreement of
     its labels with the oracle's verdicts on the very pairs it labelled (the data its model learns from)."""
-    from align.evaluate import load_judge
     from align.feedback import generate_feedback
+    from align.judges import load_judge
     from align.metrics import outcomes_from_preferences, pairwise_accuracy
     from align.prompt_sets import load_prompt_set
 
@@ -258,7 +259,8 @@ def downstream_table(judges: list[str], runs: dict, accuracy: dict, results: dic
 
 def compare(config: CompareConfig) -> dict:
     from align import metrics, report
-    from align.evaluate import EvalConfig, evaluate, split_list
+    from align.evaluate import EvalConfig, evaluate
+    from align.judges import split_list
     from align.runs import atomic_write_text
 
     config.validate()
@@ -312,7 +314,7 @@ def compare(config: CompareConfig) -> dict:
 
 
 def slug_name(spec: str) -> str:
-    from align.evaluate import slug
+    from align.generation import slug
 
     return slug(spec.replace("shapes-oracle", "oracle"), 40)
 

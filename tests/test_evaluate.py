@@ -12,6 +12,8 @@ from script_loader import load_script
 from align import evaluate as ev
 from align import metrics
 from align.cli import ConfigError
+from align.generation import GenerationCache, ModelEntry, sample_seed
+from align.judges import split_list
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.report import format_value
 
@@ -106,7 +108,7 @@ def test_evaluate_two_tiny_models_report_matches_results(tmp_path, two_models, m
 
     judge = rewards.load("jpeg-compressibility")
     prompts = [p for _ in saved["seeds"] for p in saved["prompts"]]
-    cache = {m: ev.GenerationCache(out / "generations", ev.ModelEntry(m, p), saved["sampling"], str(base))
+    cache = {m: GenerationCache(out / "generations", ModelEntry(m, p), saved["sampling"], str(base))
              for m, p in (("base", str(base)), ("tuned", str(tuned)))}
     items = [(p, s) for s in saved["seeds"] for p in saved["prompts"]]
     scores = {m: judge.score(prompts, c.load(items)).numpy() for m, c in cache.items()}
@@ -153,7 +155,7 @@ def test_bad_inputs_fail_before_any_work(tmp_path, two_models):
         ev.check_inputs(ev.EvalConfig(models=f"{base},{tmp_path}/missing", judges="random", prompts="testbed"))
     with pytest.raises(ConfigError, match="two models are named"):
         ev.parse_models(f"{base},{base}")
-    assert ev.split_list("shapes-oracle[noise=0.2,seed=1],random") == ["shapes-oracle[noise=0.2,seed=1]", "random"]
+    assert split_list("shapes-oracle[noise=0.2,seed=1],random") == ["shapes-oracle[noise=0.2,seed=1]", "random"]
 
 
 @pytest.mark.parametrize("judge, message", [("gpt4o", "OPENAI_API_KEY"), ("shapes-oracle[nosie=0.2]", "has no option 'nosie'")])
@@ -170,9 +172,9 @@ def test_an_unusable_judge_stops_the_command_before_anything_is_written(tmp_path
 
 
 def test_same_prompt_and_seed_give_the_same_noise_for_every_model():
-    assert ev.sample_seed(0, "a circle") == ev.sample_seed(0, "a circle")
-    assert ev.sample_seed(0, "a circle") != ev.sample_seed(1, "a circle")
-    assert ev.sample_seed(0, "a circle") != ev.sample_seed(0, "a square")
+    assert sample_seed(0, "a circle") == sample_seed(0, "a circle")
+    assert sample_seed(0, "a circle") != sample_seed(1, "a circle")
+    assert sample_seed(0, "a circle") != sample_seed(0, "a square")
 
 
 def test_bundled_prompt_sets_cover_mjbench_categories():

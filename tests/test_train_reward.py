@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 import rewards
 from align.train_reward import RewardTrainConfig, build_model, calibrate, main, train
 from rewards.images import decode_image
-from rewards.trained import TrainedRewardJudge, write_marker
+from rewards.reward_model_judge import TrainedRewardJudge
+from rewards.trained import write_marker
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ projection). The pooled embedding is both CLIPs' projected EOS features concaten
 
 from __future__ import annotations
 
+import torch
+
 from align.testbed import models
 
 # Short prompt sequences keep the joint attention cheap on a CPU (the longest caption is 16 tokens).
@@ -116,7 +118,6 @@ def load_pipeline(folder, dtype=None):
     As for SD3 loaded without T5, diffusers wants ``text_encoder_3=None, tokenizer_3=None`` passed
     explicitly (a null entry in model_index.json alone is refused).
     """
-    import torch
     from diffusers import StableDiffusion3Pipeline
 
     return StableDiffusion3Pipeline.from_pretrained(

@@ -31,8 +31,11 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageFilter
 
+from align.runs import atomic_write_bytes
 from align.testbed.scene import (
     applicable_corruptions,
     draw_objects,
@@ -191,11 +194,6 @@ def build_rows(pairs_per_subcategory: int = 50, bias_groups: int = 24, size: int
 
 def write_benchmark(path: str | Path, pairs_per_subcategory: int = 50, bias_groups: int = 24, size: int = 32, seed: int = 0) -> Path:
     """Generate the benchmark and write it as one parquet file (atomically)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from align.runs import atomic_write_bytes
-
     rows = build_rows(pairs_per_subcategory, bias_groups, size, seed)
     schema = pa.schema([
         ("caption", pa.string()), ("image0", pa.binary()), ("image1", pa.binary()), ("label", pa.int64()),

@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from rewards import shapes_grammar as grammar
+
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
 END_OF_WORD = "</w>"
@@ -144,8 +146,6 @@ def save_tokenizer(folder: str | Path, words: Iterable[str]):
 
 def grammar_words() -> list[str]:
     """Every word the shapes grammar reads: counts, sizes, colours, shapes (and plurals), relations."""
-    from rewards import shapes_grammar as grammar
-
     words = set(CONNECTIVE_WORDS)
     words.update(grammar.COUNT_WORDS.values())
     words.update(grammar.SIZE_WORDS)

@@ -1,0 +1,123 @@
+"""Seeded generation with a cache on disk, shared by evaluation and best-of-N.
+
+Every model draws the same initial noise for the same (prompt, seed) (``sample_seed``), so differences between
+models come from the weights alone; images are cached as PNG files keyed by the model's files and the sampling
+settings, so a second run generates only what is new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from align import pipeline  # load_trained and generate_images looked up at call time: tests replace them
+from align.pipeline import base_of, resolve_model, testbed_settings
+from align.progress import progress_bar
+from align.report import png_bytes
+from align.runs import atomic_write_bytes, atomic_write_text
+from rewards.images import load_image, to_tensor
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    path: str
+
+
+def sample_seed(seed: int, prompt: str) -> int:
+    """The generation seed of (prompt, seed): the same for every model, 32 bits for any RNG."""
+    digest = hashlib.blake2b(f"{seed}\x00{prompt}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def slug(text: str, limit: int = 40) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:limit] or "x"
+
+
+def model_fingerprint(path: str) -> str:
+    """Changes when the model's files change (a re-trained run folder gets fresh images)."""
+    p = Path(resolve_model(path)).expanduser()
+    if not p.exists():
+        return path  # a hub id: its revision is fixed by the hub cache
+    parts = []
+    for f in sorted(p.rglob("*")):
+        if f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".yaml", ".txt") and "checkpoints" not in f.parts:
+            stat = f.stat()
+            parts.append(f"{f.relative_to(p)}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
+
+
+class GenerationCache:
+    """PNG files per model and settings: <root>/<model-slug>-<hash>/<prompt-hash>_s<seed>.png."""
+
+    def __init__(self, root: Path, model: ModelEntry, settings: dict, base: str | None):
+        key = json.dumps({"model": model.path, "files": model_fingerprint(model.path), "base": base, **settings}, sort_keys=True)
+        self.folder = root / f"{slug(model.name)}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+        self.meta = {"model": model.path, "name": model.name, "base": base, **settings}
+
+    def path(self, prompt: str, seed: int) -> Path:
+        return self.folder / f"{hashlib.sha1(prompt.encode()).hexdigest()[:16]}_s{seed}.png"
+
+    def missing(self, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        return [(p, s) for p, s in items if not self.path(p, s).is_file()]
+
+    def save(self, prompt: str, seed: int, image: torch.Tensor) -> None:
+        if not (self.folder / "meta.json").is_file():
+            atomic_write_text(self.folder / "meta.json", json.dumps(self.meta, indent=1))
+        atomic_write_bytes(self.path(prompt, seed), png_bytes(image))
+
+    def load(self, items: list[tuple[str, int]]) -> torch.Tensor:
+        return to_tensor([load_image(self.path(p, s)) for p, s in items])
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def sampling_settings(config, model_path: str) -> dict:
+    """Steps, guidance and resolution: flags first, then the (base) model's testbed.json, then SD's defaults."""
+    try:
+        stored = testbed_settings(base_of(model_path))
+    except (OSError, ValueError):  # a hub id, or a folder without testbed.json (ModelLoadError is a ValueError)
+        stored = {}
+    return {
+        "num_inference_steps": config.num_inference_steps or stored.get("num_inference_steps", 50),
+        "guidance_scale": config.guidance_scale if config.guidance_scale is not None else stored.get("guidance_scale", 7.5),
+        "resolution": config.resolution or stored.get("resolution"),
+    }
+
+
+def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings: dict, base: str | None, device: str, batch_size: int,
+                     log_name: str = "evaluate") -> int:
+    """Generate and cache the (prompt, seed) items not cached yet; returns how many were generated."""
+    todo = cache.missing(items)
+    if not todo:
+        return 0
+    print(f"[{log_name}] {model.name}: generating {len(todo)} images ({len(items) - len(todo)} cached)", flush=True)
+    pipe = pipeline.load_trained(model.path, device=device, base=base)
+    size = settings["resolution"]
+    for start in progress_bar(range(0, len(todo), batch_size), desc=f"generate ({model.name})", unit="batch"):
+        chunk = todo[start : start + batch_size]
+        images = pipeline.generate_images(
+            pipe,
+            [p for p, _ in chunk],
+            [sample_seed(s, p) for p, s in chunk],
+            num_inference_steps=settings["num_inference_steps"],
+            guidance_scale=settings["guidance_scale"],
+            height=size,
+            width=size,
+            batch_size=batch_size,
+        )
+        for (prompt, seed), image in zip(chunk, images):
+            cache.save(prompt, seed, image)
+    del pipe
+    return len(todo)

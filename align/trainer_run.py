@@ -1,0 +1,109 @@
+"""The skeleton pieces of a trainer's run that DPO, DDPO and reward training share: the command around
+``train(config)`` (one line and exit status 2 for a bad input, 3 for a run stopped on a bad value), the first
+checks, the run folder's start, resuming from a checkpoint, and, for the diffusion trainers, the final weights
+folder with its model card. Each trainer still reads top to bottom; these are the lines they all wrote alike."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from align import pipeline  # save_lora / save_full_unet looked up at call time: tests replace them
+from align.cli import ConfigError, die, parse_config
+from align.data import DataError
+from align.pipeline import ModelLoadError, check_model
+from align.quiet import quiet_output
+from align.runs import CHECKPOINT_STATE, RunFolder, RunFolderError, atomic_folder, atomic_write_text
+from align.training import TrainingStopped, adamw_class
+from align.validation import check_weight_files
+
+# A bad input: config, run folder, model files or data; each error's message names the input.
+BAD_INPUT_ERRORS = (ConfigError, RunFolderError, ModelLoadError, DataError)
+
+
+def run_trainer(config_class: type, train: Callable, argv: list[str] | None, description: str | None,
+                stopped: tuple[type[BaseException], ...] = (TrainingStopped,)) -> None:
+    """A trainer's ``main()``: parse the flags, run ``train(config)``, and turn a known failure into one line:
+    exit 2 for a bad input, 3 for a run that stopped (``stopped``: NaN loss, failed reward, ...)."""
+    config = parse_config(config_class, argv, description=description)
+    if hasattr(config, "quiet"):
+        quiet_output(config.quiet)
+    try:
+        train(config)
+    except BAD_INPUT_ERRORS as err:
+        die(str(err))
+    except stopped as err:
+        die(str(err), code=3)
+
+
+def save_final_weights(accelerator, unet, run_path: Path, finetune: str, write_card: Callable[[Path], None]) -> Path:
+    """``final/``: the trained LoRA (``pytorch_lora_weights.safetensors``) or full ``unet/``, and its model card,
+    written as one folder (a half-written final/ is never in place); returns its path."""
+    trained = accelerator.unwrap_model(unet)
+    with atomic_folder(run_path / "final") as final:
+        if finetune == "lora":
+            pipeline.save_lora(trained, final)
+        else:
+            pipeline.save_full_unet(trained, final)
+        write_card(final)
+    return run_path / "final"
+
+
+def write_diffusion_model_card(folder: Path, model: str, finetune: str, method: str, tags: str, trained_with: str,
+                               rows: dict[str, str]) -> None:
+    """README.md of a fine-tuned diffusion model: the hub's front matter, what it was trained with, how to load
+    the weights, and a table of the run's settings and results."""
+    weights = (
+        "`pytorch_lora_weights.safetensors` (load with `pipe.load_lora_weights(folder)`)"
+        if finetune == "lora"
+        else "a diffusers `unet/` folder"
+    )
+    table = "".join(f"| {name} | {value} |\n" for name, value in rows.items())
+    text = f"""---
+base_model: {model}
+tags: [text-to-image, diffusers, {tags}]
+---
+# {method} fine-tune of {model}
+
+{trained_with}
+Weights: {weights}.
+
+| setting | value |
+|---|---|
+{table}"""
+    atomic_write_text(folder / "README.md", text)
+
+
+def check_config_and_model(config) -> None:
+    """The first checks of a diffusion trainer: the config's own rules, the 8-bit optimiser when asked for, and the
+    model's weight files (a truncated one is named here, before anything loads)."""
+    config.validate()
+    adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
+    try:
+        check_weight_files("--model", check_model(config.model))
+    except ModelLoadError as err:
+        raise ConfigError(str(err)) from None
+
+
+def start_run(accelerator, run: RunFolder, config) -> None:
+    """The run folder made (or taken over) and its config.yaml written by the main process, then every process."""
+    if accelerator.is_main_process:
+        run.prepare()
+        run.save_config(asdict(config))
+    accelerator.wait_for_everyone()
+
+
+def resume_from_checkpoint(accelerator, run: RunFolder, label: str) -> int | None:
+    """Restore the latest checkpoint (model, optimiser, schedule and RNG states) and cut the metrics log back to
+    its step; returns that step, or None when there is no checkpoint to resume from."""
+    checkpoint = run.resume_checkpoint()
+    if checkpoint is None:
+        return None
+    accelerator.load_state(str(checkpoint))
+    step = json.loads((checkpoint / CHECKPOINT_STATE).read_text())["step"]
+    if accelerator.is_main_process:
+        run.truncate_metrics(step)
+        print(f"[{label}] resumed from {checkpoint} at step {step}", flush=True)
+    return step
