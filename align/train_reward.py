@@ -45,7 +45,6 @@ from align.reward_losses import (  # noqa: E402
 )
 from align.runs import (  # noqa: E402
     RunFolder,
-    RunFolderError,
     atomic_folder,
     atomic_write_bytes,
     atomic_write_text,
@@ -452,9 +451,10 @@ def train(config: RewardTrainConfig) -> Path:
     # 3. Resume: model, optimiser, schedule and RNG states; the data position follows from the step.
     start_step = resume_from_checkpoint(accelerator, run, "reward")
     if start_step is None:
-        if config.resume:
-            raise RunFolderError(f"--resume {config.resume!r}: no complete checkpoint in {run.path}")
         start_step = 0
+        if config.resume and main:  # 'latest' before the first checkpoint: a run stopped that early starts
+            run.truncate_metrics(0)  # again, as dpo/ddpo do (a named damaged checkpoint is refused above)
+            print("[reward] --resume latest: no checkpoint yet, starting from step 0", flush=True)
 
     order = Order(len(train_pairs), config.seed)
     unpaired_order = Order(len(unpaired), config.seed + 1) if unpaired else None
