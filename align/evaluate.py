@@ -47,7 +47,7 @@ from align.pipeline import ModelLoadError, resolve_model
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
 from align.runs import atomic_write_text
-from align.testbed.scene import render
+from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
 from align.validation import check_common_inputs, check_weight_files
 from rewards.base import is_pointwise
 from rewards.images import load_image, to_tensor
@@ -256,6 +256,9 @@ def embedding_function(name: str):
 def load_reference_images(spec: str, prompts: list[str], seeds: list[int], size: int) -> torch.Tensor:
     """'testbed': the true scene of every (prompt, seed); otherwise every image in a folder, resized."""
     if spec == "testbed":
+        if not MIN_SIZE <= size <= MAX_SIZE:
+            raise ConfigError(f"--fid_reference testbed renders scenes of {MIN_SIZE} to {MAX_SIZE} px; these images are "
+                              f"{size} px (give --resolution in that range or another --fid_reference)")
         return to_tensor([render(p, seed=sample_seed(s, p), size=size) for s in seeds for p in prompts])
     folder = Path(spec).expanduser()
     files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp")) if folder.is_dir() else []

@@ -253,3 +253,9 @@ def test_fid_and_cmmd_with_shapes_clip_features(tmp_path):
     assert metrics.cmmd(embed(scenes), embed(scenes)) == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ConfigError, match="no image embeddings"):
         ev.feature_network("jpeg-compressibility")
+
+
+def test_testbed_reference_at_a_size_it_cannot_render_is_one_line():
+    with pytest.raises(ev.ConfigError, match=r"--fid_reference testbed renders scenes of 24 to .* these images are 16 px"):
+        ev.load_reference_images("testbed", ["a red circle"], [0], 16)
+    assert ev.load_reference_images("testbed", ["a red circle"], [0], 24).shape == (1, 3, 24, 24)
