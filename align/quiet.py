@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 
 from align.progress import set_quiet
 
@@ -36,8 +37,8 @@ def _drop(logger_name: str, pattern: str) -> None:
 
 
 def _hide_weight_loading_bars() -> None:
-    """transformers' "Loading weights" and diffusers' "Loading pipeline components" bars: loading takes seconds
-    and says nothing the user acts on. Download bars (huggingface_hub) stay."""
+    """transformers' "Loading weights" / "Writing model shards" and diffusers' "Loading pipeline components" bars:
+    loading and saving take seconds and say nothing the user acts on. Download bars (huggingface_hub) stay."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
@@ -45,7 +46,7 @@ def _hide_weight_loading_bars() -> None:
     set_hook = getattr(transformers_logging, "set_tqdm_hook", None)
     if set_hook is not None:
         def hook(factory, args, kwargs):
-            if kwargs.get("desc") == "Loading weights":
+            if kwargs.get("desc") in ("Loading weights", "Writing model shards"):
                 kwargs = {**kwargs, "disable": True}
             return factory(*args, **kwargs)
 
@@ -55,5 +56,9 @@ def _hide_weight_loading_bars() -> None:
 def quiet_output(quiet: bool = False) -> None:
     """Drop the third-party messages listed above; ``quiet``: no progress bars either (``--quiet true``)."""
     _drop(*_TORCHVISION_FALLBACK)
+    # PEFT's get_peft_model reads transformers' deprecated `is_gradient_checkpointing` (peft 0.21 with
+    # transformers 5); our code never calls it, so only the one message from that one module is dropped.
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module=r"transformers\.modeling_utils")
     _hide_weight_loading_bars()
     set_quiet(quiet)

@@ -122,6 +122,7 @@ class RewardTrainConfig:
     overwrite: bool = option(False, "replace a run already in --output_dir", "output")
     seed: int = option(0, "seed of the split, pair order and initialisation", "optimisation")
     report_to: str = option("none", "tracker: tensorboard, wandb, all, or none", "output")
+    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     checkpointing_steps: int = option(200, "save a resumable checkpoint every N optimiser steps", "output")
     checkpoints_total_limit: int = option(2, "checkpoints kept (older ones are deleted)", "output")
     calibrate: bool = option(True, "fit a temperature on the held-out pairs at the end so that P(a > b) is "

@@ -84,3 +84,15 @@ def test_pipelines_load_in_the_asked_dtype_without_a_deprecation_warning():
 
     pipe = load_pipeline("testbed", dtype=torch.bfloat16)
     assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
+
+
+def test_only_peft_s_deprecated_property_read_is_silenced():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_output()  # its filter goes in front of "always"
+        for message in ("`is_gradient_checkpointing` is deprecated and will be removed in v6.", "another change"):
+            warnings.warn_explicit(message, FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils")
+        warnings.warn_explicit("`is_gradient_checkpointing` is deprecated", FutureWarning, "ours.py", 1, module="align.ours")
+    assert [str(w.message) for w in seen] == ["another change", "`is_gradient_checkpointing` is deprecated"]
