@@ -14,24 +14,11 @@ from align.api_cost import JudgeCalls, guard_api_cost
 from align.cli import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_judge_servers import FakeJudgeServer  # noqa: E402
-from test_api_trainers import SECRET, ddpo_command, fine_brightness_judge, gpt4o  # noqa: E402
+import test_api_trainers  # noqa: E402
+from test_api_trainers import ddpo_command, gpt4o  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    path.write_text("a red circle\na blue square\n")
-    return str(path)
-
-
-@pytest.fixture
-def server(monkeypatch):
-    for var in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
-    with FakeJudgeServer("openai", answer=fine_brightness_judge, api_key=SECRET) as fake:
-        yield fake
+# the fake OpenAI server and the prompt file of the API-trainer tests, shared
+prompt_file, server = test_api_trainers.prompt_file, test_api_trainers.server
 
 
 def test_the_estimate_is_calls_times_tokens_times_the_price(server):
