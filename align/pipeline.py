@@ -10,16 +10,14 @@ from pathlib import Path
 import torch
 import yaml
 
+from align.families import UnknownFamilyError, family_of, family_of_pipeline
+from align.families.base import LORA_WEIGHTS, ModelLoadError, dtype_argument, one_line
+from align.families.sd import StableDiffusion
 from align.progress import progress_bar
 from align.runs import CONFIG_FILE
 from align.testbed.weights import TESTBED_SETTINGS_FILE, MissingTestbedWeightsError, testbed_pipeline_dir
 
-LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
-
-
-class ModelLoadError(ValueError):
-    pass
 
 
 def resolve_model(model: str) -> str:
@@ -49,29 +47,15 @@ def check_model(model: str) -> str:
     return resolved
 
 
-def dtype_argument(dtype: torch.dtype) -> dict:
-    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers has it (``torch_dtype=`` is deprecated
-    there and warns), ``torch_dtype=`` on the older releases that know only that name."""
-    from diffusers.utils import deprecation_utils
-
-    return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
-
-
 def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """A StableDiffusionPipeline with a DDIM scheduler, safety checker off, on ``device``."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
-
+    """The model family's pipeline (``align.families``: SD 1.x/2.x with a DDIM scheduler, ...), safety
+    checker off, progress bars off, on ``device``."""
     resolved = check_model(model)
     try:
-        pipe = StableDiffusionPipeline.from_pretrained(
-            resolved, **dtype_argument(dtype), safety_checker=None, requires_safety_checker=False
-        )
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        reason = " ".join(str(err).split())  # one line: a truncated or corrupt weights file names itself here
-        raise ModelLoadError(f"cannot load a Stable Diffusion pipeline from {model!r}: {reason}") from err
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+        family = family_of(resolved)
+    except (UnknownFamilyError, OSError, ValueError) as err:
+        raise ModelLoadError(f"--model {model!r}: {one_line(err)}") from None
+    return family.load_pipeline(resolved, dtype, device)
 
 
 def testbed_settings(model: str) -> dict:
@@ -191,23 +175,10 @@ def frozen_copy(unet):
     return reference
 
 
-def lora_state_dict(unet) -> dict[str, torch.Tensor]:
-    """LoRA weights in diffusers' key format (what pipe.load_lora_weights expects)."""
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft.utils import get_peft_model_state_dict
-
-    return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
-
-
-def save_lora(unet, folder: str | Path) -> Path:
-    """Write ``folder/pytorch_lora_weights.safetensors`` loadable by ``pipe.load_lora_weights(folder)``."""
-    from diffusers import StableDiffusionPipeline
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict(unet).items()}
-    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=state, safe_serialization=True)
-    return folder / LORA_WEIGHTS
+def save_lora(unet, folder: str | Path, family=None) -> Path:
+    """Write ``folder/pytorch_lora_weights.safetensors`` loadable by ``pipe.load_lora_weights(folder)`` of the
+    denoiser's family (SD 1.x/2.x unless ``family`` says otherwise)."""
+    return (family or StableDiffusion()).save_lora(unet, folder)
 
 
 def save_full_unet(unet, folder: str | Path) -> Path:
@@ -246,12 +217,10 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
         if not base:
             raise ModelLoadError(f"{path}: a LoRA folder needs the base model (base=...)")
         pipe = load_pipeline(base, dtype=dtype, device=device)
-        # Our LoRA files hold UNet weights only: loaded into the UNet alone (pipe.load_lora_weights gives the
-        # same images and warns that the text encoder has no LoRA keys).
         try:
-            pipe.unet.load_lora_adapter(str(p), prefix="unet", weight_name=LORA_WEIGHTS)
+            family_of_pipeline(pipe).load_lora(pipe, p)
         except Exception as err:  # safetensors' own error type for a truncated file is not an OSError
-            raise ModelLoadError(f"cannot load the LoRA weights {p / LORA_WEIGHTS}: {' '.join(str(err).split())}") from None
+            raise ModelLoadError(f"cannot load the LoRA weights {p / LORA_WEIGHTS}: {one_line(err)}") from None
         return pipe
     if p.is_dir() and (p / "unet" / "config.json").is_file() and not (p / "model_index.json").is_file():
         if not base:
@@ -265,33 +234,20 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
     return load_pipeline(path, dtype=dtype, device=device)
 
 
-@torch.no_grad()
 def encode_prompts(pipe, prompts: list[str]) -> torch.Tensor:
-    """CLIP text-encoder hidden states [N, 77, D] for the prompts (SD's conditioning)."""
-    tokens = pipe.tokenizer(
-        list(prompts),
-        padding="max_length",
-        max_length=pipe.tokenizer.model_max_length,
-        truncation=True,
-        return_tensors="pt",
-    ).input_ids.to(pipe.text_encoder.device)
-    return pipe.text_encoder(tokens)[0]
+    """Text-encoder hidden states [N, L, D] of the prompts (SD 1.x/2.x's whole conditioning; other
+    families have more: ask ``align.families`` for it)."""
+    return family_of_pipeline(pipe).encode_prompts(pipe, prompts)["prompt_embeds"]
 
 
-@torch.no_grad()
 def encode_images(pipe, pixels: torch.Tensor) -> torch.Tensor:
-    """VAE latents (mean of the posterior, scaled) of pixels in [-1, 1]."""
-    vae = pipe.vae
-    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
-    return latents * vae.config.scaling_factor
+    """Denoiser-space VAE latents (posterior mean, scaled) of pixels in [-1, 1]."""
+    return family_of_pipeline(pipe).encode_images(pipe, pixels)
 
 
-@torch.no_grad()
 def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1] from scaled VAE latents."""
-    vae = pipe.vae
-    images = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
-    return (images.float() / 2 + 0.5).clamp(0, 1)
+    """Images [N, 3, H, W] in [0, 1] from denoiser-space latents."""
+    return family_of_pipeline(pipe).decode_latents(pipe, latents)
 
 
 @torch.no_grad()

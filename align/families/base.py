@@ -1,0 +1,155 @@
+"""What differs between diffusion model families, behind one small interface.
+
+A family (SD 1.x/2.x, SDXL, SD3/SD3.5, FLUX) says how prompts become conditioning, how the denoiser
+is called, what the training target is, how latents map to pixels and which modules LoRA adapts.
+Trainers, evaluation, best-of-N and the latent precompute ask the family and never the pipeline
+class. Adding a family is one new file in this package and one line in ``align/families/__init__.py``.
+
+Conventions every family keeps:
+
+- **Conditioning** is a dict of batch-first tensors (``prompt_embeds`` always; ``pooled_embeds``,
+  ``time_ids``, ... where the family has them), so batches of it are concatenated, indexed and
+  repeated with the helpers below without knowing the family.
+- **Latents** are ``[B, C, H, W]`` and already scaled (and shifted) for the denoiser; a family that
+  packs latents into tokens (FLUX) does so inside ``predict``.
+- **Timesteps** are the values the family's scheduler lists in ``scheduler.timesteps``: integer
+  DDPM steps for UNet families, ``σ · 1000`` for flow-matching families.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+Conditioning = dict[str, torch.Tensor]
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file name every pipeline's load_lora_weights looks for
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def dtype_argument(dtype: torch.dtype) -> dict:
+    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers has it (``torch_dtype=`` is deprecated
+    there and warns), ``torch_dtype=`` on the older releases that know only that name."""
+    from diffusers.utils import deprecation_utils
+
+    return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def cat_conditioning(parts: list[Conditioning]) -> Conditioning:
+    """The batches of ``parts`` one after the other."""
+    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+
+def select_conditioning(cond: Conditioning, index) -> Conditioning:
+    """Rows ``index`` (an int tensor, a slice or a list) of every tensor."""
+    return {key: value[index] for key, value in cond.items()}
+
+
+def repeat_conditioning(cond: Conditioning, times: int) -> Conditioning:
+    """Each row repeated ``times`` times in place (row-major, as ``repeat_interleave``)."""
+    return {key: value.repeat_interleave(times, dim=0) for key, value in cond.items()}
+
+
+def expand_conditioning(cond: Conditioning, batch: int) -> Conditioning:
+    """A one-row conditioning (the empty prompt's) broadcast to ``batch`` rows."""
+    return {key: value.expand(batch, *value.shape[1:]) for key, value in cond.items()}
+
+
+def conditioning_to(cond: Conditioning, device=None, dtype=None) -> Conditioning:
+    """Every tensor moved; ``dtype`` applies to floating tensors only."""
+    return {key: value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
+            for key, value in cond.items()}
+
+
+class ModelFamily:
+    """One model family. Subclasses set the attributes and implement the methods."""
+
+    name: str = ""
+    pipeline_class_names: tuple[str, ...] = ()  # model_index.json ``_class_name`` values handled
+    denoiser_name: str = "unet"  # the pipeline attribute that is trained
+    is_flow: bool = False  # flow matching (velocity, σ schedule) rather than DDPM/DDIM
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+
+    # --- loading and saving -------------------------------------------------------------------
+    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+        """The family's diffusers pipeline from a local folder or hub id, progress bars off, on ``device``
+        (UNet families with a DDIM scheduler, as the trainers sample with DDIM)."""
+        raise NotImplementedError
+
+    def denoiser(self, pipe) -> torch.nn.Module:
+        return getattr(pipe, self.denoiser_name)
+
+    def frozen_modules(self, pipe) -> list[torch.nn.Module]:
+        """Everything but the denoiser that holds weights (text encoders, VAE)."""
+        raise NotImplementedError
+
+    def save_lora(self, denoiser, folder: str | Path) -> Path:
+        """Write the denoiser's LoRA as ``folder/pytorch_lora_weights.safetensors`` in the format this
+        family's pipeline ``load_lora_weights`` reads; returns the file."""
+        raise NotImplementedError
+
+    def load_lora(self, pipe, folder: str | Path) -> None:
+        """Load a LoRA written by ``save_lora`` into the pipeline's denoiser."""
+        raise NotImplementedError
+
+    # --- conditioning and latents -------------------------------------------------------------
+    def encode_prompts(self, pipe, prompts: list[str], resolution: int) -> Conditioning:
+        """Conditioning of each prompt (no classifier-free guidance pairing: call it with ``[""]`` for
+        the unconditional side). ``resolution`` feeds size conditioning where the family has it."""
+        raise NotImplementedError
+
+    def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
+        """Denoiser-space latents (posterior mean, scaled/shifted) of pixels in [-1, 1]."""
+        raise NotImplementedError
+
+    def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        """Images [N, 3, H, W] in [0, 1] from denoiser-space latents."""
+        raise NotImplementedError
+
+    def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
+        """(C, H, W) of the latents of a square image of side ``resolution``."""
+        raise NotImplementedError
+
+    # --- the denoiser and its training target -------------------------------------------------
+    def uses_guidance_embedding(self, denoiser) -> bool:
+        """True where the denoiser takes the guidance scale as an input (FLUX.1-dev) instead of
+        classifier-free guidance's two calls."""
+        return False
+
+    def predict(self, denoiser, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The denoiser's output for ``latents`` [B, C, H, W] at ``timesteps`` [B], shaped like ``latents``."""
+        raise NotImplementedError
+
+    def draw_training_timesteps(self, scheduler, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """Training timesteps [batch] drawn as the family's own training scripts draw them."""
+        raise NotImplementedError
+
+    def noisy_and_target(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor):
+        """(noisy latents, regression target of ``predict``) at ``timesteps``."""
+        raise NotImplementedError
+
+
+def guided_prediction(family: ModelFamily, denoiser, latents: torch.Tensor, timesteps: torch.Tensor,
+                      cond: Conditioning, uncond: Conditioning, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance in one denoiser call (uncond half first), in float32.
+
+    Float32 whatever the denoiser's output dtype: accelerate's prepared model returns float32 under
+    fp16/bf16 and a bare one does not, and sampled and re-scored log-probabilities must agree bit for bit.
+    """
+    if family.uses_guidance_embedding(denoiser):
+        guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device)
+        return family.predict(denoiser, latents, timesteps, {**cond, "guidance": guidance}).float()
+    if guidance_scale == 1.0:
+        return family.predict(denoiser, latents, timesteps, cond).float()
+    out = family.predict(
+        denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), cat_conditioning([uncond, cond])
+    )
+    uncond_out, cond_out = out.float().chunk(2)
+    return uncond_out + guidance_scale * (cond_out - uncond_out)
