@@ -17,6 +17,7 @@ from align.progress import progress_bar
 from align.runs import CONFIG_FILE
 from align.testbed.weights import TESTBED_SETTINGS_FILE, MissingTestbedWeightsError, testbed_pipeline_dir
 
+DENOISER_FOLDERS = ("unet", "transformer")  # a fully fine-tuned denoiser's folder, by family
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
@@ -181,9 +182,10 @@ def save_lora(unet, folder: str | Path, family=None) -> Path:
     return (family or StableDiffusion()).save_lora(unet, folder)
 
 
-def save_full_unet(unet, folder: str | Path) -> Path:
-    """Write a diffusers ``folder/unet/`` (safetensors) for a fully fine-tuned UNet."""
-    target = Path(folder) / "unet"
+def save_full_unet(unet, folder: str | Path, family=None) -> Path:
+    """Write a diffusers ``folder/unet/`` (or ``transformer/``, the family's denoiser folder; safetensors)
+    for a fully fine-tuned denoiser."""
+    target = Path(folder) / (family or StableDiffusion()).denoiser_name
     unet.save_pretrained(target, safe_serialization=True)
     return target
 
@@ -207,8 +209,6 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
 
     A run folder's config.yaml names its base model; ``base`` overrides it (needed for bare LoRA folders).
     """
-    from diffusers import UNet2DConditionModel
-
     p = Path(path).expanduser()
     if p.is_dir() and (p / CONFIG_FILE).is_file() and (p / "final").is_dir():  # a run folder
         base = base or run_base_model(path)
@@ -222,14 +222,19 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
         except Exception as err:  # safetensors' own error type for a truncated file is not an OSError
             raise ModelLoadError(f"cannot load the LoRA weights {p / LORA_WEIGHTS}: {one_line(err)}") from None
         return pipe
-    if p.is_dir() and (p / "unet" / "config.json").is_file() and not (p / "model_index.json").is_file():
+    denoiser_folder = next((p / name for name in DENOISER_FOLDERS if (p / name / "config.json").is_file()), None)
+    if p.is_dir() and denoiser_folder is not None and not (p / "model_index.json").is_file():
         if not base:
-            raise ModelLoadError(f"{path}: a UNet folder needs the base model (base=...)")
+            raise ModelLoadError(f"{path}: a {denoiser_folder.name} folder needs the base model (base=...)")
         pipe = load_pipeline(base, dtype=dtype, device=device)
+        family = family_of_pipeline(pipe)
+        if denoiser_folder.name != family.denoiser_name:
+            raise ModelLoadError(f"{denoiser_folder} does not fit {base!r}, whose denoiser is its {family.denoiser_name}/")
+        denoiser_class = type(family.denoiser(pipe))
         try:
-            pipe.unet = UNet2DConditionModel.from_pretrained(p / "unet", **dtype_argument(dtype)).to(device)
+            setattr(pipe, family.denoiser_name, denoiser_class.from_pretrained(denoiser_folder, **dtype_argument(dtype)).to(device))
         except Exception as err:
-            raise ModelLoadError(f"cannot load the UNet in {p / 'unet'}: {' '.join(str(err).split())}") from None
+            raise ModelLoadError(f"cannot load the {denoiser_folder.name} in {denoiser_folder}: {one_line(err)}") from None
         return pipe
     return load_pipeline(path, dtype=dtype, device=device)
 

@@ -38,15 +38,17 @@ def run_trainer(config_class: type, train: Callable, argv: list[str] | None, des
         die(str(err), code=3)
 
 
-def save_final_weights(accelerator, unet, run_path: Path, finetune: str, write_card: Callable[[Path], None]) -> Path:
-    """``final/``: the trained LoRA (``pytorch_lora_weights.safetensors``) or full ``unet/``, and its model card,
-    written as one folder (a half-written final/ is never in place); returns its path."""
+def save_final_weights(accelerator, unet, run_path: Path, finetune: str, write_card: Callable[[Path], None],
+                       family=None) -> Path:
+    """``final/``: the trained LoRA (``pytorch_lora_weights.safetensors``) or full ``unet/`` (``transformer/``),
+    and its model card, written as one folder (a half-written final/ is never in place); returns its path.
+    ``family``: the model family (``align.families``), SD 1.x/2.x when not given."""
     trained = accelerator.unwrap_model(unet)
     with atomic_folder(run_path / "final") as final:
         if finetune == "lora":
-            pipeline.save_lora(trained, final)
+            pipeline.save_lora(trained, final, family)
         else:
-            pipeline.save_full_unet(trained, final)
+            pipeline.save_full_unet(trained, final, family)
         write_card(final)
     return run_path / "final"
 

@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 from align.families.base import ModelFamily
+from align.families.flux import Flux
 from align.families.sd import StableDiffusion
+from align.families.sd3 import StableDiffusion3
+from align.families.sdxl import StableDiffusionXL
 
 # One instance per family; a new family adds its class here.
-FAMILIES: tuple[ModelFamily, ...] = (StableDiffusion(),)
+FAMILIES: tuple[ModelFamily, ...] = (StableDiffusion(), StableDiffusionXL(), StableDiffusion3(), Flux())
 
 
 class UnknownFamilyError(ValueError):
