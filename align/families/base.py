@@ -127,6 +127,16 @@ class ModelFamily:
         """The denoiser's output for ``latents`` [B, C, H, W] at ``timesteps`` [B], shaped like ``latents``."""
         raise NotImplementedError
 
+    def flow_sigmas(self, pipe, num_inference_steps: int, resolution: int) -> torch.Tensor:
+        """Flow families: the σ schedule (N + 1 values from ~1 down to 0) the family's pipeline samples with
+        at this resolution (shift, FLUX's resolution-dependent shift included)."""
+        raise NotImplementedError(f"{self.name} is not a flow-matching family")
+
+    def generation_kwargs(self, pipe) -> dict:
+        """Extra keyword arguments for ``pipe(...)`` so that it generates as this toolkit encodes prompts
+        (e.g. a flow testbed's short ``max_sequence_length``)."""
+        return {}
+
     def draw_training_timesteps(self, scheduler, batch: int, generator: torch.Generator) -> torch.Tensor:
         """Training timesteps [batch] drawn as the family's own training scripts draw them."""
         raise NotImplementedError
