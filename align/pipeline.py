@@ -271,6 +271,7 @@ def generate_images(
     ``progress``: the label of a progress bar over the batches (none without it)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    extra = family_of_pipeline(pipe).generation_kwargs(pipe)
     out = []
     for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
@@ -283,6 +284,7 @@ def generate_images(
             height=height,
             width=width,
             output_type="pt",
+            **extra,
         )
         out.append(result.images.float().cpu())
     return torch.cat(out) if out else torch.empty(0, 3, 1, 1)
