@@ -21,6 +21,7 @@ The algorithm box, per epoch:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -44,6 +45,7 @@ from align.cli import ConfigError  # noqa: E402
 from align.compiled_sampling import CompileError  # noqa: E402
 from align.data import DataError
 from align.ddpo_config import DDPOConfig  # noqa: E402
+from align.ddpo_order import gathered_slots, global_batch, in_global_order, stratified_order
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
 from align.health import images_finite
 from align.judges import check_judge_names, load_judge  # noqa: E402
@@ -169,7 +171,8 @@ def sampling_merges_lora(config: DDPOConfig) -> bool:
     return config.mixed_precision == "no" or config.lora_merged_forward
 
 
-def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
+def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape,
+                    num_processes=1):
     """Sample num_batches batches; rewards are computed in the background as each batch finishes.
 
     ``sampler`` is pipe.unet or a compiled wrapper of it.
@@ -180,7 +183,8 @@ def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, proce
     merge = merged_adapter(pipe.unet) if sampling_merges_lora(config) else contextlib.nullcontext()
     with merge:
         for b in range(num_batches):
-            gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
+            # keyed by the global batch: N processes draw what one process with N times the batches draws
+            gen = epoch_generator(config.seed, epoch, SAMPLE, global_batch(b, process, num_processes), 0)
             batch_prompts = draw_prompts(prompts, config, gen)
             embeds = encode_prompts(pipe, batch_prompts)
             negative = negative_embed.expand(len(batch_prompts), -1, -1)
@@ -371,7 +375,8 @@ def train(config: DDPOConfig) -> Path:
             unet.eval()
             with accelerator.autocast():
                 batches, futures = collect_samples(
-                    pipe, sampling_unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape
+                    pipe, sampling_unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape,
+                    accelerator.num_processes,
                 )
             local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
             stop_on_nonfinite_images(accelerator, batches, epoch, last_good)
@@ -386,7 +391,8 @@ def train(config: DDPOConfig) -> Path:
             local_prompts = [p for b in batches for p in b.prompts]
             all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu().double().numpy()
             all_prompts = gather_object(local_prompts)
-            advantages = compute_advantages(config.advantage, all_prompts, all_rewards, tracker)
+            advantages = in_global_order(lambda p, r: compute_advantages(config.advantage, p, r, tracker), all_prompts, all_rewards,
+                                         gathered_slots(accelerator.num_processes, num_batches, config.sample_batch_size))
             advantages = torch.as_tensor(advantages, dtype=torch.float32).reshape(accelerator.num_processes, -1)[process]
 
             # 4. PPO on the stored trajectories.
@@ -400,10 +406,14 @@ def train(config: DDPOConfig) -> Path:
             }
             stats: dict[str, list[float]] = {}
             with lora_as_merged_weight(unet) if merged_lora else contextlib.nullcontext():
-                gen = epoch_generator(config.seed, epoch, TRAIN, 0, process)
+                gens = [epoch_generator(config.seed, epoch, TRAIN, global_batch(b, process, accelerator.num_processes), 0)
+                        for b in range(num_batches)]  # one per sampling batch, keyed by the global batch (ddpo_order.py)
+                schedule = stratified_order(gens, config.sample_batch_size, functools.partial(
+                    train_timestep_indices, config.sample_batch_size, samples["timesteps"].shape[1],
+                    config.num_train_timesteps, config.timestep_selection))
                 global_step += train_inner_epoch(
                     config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
-                    samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler,
+                    samples, negative_embed, gens[0], stats, disabled_adapter, lr_scheduler, schedule,
                 )
 
             # 5. Log, save samples, checkpoint.
@@ -488,11 +498,16 @@ def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen
 
 
 def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
-                      samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler=None) -> int:
-    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
+                      samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler=None, schedule=None) -> int:
+    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken.
+
+    schedule: (sample order, each sample's trained steps), as the trainer draws them (ddpo_order.py); else drawn from gen."""
     n, steps_total = samples["timesteps"].shape
-    order = torch.randperm(n, generator=gen)
-    time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
+    if schedule is not None:
+        order, time_order = schedule
+    else:
+        order = torch.randperm(n, generator=gen)
+        time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
     per_update = config.train_batch_size * config.gradient_accumulation_steps
     updates = 0
     for u0 in range(0, n, per_update):
