@@ -25,6 +25,7 @@ import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,6 +72,86 @@ TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_blo
 TINY_TEXT = dict(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                  max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=16, bos_token_id=98, eos_token_id=99,
                  pad_token_id=99)
+
+# SDXL base 1.0 (stabilityai/stable-diffusion-xl-base-1.0/unet/config.json): text 77 x (768 + 1280) from its two CLIP
+# encoders, micro-conditioning text_embeds (pooled, 1280) + time_ids (6 x 256 -> 2816 - 1280).
+SDXL_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2, 10),
+    attention_head_dim=(5, 10, 20), cross_attention_dim=2048, use_linear_projection=True, addition_embed_type="text_time",
+    addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816, norm_num_groups=32,
+)
+# SD3.5 Medium / Large (stabilityai/stable-diffusion-3.5-{medium,large}/transformer/config.json): MMDiT on 16-channel
+# latents in 2x2 patches; text = CLIP-L + CLIP-G (77 tokens, 2048 zero-padded to 4096) then T5 (256 tokens).
+SD35M_TRANSFORMER = dict(
+    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+    pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=tuple(range(13)),
+)
+SD35L_TRANSFORMER = dict(
+    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64,
+    num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048,
+    pos_embed_max_size=192, qk_norm="rms_norm",
+)
+SD3_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
+    sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+)
+# FLUX.1-dev (black-forest-labs/FLUX.1-dev/transformer/config.json): 16-channel latents packed 2x2 into 64-channel
+# tokens, T5 512 tokens, CLIP-L pooled 768, a guidance embedding. Only counted here (--count_forward), not trained.
+FLUX_DEV_TRANSFORMER = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+)
+TINY_SDXL_UNET = dict(
+    sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 2), attention_head_dim=(2, 4), cross_attention_dim=32, use_linear_projection=True,
+    addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=64, norm_num_groups=8,
+)
+TINY_SD3_TRANSFORMER = dict(
+    sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+    joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=32, qk_norm="rms_norm",
+    dual_attention_layers=(0,),
+)
+TINY_SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, layers_per_block=1, block_out_channels=(8, 16),
+                    down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                    norm_num_groups=8, sample_size=32, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+                    use_post_quant_conv=False)
+TINY_FLUX_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+                             axes_dims_rope=(2, 2, 4))
+
+# LoRA targets: the attention projections (diffusers' train_dreambooth_lora_sdxl/sd3.py defaults); for SD3 the joint
+# attention's context projections too (Flow-GRPO's 8 projections).
+UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                    "attn.add_v_proj", "attn.to_add_out")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A denoiser architecture: its config (full and tiny), its text tokens and native resolution."""
+
+    name: str
+    kind: str  # "unet" (epsilon prediction, DDPM noise) | "sd3" | "flux" (flow matching: velocity, x = (1-s) x0 + s eps)
+    config: dict
+    tiny_config: dict
+    text_tokens: int
+    tiny_text_tokens: int
+    resolution: int  # pixels at full size (tiny: sample_size x 8 / 4 of the latents below)
+    lora_targets: tuple = UNET_LORA_TARGETS
+
+
+ARCHS = {
+    "sd15": Arch("sd15", "unet", SD15_UNET, TINY_UNET, 77, 77, 512),
+    "sdxl": Arch("sdxl", "unet", SDXL_UNET, TINY_SDXL_UNET, 77, 77, 1024),
+    "sd35m": Arch("sd35m", "sd3", SD35M_TRANSFORMER, TINY_SD3_TRANSFORMER, 77 + 256, 12, 1024, SD3_LORA_TARGETS),
+    "sd35l": Arch("sd35l", "sd3", SD35L_TRANSFORMER, TINY_SD3_TRANSFORMER, 77 + 256, 12, 1024, SD3_LORA_TARGETS),
+    "flux-dev": Arch("flux-dev", "flux", FLUX_DEV_TRANSFORMER, TINY_FLUX_TRANSFORMER, 512, 12, 1024),
+}
 
 
 def peak_tflops(device: torch.device, flag: float | None) -> tuple[float | None, str]:
@@ -148,18 +229,210 @@ def unet_forward_flops(models: Models, batch: int) -> int:
         return count_flops(lambda: unet(latents, torch.full((batch,), 500, device=models.device), text))
 
 
-def sd15_forward_gflop_on_meta(resolution: int = 512) -> float:
-    """Counted GFLOP of one SD v1.5 UNet forward on one image, on the meta device: no weights, no compute, any
-    machine (the figure the one-GPU recipes' time estimates start from)."""
-    from diffusers import UNet2DConditionModel
+TINY_LATENT = 8  # latent side of the tiny SDXL / SD3 / FLUX benchmarks (a few seconds on a CPU)
 
-    with torch.device("meta"):
-        unet = UNet2DConditionModel(**SD15_UNET)
-    size = resolution // 8
-    latents = torch.zeros((1, 4, size, size), device="meta")
-    text = torch.zeros((1, 77, SD15_UNET["cross_attention_dim"]), device="meta")
+
+def latent_side(arch: Arch, tiny: bool, resolution: int | None) -> int:
+    return TINY_LATENT if tiny else (resolution or arch.resolution) // 8
+
+
+def build_denoiser(arch: Arch, tiny: bool, device):
+    """The architecture's denoiser with random weights, initialised on ``device`` (fast on a GPU; "meta": no memory)."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+
+    model_class = {"unet": UNet2DConditionModel, "sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}[arch.kind]
+    with torch.device(device):
+        model = model_class(**(arch.tiny_config if tiny else arch.config))
+    if arch.kind == "unet":
+        from align.training import keep_default_attention
+
+        keep_default_attention(model)  # SDPA, as the trainers run it
+    return model
+
+
+def random_conditioning(arch: Arch, model, batch: int, side: int, tiny: bool, device, gen: torch.Generator | None = None) -> dict:
+    """Text conditioning of the right shapes (random values: the text encoders run once per prompt, not per step)."""
+    config = model.config
+    tokens = arch.tiny_text_tokens if tiny else arch.text_tokens
+
+    def draw(*shape):
+        return torch.randn(shape, generator=gen).to(device) if device != "meta" else torch.zeros(shape, device="meta")
+
+    if arch.kind == "unet":
+        cond = {"encoder_hidden_states": draw(batch, tokens, config.cross_attention_dim)}
+        if config.addition_embed_type == "text_time":  # SDXL: pooled text + (original size, crop, target size)
+            pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+            pixels = side * 8
+            time_ids = torch.tensor([pixels, pixels, 0, 0, pixels, pixels], dtype=torch.float32, device=device)
+            cond["added_cond_kwargs"] = {"text_embeds": draw(batch, pooled), "time_ids": time_ids.expand(batch, 6)}
+        return cond
+    cond = {"encoder_hidden_states": draw(batch, tokens, config.joint_attention_dim),
+            "pooled_projections": draw(batch, config.pooled_projection_dim)}
+    if arch.kind == "flux":
+        half = side // 2
+        rows, cols = torch.meshgrid(torch.arange(half), torch.arange(half), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+        cond.update(txt_ids=torch.zeros(tokens, 3, device=device), img_ids=img_ids.to(device),
+                    guidance=torch.full((batch,), 3.5, device=device))
+    return cond
+
+
+def predict(arch: Arch, model, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict) -> torch.Tensor:
+    """The denoiser's output on [B, C, H, W] latents: noise (UNet) or velocity (SD3, FLUX; FLUX packs 2x2 patches)."""
+    if arch.kind == "unet":
+        return model(latents, timesteps, **cond).sample
+    if arch.kind == "sd3":
+        return model(hidden_states=latents, timestep=timesteps, **cond).sample
+    b, c, h, w = latents.shape  # FLUX: 2x2 patches as 4c-channel tokens (pipeline_flux._pack_latents), timestep = sigma
+    packed = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
+    out = model(hidden_states=packed, timestep=timesteps / 1000, **cond).sample
+    return out.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+def forward_gflop_on_meta(arch_name: str, resolution: int | None = None) -> float:
+    """Counted GFLOP of one denoiser forward on one image at ``resolution`` (default: the model's native size), on
+    the meta device: no weights, no compute, any machine (what the one-GPU recipes' time estimates start from)."""
+    arch = ARCHS[arch_name]
+    model = build_denoiser(arch, False, "meta")
+    side = latent_side(arch, False, resolution)
+    channels = model.config.in_channels if arch.kind != "flux" else model.config.in_channels // 4
+    latents = torch.zeros((1, channels, side, side), device="meta")
+    cond = random_conditioning(arch, model, 1, side, False, "meta")
     with torch.no_grad():
-        return count_flops(lambda: unet(latents, torch.full((1,), 500, device="meta"), text)) / 1e9
+        return count_flops(lambda: predict(arch, model, latents, torch.full((1,), 500.0, device="meta"), cond)) / 1e9
+
+
+def sd15_forward_gflop_on_meta(resolution: int = 512) -> float:
+    return forward_gflop_on_meta("sd15", resolution)
+
+
+def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpointing: bool, lora_rank: int,
+                     resolution: int | None):
+    """One Diffusion-DPO LoRA step on ``pairs`` cached-latent pairs of an SDXL / SD3-architecture denoiser: the policy's
+    error on winner and loser at the same noise and time, the reference's (adapter off) under the same autocast, and
+    align.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
+    from diffusers import DDIMScheduler
+
+    from align.losses import diffusion_dpo_loss, per_sample_mse
+    from align.pipeline import add_lora, disabled_adapter
+
+    device = accelerator.device
+    model = build_denoiser(arch, tiny, device)
+    add_lora(model, rank=lora_rank, target_modules=arch.lora_targets)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    train_model, optimizer = accelerator.prepare(model, optimizer)
+    gen = torch.Generator().manual_seed(1)
+    side = latent_side(arch, tiny, resolution)
+    x0 = torch.randn((2 * pairs, model.config.in_channels, side, side), generator=gen).to(device)  # winners, losers
+    cond = random_conditioning(arch, model, pairs, side, tiny, device, gen)
+    cond = {k: ({kk: vv.repeat(2, 1) for kk, vv in v.items()} if isinstance(v, dict) else v.repeat(2, *([1] * (v.ndim - 1))))
+            for k, v in cond.items()}
+    ddpm = DDIMScheduler(**SD15_SCHEDULER)
+
+    def step():
+        noise = torch.randn(x0[:pairs].shape, generator=gen).to(device).repeat(2, 1, 1, 1)
+        if arch.kind == "unet":
+            t = torch.randint(0, 1000, (pairs,), generator=gen).to(device).repeat(2)
+            noisy, target = ddpm.add_noise(x0, noise, t), noise
+        else:  # SD3's logit-normal sigma density, x = (1 - s) x0 + s eps, velocity target eps - x0
+            sigma = torch.sigmoid(torch.randn(pairs, generator=gen)).to(device).repeat(2)
+            t = sigma * 1000
+            s4 = sigma.view(-1, 1, 1, 1)
+            noisy, target = (1 - s4) * x0 + s4 * noise, noise - x0
+        model_err = per_sample_mse(predict(arch, train_model, noisy, t, cond), target)
+        with torch.no_grad(), accelerator.autocast(), disabled_adapter(accelerator.unwrap_model(train_model)) as ref:
+            ref_err = per_sample_mse(predict(arch, ref, noisy, t, cond), target)
+        loss, _ = diffusion_dpo_loss(*model_err.chunk(2), *ref_err.chunk(2), beta=5000.0 if arch.kind == "unet" else 100.0)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, train_model, optimizer
+
+
+def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_steps: int, checkpointing: bool,
+                   lora_rank: int, resolution: int | None):
+    """One Flow-GRPO step as the authors' SD3 recipe: sample ``samples`` images with the SDE sampler
+    (align.flow_sampling, noise level 0.7, CFG 4.5, shift 3), decode them, then train every SDE step but the last
+    (timestep_fraction 0.99): the policy's step log-probability (CFG, unconditional branch without gradient), the
+    clipped ratio (align.losses.ddpo_clipped_loss) and the KL to the adapter-off reference (beta 0.04)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+    from align.flow_sampling import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
+    from align.losses import ddpo_clipped_loss
+    from align.pipeline import add_lora, disabled_adapter
+
+    device = accelerator.device
+    model = build_denoiser(arch, tiny, device)
+    add_lora(model, rank=lora_rank, alpha=2 * lora_rank, target_modules=arch.lora_targets)  # the authors: r 32, alpha 64
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-4)
+    train_model, optimizer = accelerator.prepare(model, optimizer)
+    with torch.device(device):
+        vae = AutoencoderKL(**(TINY_SD3_VAE if tiny else SD3_VAE)).eval().requires_grad_(False)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(inference_steps)
+    sigmas = scheduler.sigmas.to(device)
+    gen = torch.Generator().manual_seed(2)
+    side = latent_side(arch, tiny, resolution)
+    cond = random_conditioning(arch, model, samples, side, tiny, device, gen)
+    uncond = random_conditioning(arch, model, 1, side, tiny, device, gen)
+    trained = max(1, int(inference_steps * 0.99))
+    guidance, noise_level, kl_coef = 4.5, 0.7, 0.04
+
+    def cond_rows(rows):
+        return {k: v[rows] for k, v in cond.items()}
+
+    def uncond_rows(n):
+        return {k: v.expand(n, *v.shape[1:]) for k, v in uncond.items()}
+
+    def guided(net, x, t, rows, grad: bool):
+        with torch.no_grad():  # the unconditional branch carries no gradient (the authors' train_sd3.py)
+            v_u = predict(arch, net, x, t, uncond_rows(len(x)))
+        with torch.set_grad_enabled(grad):
+            v_c = predict(arch, net, x, t, cond_rows(rows))
+        return v_u.float() + guidance * (v_c.float() - v_u.float())
+
+    def step():
+        model.eval()
+        with torch.no_grad(), accelerator.autocast():
+            all_rows = torch.arange(samples)
+            noise = torch.randn((samples, model.config.in_channels, side, side), generator=gen).to(device)
+            trajectory = sample_flow_with_logprob(lambda x, t: guided(model, x, t, all_rows, False), noise, sigmas,
+                                                  window=None, noise_level=noise_level, generator=None)
+            latents = trajectory.final_latents / vae.config.scaling_factor + vae.config.shift_factor
+            vae.decode(latents.to(next(vae.parameters()).dtype))  # the images a judge scores
+        model.train()
+        advantages = torch.randn(samples, generator=gen).to(device)
+        for i in range(samples):
+            for j in range(trained):
+                x, x_next = trajectory.latents[i : i + 1, j], trajectory.next_latents[i : i + 1, j]
+                t = trajectory.timesteps[j].reshape(1)
+                rows = torch.tensor([i])
+                last = i == samples - 1 and j == trained - 1
+                with contextlib.nullcontext() if last else accelerator.no_sync(train_model):
+                    with accelerator.autocast():
+                        velocity = guided(train_model, x, t, rows, True)
+                    sde = sde_step(x, velocity, sigmas[j], sigmas[j + 1], float(sigmas[1]), noise_level)
+                    log_prob = gaussian_log_prob(x_next, sde.mean, sde.std)
+                    loss, _ = ddpo_clipped_loss(log_prob, trajectory.log_probs[i : i + 1, j], advantages[i : i + 1], 1e-4)
+                    with torch.no_grad(), accelerator.autocast(), disabled_adapter(model) as ref:
+                        ref_mean = sde_step(x, guided(ref, x, t, rows, False), sigmas[j], sigmas[j + 1], float(sigmas[1]),
+                                            noise_level).mean
+                    loss = loss + kl_coef * flow_grpo_kl(sde.mean, ref_mean, sde.sde_sigma).mean()
+                    accelerator.backward(loss / (samples * trained))
+        accelerator.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, train_model, optimizer, vae
 
 
 def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak: float | None, work: str) -> dict:
@@ -274,6 +547,26 @@ def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, 
     return step, train_unet, optimizer
 
 
+BENCHES = ("dpo_lora", "dpo_full", "ddpo_lora", "sdxl_dpo_lora", "sd35m_dpo_lora", "sd35m_grpo_lora")
+# The forwards the one-GPU recipes' estimates use (configs/*_1gpu.yaml, configs/sdxl_*, sd35_*, flux_*).
+RECIPE_FORWARDS = "sd15:512,sdxl:1024,sd35m:512,sd35m:1024,sd35l:1024,flux-dev:512,flux-dev:1024"
+
+
+def count_forwards(spec: str) -> list[dict]:
+    """--count_forward: counted GFLOP of one forward per image for each ARCH:PX of ``spec``."""
+    results = []
+    for item in (RECIPE_FORWARDS if spec == "all" else spec).split(","):
+        name, _, pixels = item.strip().partition(":")
+        if name not in ARCHS:
+            raise SystemExit(f"error: --count_forward: unknown architecture {name!r}; valid: {', '.join(ARCHS)}")
+        resolution = int(pixels) if pixels else ARCHS[name].resolution
+        gflop = forward_gflop_on_meta(name, resolution)
+        print(f"[bench] {name} denoiser forward at {resolution} px: {gflop:.1f} GFLOP per image (counted, meta device)",
+              flush=True)
+        results.append({"bench": f"{name}_forward_{resolution}", "flops_per_step": gflop * 1e9})
+    return results
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model at 32 px (any CPU; what the test runs)")
@@ -285,15 +578,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--lora_rank", type=int, default=8)
     parser.add_argument("--no_gradient_checkpointing", action="store_true", help="keep activations (more memory)")
     parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s (else the table)")
-    parser.add_argument("--only", default="dpo_lora,dpo_full,ddpo_lora", help="comma-separated benchmarks to run")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated benchmarks to run, of {', '.join(BENCHES)}")
+    parser.add_argument("--resolution", type=int, default=None,
+                        help="pixels for the SDXL / SD3.5 benchmarks (default: 1024 for DPO, 512 for Flow-GRPO as the "
+                             "authors' recipe; SD v1.5's benchmarks stay at 512)")
+    parser.add_argument("--grpo_samples", type=int, default=4, help="Flow-GRPO images sampled and trained per step")
+    parser.add_argument("--grpo_inference_steps", type=int, default=10, help="SDE steps per Flow-GRPO sample (authors: 10)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--count_forward", action="store_true",
-                        help="only count one SD v1.5 UNet forward at 512 px on the meta device (any machine) and exit")
+    parser.add_argument("--count_forward", nargs="?", const="sd15:512", default=None, metavar="ARCH:PX,...",
+                        help="only count one denoiser forward per image on the meta device (any machine) and exit; "
+                             f"architectures {', '.join(ARCHS)}; 'all' for every recipe's size (default: sd15:512)")
     args = parser.parse_args(argv)
     if args.count_forward:
-        gflop = sd15_forward_gflop_on_meta()
-        print(f"[bench] SD v1.5 UNet forward at 512 px: {gflop:.1f} GFLOP per image (counted, meta device)")
-        return [{"bench": "sd15_unet_forward", "flops_per_step": gflop * 1e9}]
+        return count_forwards(args.count_forward)
 
     from align.training import make_accelerator
 
@@ -314,7 +611,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     results = []
     for bench in [b.strip() for b in args.only.split(",") if b.strip()]:
-        if bench in ("dpo_lora", "dpo_full"):
+        if bench not in BENCHES:
+            parser.error(f"--only: unknown benchmark {bench!r}; valid: {', '.join(BENCHES)}")
+        if bench in ("sdxl_dpo_lora", "sd35m_dpo_lora"):
+            arch = ARCHS[bench.split("_")[0]]
+            step, *held = family_dpo_bench(arch, accelerator, args.tiny, args.pairs, checkpointing, args.lora_rank,
+                                           args.resolution)
+            side = latent_side(arch, args.tiny, args.resolution)
+            work = (f"{args.pairs} pairs at {side}x{side} latents (policy fwd+bwd and reference fwd on {2 * args.pairs} "
+                    "images, cached latents)")
+        elif bench == "sd35m_grpo_lora":
+            arch = ARCHS["sd35m"]
+            step, *held = sd3_grpo_bench(arch, accelerator, args.tiny, args.grpo_samples, args.grpo_inference_steps,
+                                         checkpointing, 32 if not args.tiny else 4, args.resolution or 512)
+            side = latent_side(arch, args.tiny, args.resolution or 512)
+            work = (f"{args.grpo_samples} images x {args.grpo_inference_steps} SDE steps at {side}x{side} latents sampled "
+                    f"with CFG, decoded, then trained on {max(1, int(args.grpo_inference_steps * 0.99))} steps each "
+                    "(policy with CFG + adapter-off reference for the KL)")
+        elif bench in ("dpo_lora", "dpo_full"):
             step, *held = dpo_bench(models, accelerator, bench.split("_")[1], args.pairs, checkpointing, args.lora_rank)
             work = f"{args.pairs} pairs (policy fwd+bwd and reference fwd on {2 * args.pairs} images)"
         elif bench == "ddpo_lora":
@@ -322,8 +636,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      args.lora_rank)
             work = (f"{args.ddpo_samples} images x {args.ddpo_inference_steps} DDIM steps sampled with CFG, decoded, "
                     "then trained on every step")
-        else:
-            parser.error(f"--only: unknown benchmark {bench!r}; valid: dpo_lora, dpo_full, ddpo_lora")
         result = measure(bench, step, steps, warmup, device, peak, work)
         results.append(result)
         mfu = f" | MFU {100 * result['mfu']:.1f}%" if "mfu" in result else ""
