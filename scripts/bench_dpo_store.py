@@ -149,6 +149,47 @@ def build_sd15_pipeline(folder: Path) -> Path:
     return folder
 
 
+def count_step_flops(resolution: int) -> dict:
+    """Counted FLOPs of one step of each side, on the meta device (no weights, no compute): what bounds the ratio.
+
+    Both sides: the policy's UNet forward and backward on the pair's 2 images and the reference's forward on them.
+    LoRA's backward is counted as the UNet's input-gradient backward (frozen weights; the rank-4 adapters' own
+    gradients are < 0.1% of it). The peer adds, per step, the VAE encoder on the 2 images and the text encoder on
+    the caption, which the store has done once beforehand.
+    """
+    import torch
+    from bench_dpo import SD15_UNET
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    def counted(fn) -> int:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            fn()
+        return int(counter.get_total_flops())
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**SD15_UNET).requires_grad_(False)
+        vae = AutoencoderKL(**SD15_VAE).requires_grad_(False)
+        text = CLIPTextModel(CLIPTextConfig(vocab_size=49408, **SD15_TEXT)).requires_grad_(False)
+    side = resolution // 8
+    latents = torch.zeros((2, 4, side, side), device="meta", requires_grad=True)
+    timesteps = torch.full((2,), 500, device="meta")
+    embeds = torch.zeros((2, 77, 768), device="meta")
+
+    def policy_forward_backward():
+        unet(latents, timesteps, embeds).sample.sum().backward()
+
+    with torch.no_grad():
+        reference = counted(lambda: unet(latents, timesteps, embeds))
+        vae_encode = counted(lambda: vae.encode(torch.zeros((2, 3, resolution, resolution), device="meta")))
+        text_encode = counted(lambda: text(torch.zeros((1, 77), dtype=torch.long, device="meta")))
+    ours = counted(policy_forward_backward) + reference
+    return {"ours": ours, "peer": ours + vae_encode + text_encode, "unet_forward_2_images": reference,
+            "vae_encode_2_images": vae_encode, "text_encode": text_encode}
+
+
 def write_pairs(path: Path, count: int, size: int) -> None:
     import io
 
@@ -232,8 +273,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per side (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, in alternating order")
     parser.add_argument("--workdir", help="keep the model, data and store here (default: a temporary folder)")
+    parser.add_argument("--count_flops", action="store_true",
+                        help="only count each side's FLOPs per step at --resolution on the meta device, and exit")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
+    if args.count_flops:
+        counts = count_step_flops(args.resolution)
+        for key, value in counts.items():
+            print(f"{key:22s} {value / 1e9:10.1f} GFLOP per step   ({args.resolution} px, counted on the meta device)")
+        print(f"store / peer: FLOPs per step {counts['ours'] / counts['peer']:.2f}x: the time ratio of a compute-bound "
+              f"step (target <= {1 / 1.3:.2f})", flush=True)
+        return
     if args.one:
         result = timed_run(Path(args.one), [a for a in rest if a != "--"])
         print(json.dumps(result), flush=True)
@@ -252,10 +302,12 @@ def main() -> None:
             write_pairs(data, max(8, args.steps * 2), args.resolution)
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(work / "datasets_cache"), PYTHONPATH=str(ROOT))
         built = subprocess.run([sys.executable, "-m", "align.precompute", "--model", str(model), "--dataset", str(data),
-                                "--output", str(store), "--resolution", str(args.resolution), "--dtype", "float32"],
+                                "--output", str(store), "--resolution", str(args.resolution), "--dtype", "float32",
+                                "--batch_size", "1"],  # 1 pair (4 images with flips) per VAE call: 8 took 19 GB at 512 px
                                env=env, capture_output=True, text=True, cwd=ROOT)
         if built.returncode != 0:
-            raise SystemExit(f"precompute failed:\n{built.stderr[-2000:]}")
+            raise SystemExit(f"precompute failed (exit code {built.returncode}; a negative one is a signal, e.g. -9 from the "
+                             f"kernel's out-of-memory killer):\n{built.stderr[-2000:]}")
         runs = {"peer": [], "ours": []}
         for repeat in range(args.repeats):  # alternating order: a shared machine's load falls on both sides
             for name in ("peer", "ours") if repeat % 2 == 0 else ("ours", "peer"):
