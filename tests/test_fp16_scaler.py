@@ -105,7 +105,7 @@ def test_fp16_dpo_steps_go_through_the_gradient_scaler(fp16_as_on_a_gpu, tiny_mo
     config = DPOConfig(model=tiny_model, dataset=pairs, output_dir=str(tmp_path / "run"), finetune=finetune, lora_rank=4,
                        mixed_precision="fp16", resolution=None, train_batch_size=1, gradient_accumulation_steps=2, max_steps=2,
                        learning_rate=1e-3, scale_lr=False, lr_warmup_steps=0, beta=5000.0, caption_dropout=0.0,
-                       num_inference_steps=2, checkpointing_steps=10, validation_steps=0, report_to="none")
+                       num_inference_steps=2, checkpointing_steps=10, report_to="none")
     run = dpo.train(config)
     assert "[dpo] mixed precision: fp16 (from --mixed_precision) with accelerate's gradient scaler" in capsys.readouterr().out
     (scaler,) = fp16_as_on_a_gpu
@@ -124,7 +124,7 @@ def test_fp16_ddpo_updates_go_through_the_gradient_scaler(fp16_as_on_a_gpu, tiny
     config = DDPOConfig(model=tiny_model, prompts=str(prompts), output_dir=str(tmp_path / "run"), reward="jpeg-compressibility",
                         mixed_precision="fp16", report_to="none", num_inference_steps=2, samples_per_epoch=4,
                         sample_batch_size=2, train_batch_size=1, gradient_accumulation_steps=2, timestep_fraction=1.0,
-                        num_epochs=1, checkpointing_epochs=1, num_logged_images=0, learning_rate=1e-3, clip_range=0.2)
+                        num_epochs=1, checkpointing_epochs=1, learning_rate=1e-3, clip_range=0.2)
     run = ddpo.train(config)
     assert "[ddpo] mixed precision: fp16 (from --mixed_precision) with accelerate's gradient scaler" in capsys.readouterr().out
     (scaler,) = fp16_as_on_a_gpu
