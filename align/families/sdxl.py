@@ -12,10 +12,13 @@ Differences from the authors' Diffusion-DPO SDXL code, on purpose:
 - time_ids are in the text encoders' dtype, as the pipeline builds them (the authors use the training weight
   dtype, to which they cast the encoders too: the same values);
 - their special cases by checkpoint name (refiner: 5 time ids with an aesthetic score and t < 200; turbo:
-  four fixed timesteps) are not reproduced: the refiner is another pipeline class, not handled here;
-- the empty prompt ``""`` is encoded literally by ``encode_prompts`` (as their training encodes dropped
-  captions); the unconditional side of classifier-free guidance is ``unconditional``, which is zeros when
-  the pipeline's ``force_zeros_for_empty_prompt`` is set, as the pipeline does without a negative prompt.
+  four fixed timesteps) are not reproduced: the refiner is another pipeline class, not handled here.
+
+The empty prompt ``""`` is encoded as text by ``encode_prompts`` (as the authors' training encodes dropped
+captions); the unconditional side of classifier-free guidance is ``unconditional``: zeros when the
+pipeline's ``force_zeros_for_empty_prompt`` is set (SDXL base), as the pipeline does without a negative
+prompt. The invisible watermark stays diffusers' default: ``pipe(...)`` applies it when the
+invisible-watermark package is installed, ``decode_latents`` never does.
 """
 
 from __future__ import annotations
