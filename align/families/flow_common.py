@@ -42,9 +42,11 @@ def trained_max_sequence_length(model: str) -> int | None:
 
 
 def from_pretrained(pipeline_class, model: str, dtype_kwargs: dict, family_name: str, **components):
+    from safetensors import SafetensorError  # a truncated text-encoder file raises this, not an OSError
+
     try:
         return pipeline_class.from_pretrained(model, **dtype_kwargs, **components)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as err:
         raise ModelLoadError(f"cannot load a {family_name} pipeline from {model!r}: {one_line(err)}") from err
 
 
