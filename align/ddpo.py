@@ -45,6 +45,17 @@ from align.compiled_sampling import CompileError  # noqa: E402
 from align.data import DataError
 from align.ddpo_config import DDPOConfig  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
+from align.families import family_of_pipeline
+from align.families.base import (
+    Conditioning,
+    ModelFamily,
+    cat_conditioning,
+    expand_conditioning,
+    guided_prediction,
+    repeat_conditioning,
+    select_conditioning,
+)
+from align.families.sd import StableDiffusion
 from align.health import images_finite
 from align.judges import check_judge_names, load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
@@ -58,7 +69,6 @@ from align.sampling import (  # noqa: E402
     check_scheduler_steps,
     ddim_step_mean_std,
     gaussian_log_prob,
-    guided_noise_prediction,
     sample_with_logprob,
 )
 from align.trainer_run import (  # noqa: E402
@@ -155,7 +165,7 @@ def draw_prompts(prompts: list[str], config: DDPOConfig, gen: torch.Generator) -
 @dataclass
 class SampleBatch:
     prompts: list[str]
-    embeds: torch.Tensor  # [B, L, D] prompt embeddings
+    cond: Conditioning  # the family's conditioning of each prompt (batch-first tensors)
     all_latents: torch.Tensor  # [B, T+1, C, H, W]
     timesteps: torch.Tensor  # [B, T]
     log_probs: torch.Tensor  # [B, T]
@@ -169,31 +179,33 @@ def sampling_merges_lora(config: DDPOConfig) -> bool:
     return config.mixed_precision == "no" or config.lora_merged_forward
 
 
-def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
+def collect_samples(pipe, family, sampler, config, prompts, negative, epoch, process, num_batches, background,
+                    latent_shape, resolution):
     """Sample num_batches batches; rewards are computed in the background as each batch finishes.
 
-    ``sampler`` is pipe.unet or a compiled wrapper of it.
+    ``sampler`` is the family's denoiser or a compiled wrapper of it; ``negative`` the one-row conditioning
+    of the empty prompt (classifier-free guidance's unconditional side).
     """
-    from align.pipeline import decode_latents, encode_prompts, merged_adapter
+    from align.pipeline import decode_latents, merged_adapter
 
     batches, futures = [], []
-    merge = merged_adapter(pipe.unet) if sampling_merges_lora(config) else contextlib.nullcontext()
+    merge = merged_adapter(family.denoiser(pipe)) if sampling_merges_lora(config) else contextlib.nullcontext()
     with merge:
         for b in range(num_batches):
             gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
             batch_prompts = draw_prompts(prompts, config, gen)
-            embeds = encode_prompts(pipe, batch_prompts)
-            negative = negative_embed.expand(len(batch_prompts), -1, -1)
+            cond = family.encode_prompts(pipe, batch_prompts, resolution)
+            embeds = cond["prompt_embeds"]
             noise = torch.randn((len(batch_prompts), *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
             trajectory = sample_with_logprob(
-                sampler, pipe.scheduler, embeds, negative,
+                sampler, pipe.scheduler, cond, expand_conditioning(negative, len(batch_prompts)),
                 num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
                 eta=config.eta, latents=noise, generator=gen,
-                stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None,
+                stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None, family=family,
             )
-            images = decode_latents(pipe, trajectory.final_latents).cpu()
+            images = decode_latents(pipe, trajectory.final_latents).cpu()  # the family's decoder
             futures.append(background.submit(batch_prompts, images))
-            batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
+            batches.append(SampleBatch(batch_prompts, cond, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
     return batches, futures
 
 
@@ -229,7 +241,6 @@ def train(config: DDPOConfig) -> Path:
     from align.pipeline import (
         add_lora,
         disabled_adapter,
-        encode_prompts,
         frozen_copy,
         load_pipeline,
         lora_as_merged_weight,
@@ -274,16 +285,17 @@ def train(config: DDPOConfig) -> Path:
     # Frozen parts in the compute dtype; trainable weights stay in float32.
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
     pipe = load_pipeline(config.model, dtype=weight_dtype if config.finetune == "lora" else torch.float32, device=accelerator.device)
+    family = family_of_pipeline(pipe)
     check_scheduler_steps(pipe.scheduler, config.num_inference_steps, config.eta)
-    for module in (pipe.vae, pipe.text_encoder):
+    for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
-    resolution = config.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
-    latent_shape = (pipe.unet.config.in_channels, resolution // pipe.vae_scale_factor, resolution // pipe.vae_scale_factor)
+    unet = family.denoiser(pipe)  # the UNet (or transformer) that trains
+    resolution = config.resolution or native_resolution(pipe, unet)
+    latent_shape = family.latent_shape(pipe, resolution)
 
-    unet = pipe.unet
     keep_default_attention(unet)
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank)
+        add_lora(unet, rank=config.lora_rank, target_modules=family.lora_targets)
         for p in unet.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -322,7 +334,8 @@ def train(config: DDPOConfig) -> Path:
     train_unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     tracker = PerPromptStatTracker(config.stat_buffer_size, config.stat_min_count)
-    negative_embed = encode_prompts(pipe, [""])
+    negative = family.encode_prompts(pipe, [""], resolution)
+    negative_embed = negative["prompt_embeds"]
     sampling_unet = unet
     if config.compile_sampling and config.finetune == "full":
         # Every weight trains, and compiling ahead of time bakes some small ones into the code.
@@ -371,7 +384,8 @@ def train(config: DDPOConfig) -> Path:
             unet.eval()
             with accelerator.autocast():
                 batches, futures = collect_samples(
-                    pipe, sampling_unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape
+                    pipe, family, sampling_unet, config, prompts, negative, epoch, process, num_batches, background,
+                    latent_shape, resolution,
                 )
             local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
             stop_on_nonfinite_images(accelerator, batches, epoch, last_good)
@@ -392,7 +406,7 @@ def train(config: DDPOConfig) -> Path:
             # 4. PPO on the stored trajectories.
             unet.train()
             samples = {
-                "embeds": torch.cat([b.embeds for b in batches]),
+                "cond": cat_conditioning([b.cond for b in batches]),
                 "all_latents": torch.cat([b.all_latents for b in batches]),
                 "timesteps": torch.cat([b.timesteps for b in batches]),
                 "log_probs": torch.cat([b.log_probs for b in batches]),
@@ -403,7 +417,7 @@ def train(config: DDPOConfig) -> Path:
                 gen = epoch_generator(config.seed, epoch, TRAIN, 0, process)
                 global_step += train_inner_epoch(
                     config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
-                    samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler,
+                    samples, negative, gen, stats, disabled_adapter, lr_scheduler, family=family,
                 )
 
             # 5. Log, save samples, checkpoint.
@@ -444,7 +458,8 @@ def train(config: DDPOConfig) -> Path:
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
-        save_final_weights(accelerator, train_unet, run.path, config.finetune, lambda final: write_model_card(final, config, run))
+        save_final_weights(accelerator, train_unet, run.path, config.finetune, lambda final: write_model_card(final, config, run),
+                           family=family)
         from align.run_report import write_training_report
 
         write_training_report(run.path, title=f"DDPO: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
@@ -454,6 +469,12 @@ def train(config: DDPOConfig) -> Path:
     del train_unet, optimizer, lr_scheduler
     end_training(accelerator)
     return run.path
+
+
+def native_resolution(pipe, denoiser) -> int:
+    """The side in pixels the pipeline generates by default (its ``default_sample_size`` where it has one)."""
+    sample_size = getattr(pipe, "default_sample_size", None) or denoiser.config.sample_size
+    return int(sample_size) * pipe.vae_scale_factor
 
 
 def stop_on_nonfinite_images(accelerator, batches, epoch: int, last_good) -> None:
@@ -487,9 +508,19 @@ def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen
     return torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, :k]
 
 
+def as_conditioning(value) -> Conditioning:
+    """A family's conditioning dict; a bare tensor is SD 1.x/2.x's prompt embeddings (benchmarks and tests
+    that build samples by hand pass those)."""
+    return value if isinstance(value, dict) else {"prompt_embeds": value}
+
+
 def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
-                      samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler=None) -> int:
-    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
+                      samples, negative, gen, stats, disabled_adapter, lr_scheduler=None,
+                      family: ModelFamily | None = None) -> int:
+    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken.
+
+    ``samples["cond"]`` (or ``samples["embeds"]``, SD's bare prompt embeddings) holds each sample's
+    conditioning, ``negative`` the one-row unconditional side; ``family`` is the denoiser's (None: SD 1.x/2.x)."""
     n, steps_total = samples["timesteps"].shape
     order = torch.randperm(n, generator=gen)
     time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
@@ -508,8 +539,9 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
         stats.setdefault("trained_sample_fraction", []).append(len(update_samples) / per_update)
         micro_batches = update_samples.split(config.train_batch_size)
         for m, idx in enumerate(micro_batches):
-            train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative_embed,
-                              stats, disabled_adapter, idx, time_order, per_update, last_of_update=m == len(micro_batches) - 1)
+            train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative,
+                              stats, disabled_adapter, idx, time_order, per_update, last_of_update=m == len(micro_batches) - 1,
+                              family=family)
         if config.max_grad_norm > 0:
             accelerator.clip_grad_norm_(params, config.max_grad_norm)
         optimizer.step()
@@ -520,14 +552,16 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
     return updates
 
 
-def train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative_embed, stats,
-                      disabled_adapter, idx, time_order, per_update, last_of_update) -> None:
+def train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative, stats,
+                      disabled_adapter, idx, time_order, per_update, last_of_update, family: ModelFamily | None = None) -> None:
     """Forward and backward of the samples `idx` at their trained timesteps; gradients accumulate, each
     term weighted 1 / (per_update x k), so an update's gradient is the mean over all its samples' terms."""
     device = accelerator.device
+    family = family or StableDiffusion()
     k = time_order.shape[1]
     rows = idx[:, None]  # each sample's row, against its k chosen steps
-    embeds = samples["embeds"][idx]
+    sample_cond = select_conditioning(as_conditioning(samples["cond"] if "cond" in samples else samples["embeds"]), idx)
+    negative = as_conditioning(negative)
     chosen = time_order[idx]
     latents = samples["all_latents"][rows, chosen]  # [b, k, C, H, W]
     next_latents = samples["all_latents"][rows, chosen + 1]
@@ -544,11 +578,11 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
         lat = latents[:, js].flatten(0, 1)
         nxt = next_latents[:, js].flatten(0, 1)
         ts = timesteps[:, js].flatten()
-        cond = embeds.repeat_interleave(c, dim=0)
-        uncond = negative_embed.expand(len(lat), -1, -1)
+        cond = repeat_conditioning(sample_cond, c)
+        uncond = expand_conditioning(negative, len(lat))
         with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
             with accelerator.autocast():
-                pred = guided_noise_prediction(train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                pred = guided_prediction(family, train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
             mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, config.eta)
             log_prob = gaussian_log_prob(nxt, mean, std)
             loss, metrics = ddpo_clipped_loss(
@@ -558,9 +592,9 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
                 with torch.no_grad(), accelerator.autocast():
                     if reference is None:
                         with disabled_adapter(unet):
-                            ref_pred = guided_noise_prediction(unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                            ref_pred = guided_prediction(family, unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
                     else:
-                        ref_pred = guided_noise_prediction(reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                        ref_pred = guided_prediction(family, reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
                 ref_mean, _ = ddim_step_mean_std(scheduler, ref_pred, ts, lat, config.eta)
                 kl = gaussian_mean_kl(mean, ref_mean, std).mean()
                 loss = loss + config.kl_coef * kl
