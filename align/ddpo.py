@@ -587,6 +587,19 @@ def policy_step(family, scheduler, config, samples, prediction, timesteps, laten
     return mean, std, gaussian_log_prob, lambda mean, ref_mean: gaussian_mean_kl(mean, ref_mean, std)
 
 
+def trained_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale) -> torch.Tensor:
+    """The guided prediction the update differentiates: ``guided_prediction``'s value; for flow families the
+    unconditional half carries no gradient, as Flow-GRPO's ``compute_log_prob`` detaches it (DDPO, as
+    ddpo-pytorch, differentiates both halves)."""
+    if not family.is_flow or guidance_scale == 1.0 or family.uses_guidance_embedding(denoiser):
+        return guided_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale)
+    out = family.predict(denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+                         cat_conditioning([uncond, cond]))
+    uncond_out, cond_out = out.float().chunk(2)
+    uncond_out = uncond_out.detach()
+    return uncond_out + guidance_scale * (cond_out - uncond_out)
+
+
 def train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative, stats,
                       disabled_adapter, idx, time_order, per_update, last_of_update, family: ModelFamily | None = None) -> None:
     """Forward and backward of the samples `idx` at their trained timesteps; gradients accumulate, each
@@ -617,7 +630,7 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
         uncond = expand_conditioning(negative, len(lat))
         with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
             with accelerator.autocast():
-                pred = guided_prediction(family, train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                pred = trained_prediction(family, train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
             step_index = step_indices[:, js].flatten() if family.is_flow else None
             mean, std, log_density, kl_to = policy_step(family, scheduler, config, samples, pred, ts, lat, step_index)
             log_prob = log_density(nxt, mean, std)

@@ -188,3 +188,29 @@ def test_deterministic_tail_with_random_steps_is_refused_for_ddim_families(model
     assert exit_.value.code == 2
     assert "--deterministic_tail needs --timestep_selection high_noise" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_flow_update_differentiates_the_conditional_half_only(models):
+    # Flow-GRPO's compute_log_prob detaches the unconditional half of classifier-free guidance: the same value,
+    # and the gradient of guidance x the conditional prediction alone.
+    from align.families import family_of_pipeline
+    from align.families.base import guided_prediction
+    from align.pipeline import add_lora, load_pipeline
+
+    pipe = load_pipeline(models("sd3"))
+    family = family_of_pipeline(pipe)
+    transformer = add_lora(pipe.transformer, rank=2, target_modules=family.lora_targets)
+    torch.manual_seed(0)
+    for name, p in transformer.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.1)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    cond, uncond = family.encode_prompts(pipe, ["a red circle"], 32), family.unconditional(pipe, 1, 32)
+    latents, timesteps = torch.randn(1, 4, 16, 16), torch.tensor([500.0])
+    trained = ddpo.trained_prediction(family, transformer, latents, timesteps, cond, uncond, 3.0)
+    torch.testing.assert_close(trained, guided_prediction(family, transformer, latents, timesteps, cond, uncond, 3.0),
+                               rtol=0, atol=0)
+    got = torch.autograd.grad(trained.sum(), params)
+    want = torch.autograd.grad(3.0 * family.predict(transformer, latents, timesteps, cond).float().sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
