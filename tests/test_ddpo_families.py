@@ -5,6 +5,7 @@ flow path's rounds start exactly on-policy (fp32 and bf16) and resume exactly.""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,24 @@ def test_flow_update_differentiates_the_conditional_half_only(models):
     want = torch.autograd.grad(3.0 * family.predict(transformer, latents, timesteps, cond).float().sum(), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_flow_grpo_fast_table_reports_gains_per_cpu_minute_with_paired_errors(tmp_path, capsys):
+    from script_loader import load_experiment
+
+    table = load_experiment("flow_grpo_fast")
+    for name, rewards, cpu, after in (("grpo", [0.5, 0.5, 0.7, 0.7], 30.0, [0.6, 0.7, 0.8]), ("fast", [0.5, 0.6], 15.0, [0.5, 0.6, 0.7])):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"reward_mean": r, "epoch_cpu_seconds": cpu}) + "\n" for r in rewards))
+        (run / "eval_before.json").write_text(json.dumps({"mean": 0.5, "scores": [0.5, 0.5, 0.5]}))
+        (run / "eval_after.json").write_text(json.dumps({"mean": sum(after) / 3, "scores": after}))
+    rows = table.main([str(tmp_path / "grpo"), str(tmp_path / "fast"), "--window", "2", "--ceiling", "0.4"])
+    grpo, fast = rows
+    assert grpo["reward_gain"] == pytest.approx(0.2) and grpo["gain_per_cpu_min"] == pytest.approx(0.2 / 2)
+    assert fast["reward_gain"] == pytest.approx(0.0) and fast["cpu_s"] == 30.0  # two epochs: the windows overlap
+    assert grpo["heldout_gain"] == pytest.approx(0.2) and grpo["heldout_sem"] == pytest.approx(0.1 / math.sqrt(3))
+    out = capsys.readouterr().out
+    assert "50%" in out and "grpo" in out and "fast" in out
+    with pytest.raises(SystemExit):
+        table.main([str(tmp_path / "missing")])
