@@ -70,11 +70,11 @@ class EvalConfig:
     prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data")
     seeds: str = option("0", "comma list of seeds; each prompt is generated once per seed, identically for every "
                         "model", "sampling")
-    # --- sampling (None = the model's testbed.json setting, else SD v1.5's usual 50 steps / 7.5)
-    num_inference_steps: int | None = option(None, "DDIM steps (None: the model's testbed.json if any, else 50)",
-                                             "sampling")
-    guidance_scale: float | None = option(None, "classifier-free guidance (None: the model's testbed.json if any, "
-                                          "else 7.5)", "sampling")
+    # --- sampling (None = the model's testbed.json / flow_testbed.json setting, else its pipeline's own default)
+    num_inference_steps: int | None = option(None, "sampling steps (None: the model's testbed.json if any, else its "
+                                             "pipeline's default: 50 SD/SDXL, 28 SD3/FLUX)", "sampling")
+    guidance_scale: float | None = option(None, "classifier-free guidance (FLUX: its guidance embedding; None: the "
+                                          "model's testbed.json if any, else its pipeline's default)", "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     batch_size: int = option(8, "images per pipeline call", "sampling")
     device: str = option("auto", "auto, cpu, cuda or mps", "model")
