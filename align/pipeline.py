@@ -15,7 +15,6 @@ from align.families.base import LORA_WEIGHTS, ModelLoadError, dtype_argument, on
 from align.families.sd import StableDiffusion
 from align.progress import progress_bar
 from align.runs import CONFIG_FILE
-from align.testbed.flow_models import FLOW_SETTINGS_FILE
 from align.testbed.weights import TESTBED_SETTINGS_FILE, MissingTestbedWeightsError, testbed_pipeline_dir
 
 DENOISER_FOLDERS = ("unet", "transformer")  # a fully fine-tuned denoiser's folder, by family
@@ -61,13 +60,9 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | 
 
 
 def testbed_settings(model: str) -> dict:
-    """Inference defaults stored beside a testbed pipeline (steps, guidance, resolution, and for the flow
-    testbed max_sequence_length), if any: the SD testbed's testbed.json or the flow testbed's flow_testbed.json."""
-    folder = Path(resolve_model(model))
-    for name in (TESTBED_SETTINGS_FILE, FLOW_SETTINGS_FILE):
-        if (folder / name).is_file():
-            return json.loads((folder / name).read_text())
-    return {}
+    """Inference defaults stored beside a testbed pipeline (steps, guidance, resolution), if any."""
+    path = Path(resolve_model(model)) / TESTBED_SETTINGS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def add_lora(unet, rank: int = 4, alpha: float | None = None, target_modules=DEFAULT_LORA_TARGETS, dropout: float = 0.0):
