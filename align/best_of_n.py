@@ -51,7 +51,7 @@ SEARCHES = ("random", "zero-order")
 class BestOfNConfig:
     model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "the generator: a hub id, pipeline folder, "
                         "run or LoRA folder, or 'testbed'", "model")
-    base_model: str | None = option(None, "base pipeline for a bare LoRA/UNet folder", "model")
+    base_model: str | None = option(None, "base pipeline for a bare LoRA / unet/ / transformer/ folder", "model")
     reward: str = option("pickscore", "the selector judge that picks the best of the candidates", "judge")
     eval_judges: str | None = option(None, "comma list of other judges that score the chosen images", "judge")
     prompts: str = option("drawbench", "a prompt set (align.prompt_sets) or a file", "data")
