@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from tiny_flow import T5_MAX_SEQUENCE_LENGTH, VAE_SCALE, VAE_SHIFT, build_tiny_sd3
+from tiny_flow import T5_MAX_SEQUENCE_LENGTH, VAE_SCALE, VAE_SHIFT, build_tiny_flux, build_tiny_sd3
 
 from align.families import family_of_pipeline
 from align.families.base import (
@@ -15,6 +16,7 @@ from align.families.base import (
     expand_conditioning,
     guided_prediction,
 )
+from align.families.flux import latent_image_ids, pack_latents, unpack_latents
 from align.flow_sampling import ode_step, sample_flow_with_logprob
 from align.pipeline import add_lora, load_pipeline, load_trained, save_full_unet
 
@@ -23,6 +25,8 @@ PROMPTS = ["a red circle", "two blue squares"]
 BUILDERS = {
     "sd3": lambda folder: build_tiny_sd3(folder, t5=False),
     "sd3_t5": lambda folder: build_tiny_sd3(folder, t5=True),
+    "flux_dev": lambda folder: build_tiny_flux(folder, guidance_embeds=True),
+    "flux_schnell": lambda folder: build_tiny_flux(folder, guidance_embeds=False),
 }
 
 
@@ -37,12 +41,23 @@ def pipe(built):
     return load_pipeline(built[1])
 
 
-def pipeline_call(pipe, latents, **kwargs):
-    """``pipe(...)`` from [B, C, H, W] latents, returning [B, C, H, W] latents (or images)."""
+def pipeline_call(pipe, latents, guidance_scale=1.0, **kwargs):
+    """``pipe(...)`` from [B, C, H, W] latents, returning [B, C, H, W] latents (or images).
+
+    FLUX takes and returns packed tokens; FLUX.1-schnell (no guidance embedding) guides only through
+    ``true_cfg_scale`` with a negative prompt, the empty one here as in ``guided_prediction``."""
     family = family_of_pipeline(pipe)
-    out = pipe(PROMPTS[: latents.shape[0]], latents=latents.clone(), height=RES, width=RES,
-               **family.generation_kwargs(pipe), **kwargs)
-    return out.images
+    batch, _, height, width = latents.shape
+    prompts = PROMPTS[:batch]
+    if family.name == "flux":
+        latents = pack_latents(latents)
+        if not family.uses_guidance_embedding(pipe.transformer) and guidance_scale != 1.0:
+            kwargs.update(negative_prompt=[""] * batch, true_cfg_scale=guidance_scale)
+    out = pipe(prompts, latents=latents.clone(), height=RES, width=RES, guidance_scale=guidance_scale,
+               **family.generation_kwargs(pipe), **kwargs).images
+    if family.name == "flux" and kwargs.get("output_type") == "latent":
+        out = unpack_latents(out, height, width)
+    return out
 
 
 def initial_latents(pipe, batch=2, seed=0):
@@ -62,6 +77,9 @@ def test_loaded_with_its_family_trained_t5_length_and_frozen_modules(built, pipe
         assert pipe.text_encoder_3 is None and len(frozen) == 3
     if kind == "sd3_t5":
         assert pipe.text_encoder_3 in frozen and len(frozen) == 4
+    if kind.startswith("flux"):
+        assert pipe.text_encoder_2 in frozen and len(frozen) == 3
+        assert family.uses_guidance_embedding(pipe.transformer) == (kind == "flux_dev")
 
 
 def test_without_a_settings_file_the_pipeline_default_t5_length_applies(tmp_path):
@@ -75,16 +93,21 @@ def test_without_a_settings_file_the_pipeline_default_t5_length_applies(tmp_path
 def test_encode_prompts_is_the_pipelines_encode_prompt(pipe):
     family = family_of_pipeline(pipe)
     cond = family.encode_prompts(pipe, PROMPTS, RES)
-    uncond = family.encode_prompts(pipe, [""], RES)
-    embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-        PROMPTS, None, None, do_classifier_free_guidance=True, max_sequence_length=T5_MAX_SEQUENCE_LENGTH
-    )
+    uncond = expand_conditioning(family.encode_prompts(pipe, [""], RES), 2)
+    if family.name == "sd3":
+        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+            PROMPTS, None, None, do_classifier_free_guidance=True, max_sequence_length=T5_MAX_SEQUENCE_LENGTH
+        )
+    else:  # FluxPipeline encodes a negative prompt ("" here) with the same encode_prompt
+        embeds, pooled, text_ids = pipe.encode_prompt(PROMPTS, None, max_sequence_length=T5_MAX_SEQUENCE_LENGTH)
+        negative, negative_pooled, _ = pipe.encode_prompt(["", ""], None, max_sequence_length=T5_MAX_SEQUENCE_LENGTH)
+        assert not text_ids.any() and text_ids.shape == (T5_MAX_SEQUENCE_LENGTH, 3)  # rebuilt in predict
     assert set(cond) == {"prompt_embeds", "pooled_embeds"}
     torch.testing.assert_close(cond["prompt_embeds"], embeds, rtol=0, atol=1e-6)
     torch.testing.assert_close(cond["pooled_embeds"], pooled, rtol=0, atol=1e-6)
-    # the pipeline's unconditional side for no negative prompt is the empty prompt's encoding
-    torch.testing.assert_close(expand_conditioning(uncond, 2)["prompt_embeds"], negative, rtol=0, atol=1e-6)
-    torch.testing.assert_close(expand_conditioning(uncond, 2)["pooled_embeds"], negative_pooled, rtol=0, atol=1e-6)
+    # the pipeline's unconditional side for an empty / missing negative prompt is the empty prompt's encoding
+    torch.testing.assert_close(uncond["prompt_embeds"], negative, rtol=0, atol=1e-6)
+    torch.testing.assert_close(uncond["pooled_embeds"], negative_pooled, rtol=0, atol=1e-6)
 
 
 def euler_latents(pipe, latents, steps, guidance_scale):
@@ -106,6 +129,7 @@ def test_euler_loop_over_flow_sigmas_reproduces_the_pipeline(pipe, guidance_scal
     latents = initial_latents(pipe)
     expected = pipeline_call(pipe, latents, num_inference_steps=4, guidance_scale=guidance_scale, output_type="latent")
     sigmas = family_of_pipeline(pipe).flow_sigmas(pipe, 4, RES)
+    assert pipe.scheduler.sigmas.numel() == 5
     torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.cpu(), rtol=0, atol=1e-7)  # what the pipeline sampled with
     assert sigmas.numel() == 5 and sigmas[-1] == 0 and sigmas[0] == 1
     torch.testing.assert_close(euler_latents(pipe, latents, 4, guidance_scale), expected, rtol=0, atol=1e-5)
@@ -131,15 +155,21 @@ def test_flow_grpo_sampler_without_noise_reproduces_the_pipeline(pipe):
 def test_training_timesteps_and_target_follow_the_dreambooth_script(pipe):
     family = family_of_pipeline(pipe)
     scheduler = pipe.scheduler
-    scheduler.set_timesteps(4)  # a pipeline that has sampled: the training table must not change with it
+    scheduler.set_timesteps(4, mu=0.6 if family.name == "flux" else None)  # a pipeline that has sampled: the training table must not change with it
     draw = family.draw_training_timesteps(scheduler, 64, torch.Generator().manual_seed(3))
     again = family.draw_training_timesteps(scheduler, 64, torch.Generator().manual_seed(3))
     torch.testing.assert_close(draw, again, rtol=0, atol=0)
-    # the script: u = sigmoid(N(0, 1)) (SD3's logit_normal), timesteps = table.timesteps[floor(1000 u)]
+    # the scripts: u = sigmoid(N(0, 1)) (SD3's logit_normal) or U(0, 1) (FLUX's "none"),
+    # timesteps = table.timesteps[floor(1000 u)] in the scheduler's 1000-step training table
     table = type(scheduler).from_config(scheduler.config)
-    u = torch.sigmoid(torch.normal(0.0, 1.0, (64,), generator=torch.Generator().manual_seed(3)))
+    if family.name == "sd3":
+        u = torch.sigmoid(torch.normal(0.0, 1.0, (64,), generator=torch.Generator().manual_seed(3)))
+    else:
+        u = torch.rand(64, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(draw, table.timesteps[(u * 1000).long()], rtol=0, atol=0)
 
+    # FLUX's dynamic shifting leaves the training table unshifted; SD3's static shift 3 shifts it
+    assert (table.sigmas[500] > 0.51) == (family.name == "sd3")
     x0, noise = torch.randn(2, 64, 4, 16, 16).unbind(0)
     noisy, target = family.noisy_and_target(scheduler, x0, noise, draw)
     sigma = table.sigmas[[int((table.timesteps == t).nonzero()) for t in draw]].reshape(-1, 1, 1, 1)  # get_sigmas
@@ -183,6 +213,7 @@ def test_lora_saved_by_the_family_loads_with_the_diffusers_pipeline(built, pipe,
     family = with_trained_looking_lora(pipe)
     adapted = {n for n, _ in family.denoiser(pipe).named_modules() if n.endswith("lora_A")}
     assert any(".attn.add_q_proj." in n for n in adapted) and any(".attn.to_q." in n for n in adapted)
+    assert any(".ff.net.0.proj." in n for n in adapted) == (family.name == "flux")
     in_memory = pipeline_call(pipe, initial_latents(pipe), num_inference_steps=2, guidance_scale=2.0, output_type="latent")
     saved = family.save_lora(family.denoiser(pipe), tmp_path / "lora")
     assert saved.name == "pytorch_lora_weights.safetensors" and saved.is_file()
@@ -233,5 +264,28 @@ def test_conditioning_batches_concatenate(pipe):
 
 def test_model_index_of_the_t5_less_folder_has_null_t5(built):
     kind, folder = built
-    index = json.loads((__import__("pathlib").Path(folder) / "model_index.json").read_text())
-    assert (index["text_encoder_3"] == [None, None]) == (kind == "sd3")
+    index = json.loads((Path(folder) / "model_index.json").read_text())
+    assert (index.get("text_encoder_3") == [None, None]) == (kind == "sd3")
+
+
+def test_flux_packing_is_the_pipelines():
+    from diffusers import FluxPipeline
+
+    latents = torch.randn(2, 4, 6, 10)
+    packed = pack_latents(latents)
+    torch.testing.assert_close(packed, FluxPipeline._pack_latents(latents, 2, 4, 6, 10), rtol=0, atol=0)
+    torch.testing.assert_close(unpack_latents(packed, 6, 10), latents, rtol=0, atol=0)
+    torch.testing.assert_close(unpack_latents(packed, 6, 10), FluxPipeline._unpack_latents(packed, 6 * 8, 10 * 8, 8),
+                               rtol=0, atol=0)
+    ids = FluxPipeline._prepare_latent_image_ids(2, 3, 5, "cpu", torch.float32)
+    torch.testing.assert_close(latent_image_ids(6, 10, "cpu", torch.float32), ids, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("built", ["flux_dev"], indirect=True)
+def test_flux_sigmas_shift_with_the_resolution(built, pipe):
+    family = family_of_pipeline(pipe)
+    latents = torch.randn(1, *family.latent_shape(pipe, 2 * RES), generator=torch.Generator().manual_seed(0))
+    pipe(PROMPTS[:1], latents=pack_latents(latents), height=2 * RES, width=2 * RES, num_inference_steps=3,
+         output_type="latent", **family.generation_kwargs(pipe))
+    torch.testing.assert_close(family.flow_sigmas(pipe, 3, 2 * RES), pipe.scheduler.sigmas.cpu(), rtol=0, atol=1e-7)
+    assert (family.flow_sigmas(pipe, 3, 2 * RES)[1:3] > family.flow_sigmas(pipe, 3, RES)[1:3]).all()  # more tokens, more shift
