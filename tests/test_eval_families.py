@@ -46,7 +46,7 @@ def lora_run(base, run_dir, seed: int = 0):
     return run_dir
 
 
-@pytest.fixture(scope="module", params=["sd3", "sdxl"])
+@pytest.fixture(scope="module", params=["sd3", "sdxl", "flux"])
 def base_and_run(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     base = build(request.param, root / "base")
@@ -61,7 +61,7 @@ def test_evaluate_and_best_of_n_commands_on_a_base_and_its_lora_run(base_and_run
     family, base, run = base_and_run
     out = tmp_path / "eval"
     ev.main(["--models", f"base={base},lora={run}", "--judges", "jpeg-compressibility,shapes-oracle",
-             "--prompts", "testbed", "--num_prompts", "3", "--num_inference_steps", "2", "--device", "cpu",
+             "--prompts", "testbed", "--num_prompts", "3", "--num_inference_steps", "2", "--resolution", "32", "--device", "cpu",
              "--fid_reference", "testbed", "--fid_feature", "pixels", "--output_dir", str(out), "--quiet"])
     saved = json.loads((out / "results.json").read_text())
     assert (out / "report.html").is_file() and (out / "results.csv").is_file()
@@ -81,7 +81,7 @@ def test_evaluate_and_best_of_n_commands_on_a_base_and_its_lora_run(base_and_run
     bon_out = tmp_path / "bon"
     bon.main(["--model", str(run), "--reward", "jpeg-compressibility", "--eval_judges", "shapes-oracle",
               "--prompts", "testbed", "--num_prompts", "2", "--n", "4", "--num_inference_steps", "2",
-              "--device", "cpu", "--output_dir", str(bon_out), "--quiet"])
+              "--resolution", "32", "--device", "cpu", "--output_dir", str(bon_out), "--quiet"])
     results = json.loads((bon_out / "results.json").read_text())
     scores = np.array(results["scores"]["jpeg-compressibility"])
     assert scores.shape == (2, 4) and results["sizes"] == [1, 2, 4]
@@ -97,7 +97,7 @@ def test_a_best_of_n_candidate_is_the_image_its_seed_gives(base_and_run):
     be the noise the family's pipeline draws for the same seed, so a candidate is regenerated from its seed."""
     family, base, run = base_and_run
     pipe = load_trained(str(run))
-    settings = sampling_settings(ev.EvalConfig(num_inference_steps=2), str(base))
+    settings = sampling_settings(ev.EvalConfig(num_inference_steps=2, resolution=32), str(base))
     shape = bon.latent_shape(pipe, settings["resolution"])
     prompts, seeds = ["a red circle", "two blue squares"], [7, 123]
     noises = torch.stack([bon.seed_noise(s, shape) for s in seeds])
@@ -111,8 +111,8 @@ def test_a_best_of_n_candidate_is_the_image_its_seed_gives(base_and_run):
 def test_sampling_settings_come_from_the_pipeline_family_and_flow_testbed_json(tmp_path, base_and_run):
     family, base, run = base_and_run
     settings = sampling_settings(ev.EvalConfig(), str(run))  # a run folder: its base's settings
-    # the pipeline's own __call__ defaults: SD3 28 steps / 7.0, SDXL 50 / 5.0 (not SD v1.5's 50 / 7.5)
-    expected = {"sd3": (28, 7.0), "sdxl": (50, 5.0)}[family]
+    # the pipeline's own __call__ defaults: SD3 28 steps / 7.0, SDXL 50 / 5.0, FLUX 28 / 3.5 (not SD v1.5's 50 / 7.5)
+    expected = {"sd3": (28, 7.0), "sdxl": (50, 5.0), "flux": (28, 3.5)}[family]
     assert (settings["num_inference_steps"], settings["guidance_scale"]) == expected
     assert sampling_settings(ev.EvalConfig(num_inference_steps=3, guidance_scale=1.5), str(run))["guidance_scale"] == 1.5
     if family == "sd3":  # a flow testbed's file wins over the defaults; the family passes its T5 length
