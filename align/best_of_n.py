@@ -32,7 +32,14 @@ from align.api_cost import best_of_n_api_plan, guard_api_cost
 from align.cli import ConfigError, die, option, parse_config
 from align.families import family_of_pipeline
 from align.feedback import derive_seed
-from align.generation import GenerationCache, ModelEntry, resolve_device, sampling_settings
+from align.generation import (
+    GenerationCache,
+    ModelEntry,
+    check_generation_dtype,
+    generation_dtype,
+    resolve_device,
+    sampling_settings,
+)
 from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
 from align.pipeline import ModelLoadError, check_model
@@ -72,6 +79,8 @@ class BestOfNConfig:
                               "radius²)", "sampling")
     grid_prompts: int = option(8, "prompts shown in the report's image grid", "output")
     device: str = option("auto", "auto, cpu, cuda or mps", "model")
+    dtype: str = option("float32", "weights and compute dtype of the generators: float32, bfloat16 or float16 "
+                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model")
     output_dir: str = option("runs/best_of_n", "folder of the results, curve and report", "output")
     cache_dir: str | None = option(None, "folder of generated candidates (PNG); share it between runs with other "
                                    "judges", "output")
@@ -81,6 +90,7 @@ class BestOfNConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_generation_dtype(self.dtype)
         if self.cache_dir:
             check_writable_dir("cache_dir", self.cache_dir)
         if self.n < 1:
@@ -257,7 +267,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
     # The model loads only when something is generated: a rerun with another selector finds every candidate cached.
     pipe = shape = None
     if todo or config.search == "zero-order":
-        pipe = load_trained(config.model, device=resolve_device(config.device), base=config.base_model)
+        pipe = load_trained(config.model, dtype=generation_dtype(settings), device=resolve_device(config.device),
+                            base=config.base_model)
         shape = latent_shape(pipe, settings["resolution"])
     if todo:
         noises = torch.stack([seed_noise(s, shape) for _, s in todo])

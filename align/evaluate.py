@@ -34,6 +34,7 @@ from align.cli import ConfigError, die, option, parse_config
 from align.generation import (
     GenerationCache,
     ModelEntry,
+    check_generation_dtype,
     generate_missing,
     resolve_device,
     sample_seed,
@@ -78,6 +79,8 @@ class EvalConfig:
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     batch_size: int = option(8, "images per pipeline call", "sampling")
     device: str = option("auto", "auto, cpu, cuda or mps", "model")
+    dtype: str = option("float32", "weights and compute dtype of the generators: float32, bfloat16 or float16 "
+                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model")
     # --- distribution metrics
     fid_reference: str | None = option(None, "FID reference: a folder of images, or 'testbed' (the true scenes "
                                        "of the prompts); None: no FID", "evaluation")
@@ -97,6 +100,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_generation_dtype(self.dtype)
 
         if not split_list(self.models):
             raise ConfigError("--models needs at least one model (the base first)")

@@ -111,9 +111,25 @@ def pipeline_call_defaults(model: str) -> dict:
     return {key: parameters[key].default if key in parameters else value for key, value in SD_CALL_DEFAULTS.items()}
 
 
+# Weights and compute dtype of a generator (--dtype). float32 is the default and leaves the cache key as it was;
+# bfloat16 is what SDXL / SD3.5 / FLUX.1 are run in on one GPU (FLUX.1's 12 B transformer in float32 alone is 48 GB).
+GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_generation_dtype(name: str) -> None:
+    if name not in GENERATION_DTYPES:
+        from align.cli import ConfigError
+
+        raise ConfigError(f"--dtype must be one of {', '.join(GENERATION_DTYPES)}, got {name!r}")
+
+
+def generation_dtype(settings: dict) -> torch.dtype:
+    return GENERATION_DTYPES[settings.get("dtype", "float32")]
+
+
 def sampling_settings(config, model_path: str) -> dict:
-    """Steps, guidance and resolution: flags first, then the (base) model's testbed.json (or flow_testbed.json),
-    then its pipeline's own defaults."""
+    """Steps, guidance and resolution (and the dtype, when not float32): flags first, then the (base) model's
+    testbed.json (or flow_testbed.json), then its pipeline's own defaults."""
     base = base_of(model_path)
     try:
         stored = testbed_settings(base)
@@ -121,11 +137,14 @@ def sampling_settings(config, model_path: str) -> dict:
         stored = {}
     if "num_inference_steps" not in stored or "guidance_scale" not in stored:
         stored = {**pipeline_call_defaults(base), **stored}
-    return {
+    settings = {
         "num_inference_steps": config.num_inference_steps or stored["num_inference_steps"],
         "guidance_scale": config.guidance_scale if config.guidance_scale is not None else stored["guidance_scale"],
         "resolution": config.resolution or stored.get("resolution"),
     }
+    if getattr(config, "dtype", "float32") != "float32":  # images in another dtype are other images
+        settings["dtype"] = config.dtype
+    return settings
 
 
 def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings: dict, base: str | None, device: str, batch_size: int,
@@ -135,7 +154,7 @@ def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings:
     if not todo:
         return 0
     print(f"[{log_name}] {model.name}: generating {len(todo)} images ({len(items) - len(todo)} cached)", flush=True)
-    pipe = pipeline.load_trained(model.path, device=device, base=base)
+    pipe = pipeline.load_trained(model.path, dtype=generation_dtype(settings), device=device, base=base)
     size = settings["resolution"]
     for start in progress_bar(range(0, len(todo), batch_size), desc=f"generate ({model.name})", unit="batch"):
         chunk = todo[start : start + batch_size]

@@ -230,3 +230,23 @@ def test_judge_comparison_on_a_flow_model(tmp_path, flow_testbed_like, monkeypat
     assert evaluated["sampling"] == {"num_inference_steps": 3, "guidance_scale": 3.0, "resolution": 32}
     assert [m["images_generated"] for m in evaluated["models"]] == [3, 3, 3]
     assert (out / "report.html").is_file() and (out / "compare.csv").is_file()
+
+
+def test_dtype_flag_generates_in_bfloat16_under_its_own_cache_key(tmp_path, flow_testbed_like, capsys):
+    out = tmp_path / "eval"
+    args = ["--models", f"base={flow_testbed_like}", "--judges", "jpeg-compressibility", "--prompts", "testbed",
+            "--num_prompts", "2", "--device", "cpu", "--output_dir", str(out), "--quiet"]
+    ev.main(args)
+    ev.main([*args, "--dtype", "bfloat16"])
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["sampling"]["dtype"] == "bfloat16" and saved["models"][0]["images_generated"] == 2
+    folders = sorted((out / "generations").iterdir())
+    assert len(folders) == 2  # float32 and bfloat16 images kept apart
+    float32, bfloat16 = (_pngs(f) for f in sorted(folders, key=lambda f: "dtype" in json.loads((f / "meta.json").read_text())))
+    diff = [np.abs(float32[k] - bfloat16[k]).max() for k in float32]
+    assert 0 < max(diff) and np.mean([np.abs(float32[k] - bfloat16[k]).mean() for k in float32]) < 8  # ~0.7 measured
+    with pytest.raises(SystemExit):
+        bon.main(["--model", str(flow_testbed_like), "--reward", "jpeg-compressibility", "--dtype", "fp8",
+                  "--output_dir", str(tmp_path / "bon")])
+    assert "--dtype must be one of float32, bfloat16, float16, got 'fp8'" in capsys.readouterr().err
+    assert not (tmp_path / "bon").exists()
