@@ -18,7 +18,7 @@ from align.families.base import (
 )
 from align.families.flux import latent_image_ids, pack_latents, unpack_latents
 from align.flow_sampling import ode_step, sample_flow_with_logprob
-from align.pipeline import add_lora, load_pipeline, load_trained, save_full_unet
+from align.pipeline import add_lora, generate_images, load_pipeline, load_trained, save_full_unet
 
 RES = 32
 PROMPTS = ["a red circle", "two blue squares"]
@@ -242,16 +242,52 @@ def test_full_transformer_folder_loads_with_load_trained(built, pipe, tmp_path):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
-def test_a_broken_pipeline_folder_is_one_clear_error(built, tmp_path):
+@pytest.mark.parametrize("part", ["transformer", "text_encoder"])
+def test_a_truncated_weights_file_is_one_clear_error(built, tmp_path, part):
     import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(built[1], broken)
-    weights = next((broken / "transformer").glob("*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    weights = next((broken / part).glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError) as err:
         load_pipeline(str(broken))
     assert "\n" not in str(err.value) and str(broken) in str(err.value)
+
+
+def test_generate_images_samples_each_family(pipe):
+    """align.pipeline.generate_images (evaluation, best-of-N) with the family's generation arguments: image i
+    depends on its prompt and seed only."""
+    together = generate_images(pipe, PROMPTS, [3, 4], num_inference_steps=2, guidance_scale=2.0, height=RES, width=RES)
+    alone = generate_images(pipe, PROMPTS[1:], [4], num_inference_steps=2, guidance_scale=2.0, height=RES, width=RES)
+    assert together.shape == (2, 3, RES, RES) and 0 <= together.min() and together.max() <= 1
+    torch.testing.assert_close(alone[0], together[1], rtol=0, atol=1e-5)
+
+
+def test_lora_training_step_reaches_only_the_adapter(pipe):
+    family = with_trained_looking_lora(pipe)
+    denoiser = family.denoiser(pipe)
+    x0 = torch.randn(2, *family.latent_shape(pipe, RES), generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1))
+    timesteps = family.draw_training_timesteps(pipe.scheduler, 2, torch.Generator().manual_seed(2))
+    noisy, target = family.noisy_and_target(pipe.scheduler, x0, noise, timesteps)
+    loss = torch.nn.functional.mse_loss(family.predict(denoiser, noisy, timesteps, family.encode_prompts(pipe, PROMPTS, RES)), target)
+    loss.backward()
+    grads = {name: p.grad for name, p in denoiser.named_parameters() if p.requires_grad}
+    assert grads and all("lora_" in name for name in grads)
+    assert all(g is not None for g in grads.values()) and any(g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("built", ["sd3"], indirect=True)
+def test_sd3_with_dynamic_shifting_samples_as_the_pipeline(built, pipe):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=True)
+    latents = initial_latents(pipe)
+    expected = pipeline_call(pipe, latents, num_inference_steps=3, guidance_scale=2.0, output_type="latent")
+    sigmas = family_of_pipeline(pipe).flow_sigmas(pipe, 3, RES)
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.cpu(), rtol=0, atol=1e-7)
+    torch.testing.assert_close(euler_latents(pipe, latents, 3, 2.0), expected, rtol=0, atol=1e-5)
 
 
 def test_conditioning_batches_concatenate(pipe):
@@ -289,3 +325,23 @@ def test_flux_sigmas_shift_with_the_resolution(built, pipe):
          output_type="latent", **family.generation_kwargs(pipe))
     torch.testing.assert_close(family.flow_sigmas(pipe, 3, 2 * RES), pipe.scheduler.sigmas.cpu(), rtol=0, atol=1e-7)
     assert (family.flow_sigmas(pipe, 3, 2 * RES)[1:3] > family.flow_sigmas(pipe, 3, RES)[1:3]).all()  # more tokens, more shift
+
+
+@pytest.mark.parametrize("built", ["sd3"], indirect=True)
+def test_sd3_schedule_at_shift_3_is_sd35s(built, pipe):
+    """SD3.5-M's published 10-step timesteps (shift 3, docs reference facts) from flow_sigmas."""
+    published = [1000, 960.1, 913.3, 857.7, 790.4, 707.3, 602.2, 464.9, 278.0, 8.9, 0]
+    got = family_of_pipeline(pipe).flow_sigmas(pipe, 10, RES) * 1000
+    torch.testing.assert_close(got, torch.tensor(published), rtol=0, atol=0.06)
+
+
+@pytest.mark.parametrize("built", ["flux_dev"], indirect=True)
+def test_flux_shift_for_1024_image_tokens_is_mu_063(built, pipe):
+    """FLUX at 512 px has 1024 packed tokens and mu = 0.5 + 0.65 (1024 - 256) / 3840 = 0.63; the tiny VAE
+    downsamples by 2 instead of 8, so 128 px gives the same token count."""
+    family = family_of_pipeline(pipe)
+    assert family.latent_shape(pipe, 128)[1:] == (64, 64)
+    base = torch.linspace(1.0, 1 / 8, 8, dtype=torch.float64)
+    mu = torch.tensor(0.63, dtype=torch.float64)
+    expected = torch.cat([mu.exp() / (mu.exp() + (1 / base - 1)), torch.zeros(1, dtype=torch.float64)]).float()
+    torch.testing.assert_close(family.flow_sigmas(pipe, 8, 128), expected, rtol=0, atol=1e-6)

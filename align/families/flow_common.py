@@ -42,9 +42,11 @@ def trained_max_sequence_length(model: str) -> int | None:
 
 
 def from_pretrained(pipeline_class, model: str, dtype_kwargs: dict, family_name: str, **components):
+    from safetensors import SafetensorError  # a truncated text-encoder file raises this, not an OSError
+
     try:
         return pipeline_class.from_pretrained(model, **dtype_kwargs, **components)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as err:
         raise ModelLoadError(f"cannot load a {family_name} pipeline from {model!r}: {one_line(err)}") from err
 
 
@@ -134,5 +136,6 @@ def save_transformer_lora(pipeline_class, denoiser, folder: str | Path) -> Path:
 
 
 def load_transformer_lora(pipe, folder: str | Path) -> None:
-    """Our LoRA files hold transformer weights only: ``pipe.load_lora_weights`` loads them into the transformer."""
-    pipe.load_lora_weights(str(folder), weight_name=LORA_WEIGHTS)
+    """Our LoRA files hold transformer weights only: loaded into the transformer alone (``pipe.load_lora_weights``
+    gives the same outputs and warns once per text encoder that it has no LoRA keys; tested both ways)."""
+    pipe.transformer.load_lora_adapter(str(folder), prefix="transformer", weight_name=LORA_WEIGHTS)

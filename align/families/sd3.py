@@ -2,7 +2,7 @@
 
 Matches diffusers' StableDiffusion3Pipeline (conditioning, denoiser call, σ schedule, VAE shift and
 scale) and examples/dreambooth/train_dreambooth_lora_sd3.py (training draw, target, LoRA targets).
-Deliberate differences from the script (docs/families.md lists them too):
+Deliberate differences from the script:
 
 - target: the velocity ε - x0. The script's default ``precondition_outputs=1`` regresses
   x_σ - σ·v on x0 instead, which is the same loss times σ²; a trainer wanting that weights by σ².

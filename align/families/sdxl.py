@@ -9,10 +9,16 @@ SDXL training uses (train.py, ``add_time_ids`` for SDXL-base).
 
 Differences from the authors' Diffusion-DPO SDXL code, on purpose:
 - images are encoded to the VAE posterior mean (the SD family's convention), not a posterior sample;
-- time_ids are in the text encoders' dtype (the pipeline's choice), not the training weight dtype;
-- the empty prompt ``""`` is encoded literally by ``encode_prompts`` (as their training encodes dropped
-  captions); the unconditional side of classifier-free guidance is ``unconditional``, which is zeros when
-  the pipeline's ``force_zeros_for_empty_prompt`` is set, as the pipeline does without a negative prompt.
+- time_ids are in the text encoders' dtype, as the pipeline builds them (the authors use the training weight
+  dtype, to which they cast the encoders too: the same values);
+- their special cases by checkpoint name (refiner: 5 time ids with an aesthetic score and t < 200; turbo:
+  four fixed timesteps) are not reproduced: the refiner is another pipeline class, not handled here.
+
+The empty prompt ``""`` is encoded as text by ``encode_prompts`` (as the authors' training encodes dropped
+captions); the unconditional side of classifier-free guidance is ``unconditional``: zeros when the
+pipeline's ``force_zeros_for_empty_prompt`` is set (SDXL base), as the pipeline does without a negative
+prompt. The invisible watermark stays diffusers' default: ``pipe(...)`` applies it when the
+invisible-watermark package is installed, ``decode_latents`` never does.
 """
 
 from __future__ import annotations
@@ -46,11 +52,12 @@ def vae_in_float32_if_needed(vae):
     if not upcast:
         yield vae
         return
-    vae.to(torch.float32)
+    # torch's Module.to, not diffusers' ModelMixin.to, which warns on every dtype cast (and this runs per batch)
+    torch.nn.Module.to(vae, torch.float32)
     try:
         yield vae
     finally:
-        vae.to(torch.float16)
+        torch.nn.Module.to(vae, torch.float16)
 
 
 def _latent_stats(vae, like: torch.Tensor):
