@@ -189,7 +189,7 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
         )
     values.update(model=config.model, output_dir=str(run_dir), seed=config.seed)
     if config.trainer == "dpo":
-        values.update(dataset=str(feedback), reward=None, prompts=None)
+        values.update(dataset=str(feedback), reward=None)  # offline pairs: the trainer's --prompts go unused
     else:
         values.update(reward=judge, prompts=config.train_prompts)
     if config.max_steps is not None:  # Diffusion-DPO only (validate)
