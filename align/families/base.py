@@ -105,6 +105,12 @@ class ModelFamily:
         the unconditional side). ``resolution`` feeds size conditioning where the family has it."""
         raise NotImplementedError
 
+    def unconditional(self, pipe, batch: int, resolution: int | None = None) -> Conditioning:
+        """The unconditional side of classifier-free guidance, ``batch`` rows (broadcast views): what the
+        family's pipeline uses when no negative prompt is given. Default: the encoded empty prompt; SDXL
+        overrides it (zeros under ``force_zeros_for_empty_prompt``)."""
+        return expand_conditioning(self.encode_prompts(pipe, [""], resolution), batch)
+
     def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
         """Denoiser-space latents (posterior mean, scaled/shifted) of pixels in [-1, 1]."""
         raise NotImplementedError
