@@ -29,6 +29,7 @@ if __package__ in (None, ""):
 from align.api_cost import dpo_api_plan, guard_api_cost  # noqa: E402
 from align.cli import ConfigError  # noqa: E402
 from align.dpo_config import DPOConfig  # noqa: E402
+from align.families.base import cat_conditioning  # noqa: E402
 from align.judges import check_judge_names, load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
@@ -132,16 +133,18 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
-    from align.feedback import generate_feedback, make_pipeline_generator, pairwise_scheme
+    from align.families import family_of_pipeline
+    from align.feedback import generate_feedback, pairwise_scheme
     from align.pair_stream import open_pairs
 
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
     stopped = None
     if accelerator.is_main_process:
-        was_training = pipe.unet.training
-        pipe.unet.eval()
-        generate_images = healthy_images_only(make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance))
+        denoiser = family_of_pipeline(pipe).denoiser(pipe)
+        was_training = denoiser.training
+        denoiser.eval()
+        generate_images = healthy_images_only(pipeline_generator(pipe, steps, guidance))
         labelled = round_prompts(prompts, round_index, rounds)
         if is_pointwise(judge):
             asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
@@ -158,7 +161,7 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
             print(f"[feedback]{label} {stats.summary()}", flush=True)
         except TrainingStopped as err:  # degenerate images: every process stops (none waits for the main one for ever)
             stopped = str(err)
-        pipe.unet.train(was_training)
+        denoiser.train(was_training)
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -170,6 +173,17 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
     if accelerator.is_main_process:
         print(f"[data] {table.stats.summary()}", flush=True)
     return table
+
+
+def pipeline_generator(pipe, steps: int, guidance: float):
+    """``generate(prompts, seeds)`` through align.pipeline.generate_images (the family's generation keyword
+    arguments; image i depends on seed i only)."""
+    from align.pipeline import generate_images
+
+    def generate(prompts, seeds):
+        return generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
+
+    return generate
 
 
 def healthy_images_only(generate_images):
@@ -245,18 +259,39 @@ def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start:
 
 
 @torch.no_grad()
-def batch_latents_and_text(pipe, batch: dict):
-    """(winner latents, loser latents, text embeddings) of a micro-batch, on the CPU."""
+def batch_latents_and_conditioning(family, pipe, batch: dict, resolution: int):
+    """(winner latents, loser latents, conditioning dict) of a micro-batch, on the CPU."""
     from align.data import DataError
-    from align.pipeline import encode_images, encode_prompts
+    from align.latent_store import COND_PREFIX
 
     if "error" in batch:
         raise DataError(batch["error"])
-    if "text" in batch:  # from a latent store
-        return batch["latents_w"], batch["latents_l"], batch["text"]
-    latents = encode_images(pipe, torch.cat([batch["pixels_w"], batch["pixels_l"]])).float().cpu()
+    if "latents_w" in batch:  # from a latent store: conditioning under "cond.<key>"
+        cond = {key[len(COND_PREFIX):]: value for key, value in batch.items() if key.startswith(COND_PREFIX)}
+        return batch["latents_w"], batch["latents_l"], cond
+    latents = family.encode_images(pipe, torch.cat([batch["pixels_w"], batch["pixels_l"]])).float().cpu()
     latents_w, latents_l = latents.chunk(2)
-    return latents_w, latents_l, encode_prompts(pipe, batch["caption"]).float().cpu()
+    cond = family.encode_prompts(pipe, list(batch["caption"]), resolution)
+    return latents_w, latents_l, {key: value.float().cpu() for key, value in cond.items()}
+
+
+def native_resolution_of(pipe, family) -> int:
+    """The pipeline's default image side, as its ``__call__`` computes it: ``default_sample_size`` (SDXL, SD3,
+    FLUX) or the UNet's sample size (SD 1.x/2.x), times the VAE's downsampling."""
+    sample_size = getattr(pipe, "default_sample_size", None) or family.denoiser(pipe).config.sample_size
+    return int(sample_size) * pipe.vae_scale_factor
+
+
+def training_conditioning(family, denoiser, cond, guidance: float, device):
+    """The micro-batch's conditioning on ``device``, with the guidance scale as an input where the denoiser
+    embeds it (FLUX.1-dev: trained at the sampling guidance, as diffusers' FLUX LoRA script does)."""
+    from align.families.base import conditioning_to
+
+    cond = conditioning_to(cond, device=device)
+    if family.uses_guidance_embedding(denoiser):
+        batch = next(iter(cond.values())).shape[0]
+        cond["guidance"] = torch.full((batch,), float(guidance), device=device)
+    return cond
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,6 +304,7 @@ def train(config: DPOConfig) -> Path:
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
 
+    from align.families import family_of_pipeline
     from align.pair_stream import open_pairs
     from align.pipeline import (
         add_lora,
@@ -317,11 +353,12 @@ def train(config: DPOConfig) -> Path:
     set_seed(config.seed)
 
     pipe = load_pipeline(config.model, device=accelerator.device)
+    family = family_of_pipeline(pipe)  # what differs between SD, SDXL, SD3 and FLUX (align/families)
     defaults = testbed_settings(config.model)
     steps = config.num_inference_steps or defaults.get("num_inference_steps", 50)
     guidance = config.guidance_scale if config.guidance_scale is not None else defaults.get("guidance_scale", 7.5)
-    resolution = config.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
-    for module in (pipe.vae, pipe.text_encoder):
+    resolution = config.resolution or native_resolution_of(pipe, family)
+    for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
 
     # 1. The prompts of AI feedback (labelled in step 5), or the offline pairs read above.
@@ -332,12 +369,13 @@ def train(config: DPOConfig) -> Path:
     elif main and table is not None:
         print(f"[data] {table.stats.summary()}", flush=True)
 
-    # 2. The trained UNet and its reference.
-    unet = pipe.unet
-    keep_default_attention(unet)
+    # 2. The trained denoiser (UNet or transformer; named ``unet`` below) and its reference.
+    unet = family.denoiser(pipe)
+    if family.denoiser_name == "unet":  # transformers keep their own (joint) attention processors
+        keep_default_attention(unet)
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank)
-        reference = None  # same UNet, adapter off
+        add_lora(unet, rank=config.lora_rank, target_modules=family.lora_targets)
+        reference = None  # same denoiser, adapter off
     else:
         unet.requires_grad_(True)
         reference = frozen_copy(unet) if config.loss == "dpo" else None
@@ -358,7 +396,6 @@ def train(config: DPOConfig) -> Path:
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     noise_scheduler = pipe.scheduler
-    prediction_type = noise_scheduler.config.prediction_type
 
     # 4. Resume.
     start_step = resume_from_checkpoint(accelerator, run, "dpo")
@@ -419,33 +456,33 @@ def train(config: DPOConfig) -> Path:
             # The pairs, flips and dropped captions were drawn from ``gen`` by the DataLoader's sampler
             # (micro_batch_keys); redrawing them here leaves ``gen`` where the noise draws start.
             gen, batch = micro_batch_keys(order, config, step, micro, accelerator.process_index, accelerator.num_processes)
-            latents_w, latents_l, text = batch_latents_and_text(pipe, next(batches))
+            latents_w, latents_l, cond = batch_latents_and_conditioning(family, pipe, next(batches), resolution)
 
-            # One timestep and one noise draw per pair, shared by winner and loser.
+            # One timestep (flow families: σ·1000) and one noise draw per pair, shared by winner and loser;
+            # the family noises x0 and says what the denoiser regresses (ε, v or the flow velocity ε − x0).
             noise = torch.randn(latents_w.shape, generator=gen)
-            timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(batch),), generator=gen)
+            timesteps = family.draw_training_timesteps(noise_scheduler, len(batch), gen)
             x0 = torch.cat([latents_w, latents_l]).to(accelerator.device)
             noise2 = torch.cat([noise, noise]).to(accelerator.device)
             t2 = torch.cat([timesteps, timesteps]).to(accelerator.device)
-            text2 = torch.cat([text, text]).to(accelerator.device)
-            noisy = noise_scheduler.add_noise(x0, noise2, t2)
-            target = noise2 if prediction_type == "epsilon" else noise_scheduler.get_velocity(x0, noise2, t2)
+            cond2 = training_conditioning(family, accelerator.unwrap_model(unet), cat_conditioning([cond, cond]), guidance, accelerator.device)
+            noisy, target = family.noisy_and_target(noise_scheduler, x0, noise2, t2)
 
             # The merged LoRA forward stays on through the backward (gradient checkpointing recomputes it).
             merged = lora_as_merged_weight(accelerator.unwrap_model(unet)) if merged_lora else contextlib.nullcontext()
             with accelerator.accumulate(unet), merged:
-                model_err = per_sample_mse(unet(noisy, t2, text2).sample, target)
+                model_err = per_sample_mse(family.predict(unet, noisy, t2, cond2), target)
                 model_err_w, model_err_l = model_err.chunk(2)
                 if config.loss == "sft":
                     loss, metrics = diffusion_sft_loss(model_err_w)
                 else:
-                    # The reference runs exactly as the policy: the prepared UNet's forward is under autocast.
+                    # The reference runs exactly as the policy: the prepared denoiser's forward is under autocast.
                     with torch.no_grad(), accelerator.autocast():
                         if reference is None:
                             with disabled_adapter(accelerator.unwrap_model(unet)) as ref_unet:
-                                ref_pred = ref_unet(noisy, t2, text2).sample
+                                ref_pred = family.predict(ref_unet, noisy, t2, cond2)
                         else:
-                            ref_pred = reference(noisy, t2, text2).sample
+                            ref_pred = family.predict(reference, noisy, t2, cond2)
                     ref_err_w, ref_err_l = per_sample_mse(ref_pred, target).chunk(2)
                     loss, metrics = diffusion_dpo_loss(model_err_w, model_err_l, ref_err_w, ref_err_l, config.beta)
                 finite = accelerator.gather(torch.isfinite(loss.detach()).float().reshape(1)).min()
@@ -487,7 +524,8 @@ def train(config: DPOConfig) -> Path:
     if main:
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
-        save_final_weights(accelerator, unet, run.path, config.finetune, lambda final: write_model_card(final, config, run))
+        save_final_weights(accelerator, unet, run.path, config.finetune, lambda final: write_model_card(final, config, run),
+                           family=family)
         write_run_report(run, config)
         run.let_go_of_old_run()
     for used in {id(j): j for j in (judge, eval_judge) if j is not None}.values():

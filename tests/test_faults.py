@@ -142,7 +142,7 @@ def _labelling_fails_after_one_batch(monkeypatch):
     monkeypatch.setattr(align.feedback, "generate_feedback", generate_feedback)
 
 
-def _half_written_lora(unet, folder):
+def _half_written_lora(unet, folder, family=None):
     (Path(folder) / "pytorch_lora_weights.safetensors").write_bytes(b"\0" * 100)
 
 

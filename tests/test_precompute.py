@@ -66,8 +66,29 @@ def test_store_round_trip_holds_the_trainers_latents_for_both_flips(tiny_model, 
             torch.testing.assert_close(item["latents_w"], expected[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(item["latents_l"], expected[1], rtol=1e-5, atol=1e-5)
         with torch.no_grad():
-            torch.testing.assert_close(item["text"], encode_prompts(pipe, [row["caption"]])[0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(data[(k, False, True)]["text"], encode_prompts(pipe, [""])[0], rtol=1e-5, atol=1e-5)
+            # The conditioning dict's every key, under "cond.<key>" (SD 1.x/2.x: prompt_embeds alone).
+            torch.testing.assert_close(item["cond.prompt_embeds"], encode_prompts(pipe, [row["caption"]])[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(data[(k, False, True)]["cond.prompt_embeds"], encode_prompts(pipe, [""])[0],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_a_format_1_store_of_text_embeddings_is_still_read(tiny_model, pairs_file, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    store = build(tiny_model, pairs_file, tmp_path / "store")
+    new = StoreLatents(store, read_manifest(store))
+    expected = [new[(1, False, drop)]["cond.prompt_embeds"] for drop in (False, True)]
+    for path in [*store.glob("shard_*"), store / "empty_text.safetensors"]:  # the layout before conditioning dicts
+        tensors = load_file(str(path))
+        tensors["text"] = tensors.pop("cond.prompt_embeds")
+        save_file(tensors, str(path))
+    manifest = {**read_manifest(store), "format": 1}
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    old = StoreLatents(store, read_manifest(store))
+    for drop, want in zip((False, True), expected):
+        item = old[(1, False, drop)]
+        assert sorted(k for k in item if k.startswith("cond.")) == ["cond.prompt_embeds"]
+        assert torch.equal(item["cond.prompt_embeds"], want)
 
 
 def test_interrupted_precompute_resumes_to_the_same_bytes(tiny_model, pairs_file, tmp_path):
