@@ -5,6 +5,7 @@ made with the family's own ``save_lora``, and the commands run as a user runs th
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -203,29 +204,29 @@ def test_ai_feedback_pairs_from_a_flow_pipeline(tmp_path, flow_testbed_like):
 
 
 @pytest.mark.filterwarnings("ignore:An input array is constant")  # random tiny models: equal oracle scores are likely
-def test_judge_comparison_on_a_flow_model(tmp_path, flow_testbed_like, monkeypatch):
-    """scripts/compare_judges.py on a tiny SD3 model: each judge labels the same base images, its accuracy
-    against the oracle is measured, and the models are evaluated downstream. Fine-tuning is replaced by a LoRA
-    run folder per judge (the trainers' own flow tests cover training)."""
+def test_judge_comparison_on_a_flow_model(tmp_path, flow_testbed_like):
+    """scripts/compare_judges.py on a tiny SD3 model, as on the SD testbed: each judge labels the same base
+    images, its accuracy against the oracle is measured, Diffusion-DPO (flow-matching loss, LoRA) trains one
+    model per judge on its labels, and every model is evaluated downstream."""
     from script_loader import load_script
 
     cj = load_script("compare_judges")
-    judges = ["shapes-oracle", "random"]
-
-    def fake_train_all(config, judge_specs, feedback, out):
-        assert set(feedback) == set(judge_specs) and all(path.is_file() for path in feedback.values())
-        return {spec: str(lora_run(flow_testbed_like, out / "runs" / cj.slug_name(spec), seed=i))
-                for i, spec in enumerate(judge_specs)}
-
-    monkeypatch.setattr(cj, "train_all", fake_train_all)
     out = tmp_path / "compare"
-    cj.main(["--model", str(flow_testbed_like), "--judges", ",".join(judges), "--train_prompts", "testbed:4",
-             "--eval_num_prompts", "3", "--fid_feature", "pixels", "--batch_size", "8", "--output_dir", str(out)])
+    cj.main(["--model", str(flow_testbed_like), "--judges", "shapes-oracle,random", "--trainer_config",
+             "configs/testbed_dpo.yaml", "--max_steps", "2", "--trainer_overrides", "train_batch_size=4",
+             "--train_prompts", "testbed:4", "--eval_num_prompts", "3", "--fid_feature", "pixels", "--batch_size", "8",
+             "--output_dir", str(out)])
     payload = json.loads((out / "compare.json").read_text())
     rows = {row["judge"]: row for row in payload["table"]}
-    assert set(rows) == set(judges)
+    assert set(rows) == {"shapes-oracle", "random"}
     assert rows["shapes-oracle"]["accuracy vs oracle"] == pytest.approx(1.0)  # the oracle agrees with itself
     assert all(np.isfinite(row["oracle score"]) for row in rows.values())
+    from safetensors.torch import load_file
+
+    for run in payload["runs"].values():  # each judge's model: a trained LoRA of the SD3 transformer
+        lora = load_file(Path(run) / "final" / "pytorch_lora_weights.safetensors")
+        assert lora and all(key.startswith("transformer.") for key in lora)
+        assert max(v.abs().max().item() for k, v in lora.items() if "lora_B" in k) > 0  # B starts at zero
     evaluated = json.loads((out / "eval" / "results.json").read_text())
     assert evaluated["sampling"] == {"num_inference_steps": 3, "guidance_scale": 3.0, "resolution": 32}
     assert [m["images_generated"] for m in evaluated["models"]] == [3, 3, 3]
