@@ -82,13 +82,18 @@ def test_evaluate_and_best_of_n_commands_on_a_base_and_its_lora_run(base_and_run
     bon_out = tmp_path / "bon"
     bon.main(["--model", str(run), "--reward", "jpeg-compressibility", "--eval_judges", "shapes-oracle",
               "--prompts", "testbed", "--num_prompts", "2", "--n", "4", "--num_inference_steps", "2",
-              "--resolution", "32", "--device", "cpu", "--output_dir", str(bon_out), "--quiet"])
+              "--resolution", "32", "--search", "zero-order", "--zo_neighbors", "2", "--device", "cpu",
+              "--output_dir", str(bon_out), "--quiet"])
     results = json.loads((bon_out / "results.json").read_text())
     scores = np.array(results["scores"]["jpeg-compressibility"])
     assert scores.shape == (2, 4) and results["sizes"] == [1, 2, 4]
     curve = results["curves"]["jpeg-compressibility"]
     assert curve[0] == pytest.approx(scores.mean()) and curve[-1] == pytest.approx(scores.max(axis=1).mean())
     assert sorted(p.name for p in (bon_out / "chosen").iterdir()) == ["0000.png", "0001.png"]
+    # zero-order search moves the starting noise itself (FLUX: packed for the pipeline)
+    assert [t["candidates"] for t in results["zero_order"]["trace"]] == [2, 4]
+    trace = [t["selector"] for t in results["zero_order"]["trace"]]
+    assert trace[1] >= trace[0] and np.isfinite(results["zero_order"]["shapes-oracle_final"])
     assert (bon_out / "report.html").is_file()
     assert "wrote" in capsys.readouterr().out
 
