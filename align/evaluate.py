@@ -39,12 +39,13 @@ from align.generation import (
     resolve_device,
     sample_seed,
     sampling_settings,
+    settings_per_model,
     slug,
 )
 from align.health import degenerate_reason
 from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import CI_METHODS, FeatureNetwork
-from align.pipeline import ModelLoadError, resolve_model
+from align.pipeline import ModelLoadError, resolve_model, run_base_model
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
 from align.runs import atomic_write_text
@@ -313,6 +314,7 @@ def evaluate(config: EvalConfig) -> dict:
     device = resolve_device(config.device)
     base_for_adapters = config.base_model or models[0].path
     settings = sampling_settings(config, base_for_adapters)
+    model_settings = settings_per_model(config, models, base_for_adapters)  # another family: its own defaults
     prompts = prompt_set.prompts
     # seed-major order: sample k = (seed k // P, prompt k % P)
     items = [(p, s) for s in seeds for p in prompts]
@@ -324,8 +326,12 @@ def evaluate(config: EvalConfig) -> dict:
     embed = embedding_function(config.cmmd_feature) if config.cmmd else None
     images, paths, generated = {}, {}, {}
     for model in models:
-        cache = GenerationCache(out / "generations", model, settings, base_for_adapters)
-        generated[model.name] = generate_missing(cache, model, items, settings, base_for_adapters, device, config.batch_size)
+        own = model_settings[model.name]
+        # a run folder sits on the base its config.yaml names (unless --base_model says otherwise); a bare LoRA
+        # or denoiser folder on --base_model or the first model
+        base = config.base_model or run_base_model(model.path) or models[0].path
+        cache = GenerationCache(out / "generations", model, own, base)
+        generated[model.name] = generate_missing(cache, model, items, own, base, device, config.batch_size)
         images[model.name] = cache.load(items)
         paths[model.name] = [cache.path(p, s) for p, s in items]
     degenerate = degenerate_models(images, [m.name for m in models])
@@ -360,7 +366,7 @@ def evaluate(config: EvalConfig) -> dict:
     results = {
         "config": asdict(config),
         "models": [{"name": m.name, "path": m.path, "base": i == 0, "images_generated": generated[m.name],
-                    "degenerate": degenerate.get(m.name)} for i, m in enumerate(models)],
+                    "degenerate": degenerate.get(m.name), "sampling": model_settings[m.name]} for i, m in enumerate(models)],
         "prompt_set": prompt_set.name,
         "prompts": prompts,
         "categories": prompt_set.categories,

@@ -111,6 +111,31 @@ def pipeline_call_defaults(model: str) -> dict:
     return {key: parameters[key].default if key in parameters else value for key, value in SD_CALL_DEFAULTS.items()}
 
 
+def model_family_name(model: str) -> str | None:
+    """The family (``align.families``) of a pipeline folder, hub id or run folder (its base's); None where it
+    cannot be told without loading anything (a bare LoRA folder, a hub id offline)."""
+    from align.families import family_of
+
+    try:
+        return family_of(resolve_model(base_of(model))).name
+    except Exception:
+        return None
+
+
+def settings_per_model(config, models: list[ModelEntry], base: str) -> dict[str, dict]:
+    """Each model's sampling settings: the base's (so that models differ by their weights alone), except for a
+    model of another family (SD v1.5 against FLUX), which samples with its own (testbed file or pipeline
+    defaults); flags apply to every model."""
+    shared = sampling_settings(config, base)
+    base_family = model_family_name(base)
+    out = {}
+    for model in models:
+        family = model_family_name(model.path)
+        other_family = None not in (family, base_family) and family != base_family
+        out[model.name] = sampling_settings(config, model.path) if other_family else shared
+    return out
+
+
 # Weights and compute dtype of a generator (--dtype). float32 is the default and leaves the cache key as it was;
 # bfloat16 is what SDXL / SD3.5 / FLUX.1 are run in on one GPU (FLUX.1's 12 B transformer in float32 alone is 48 GB).
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

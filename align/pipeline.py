@@ -229,10 +229,14 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
         if not base:
             raise ModelLoadError(f"{path}: a LoRA folder needs the base model (base=...)")
         pipe = load_pipeline(base, dtype=dtype, device=device)
+        family = family_of_pipeline(pipe)
         try:
-            family_of_pipeline(pipe).load_lora(pipe, p)
+            family.load_lora(pipe, p)
         except Exception as err:  # safetensors' own error type for a truncated file is not an OSError
             raise ModelLoadError(f"cannot load the LoRA weights {p / LORA_WEIGHTS}: {one_line(err)}") from None
+        if not getattr(family.denoiser(pipe), "peft_config", None):  # diffusers only warns when no key matches
+            raise ModelLoadError(f"{p / LORA_WEIGHTS} holds no LoRA weights for the {family.denoiser_name} of {base!r} "
+                                 f"(a {family.name} pipeline): a LoRA of another model family? give its base model")
         return pipe
     denoiser_folder = next((p / name for name in DENOISER_FOLDERS if (p / name / "config.json").is_file()), None)
     if p.is_dir() and denoiser_folder is not None and not (p / "model_index.json").is_file():

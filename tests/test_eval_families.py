@@ -16,8 +16,8 @@ from PIL import Image
 from align import best_of_n as bon
 from align import evaluate as ev
 from align.families import family_of, family_of_pipeline
-from align.generation import GenerationCache, ModelEntry, model_fingerprint, sampling_settings
-from align.pipeline import add_lora, generate_images, load_trained
+from align.generation import GenerationCache, ModelEntry, model_fingerprint, sample_seed, sampling_settings
+from align.pipeline import ModelLoadError, add_lora, generate_images, load_trained
 from align.runs import CONFIG_FILE
 
 
@@ -256,3 +256,28 @@ def test_dtype_flag_generates_in_bfloat16_under_its_own_cache_key(tmp_path, flow
                   "--output_dir", str(tmp_path / "bon")])
     assert "--dtype must be one of float32, bfloat16, float16, got 'fp8'" in capsys.readouterr().err
     assert not (tmp_path / "bon").exists()
+
+
+def test_evaluate_across_families_samples_each_with_its_own_settings(tmp_path, flow_testbed_like, tiny_model):
+    """SD v1.5 architecture as the base against a LoRA run of an SD3 model: the run loads on its own base (its
+    config.yaml), and samples with its family's settings (flow_testbed.json), not the SD base's 50 steps / 7.5."""
+    run = lora_run(flow_testbed_like, tmp_path / "sd3-run")
+    out = tmp_path / "eval"
+    ev.main(["--models", f"sd={tiny_model},sd3={run}", "--judges", "jpeg-compressibility", "--prompts", "testbed",
+             "--num_prompts", "2", "--device", "cpu", "--output_dir", str(out), "--quiet"])
+    saved = json.loads((out / "results.json").read_text())
+    sd, sd3 = saved["models"]
+    assert sd["sampling"] == saved["sampling"] == {"num_inference_steps": 50, "guidance_scale": 7.5, "resolution": None}
+    assert sd3["sampling"] == {"num_inference_steps": 3, "guidance_scale": 3.0, "resolution": 32}
+    sizes = {m: next(iter(_pngs(next((out / "generations").glob(f"{m}-*"))).values())).shape for m in ("sd", "sd3")}
+    assert sizes == {"sd": (16, 16, 3), "sd3": (32, 32, 3)}
+    assert set(saved["judges"]["jpeg-compressibility"]["per_model"]) == {"sd", "sd3"}
+    # the SD3 run's images are its own model's (its LoRA on its SD3 base), not the SD base's
+    cache = GenerationCache(out / "generations", ModelEntry("sd3", str(run)), sd3["sampling"], str(flow_testbed_like))
+    prompt = saved["prompts"][0]
+    own = generate_images(load_trained(str(run)), [prompt], [sample_seed(0, prompt)], num_inference_steps=3,
+                          guidance_scale=3.0, height=32, width=32)
+    assert (cache.load([(prompt, 0)]) - own).abs().max() <= 1 / 255 + 1e-6
+    # a LoRA put on a pipeline of another family is refused, not silently ignored
+    with pytest.raises(ModelLoadError, match="holds no LoRA weights for the unet"):
+        load_trained(str(run), base=tiny_model)
