@@ -57,7 +57,7 @@ SEARCHES = ("random", "zero-order")
 @dataclass
 class BestOfNConfig:
     model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "the generator: a hub id, pipeline folder, "
-                        "run or LoRA folder, or 'testbed'", "model")
+                        "run or LoRA folder, 'testbed' or 'testbed-flow' (any family: SD, SDXL, SD3, FLUX)", "model")
     base_model: str | None = option(None, "base pipeline for a bare LoRA / unet/ / transformer/ folder", "model")
     reward: str = option("pickscore", "the selector judge that picks the best of the candidates", "judge")
     eval_judges: str | None = option(None, "comma list of other judges that score the chosen images", "judge")

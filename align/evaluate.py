@@ -61,7 +61,7 @@ FID_FEATURES_BUILTIN = ("inception", "pixels")
 class EvalConfig:
     # --- what to compare
     models: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "comma list of models, the base first; "
-                         "'name=path' names a model (a hub id, pipeline, run or LoRA folder, or 'testbed')", "model")
+                         "'name=path' names a model (a hub id, pipeline, run or LoRA folder, 'testbed' or 'testbed-flow')", "model")
     base_model: str | None = option(None, "pipeline under bare LoRA / unet/ / transformer/ folders (None: the first model)", "model")
     judges: str = option("clip,pickscore", "comma list of judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2]",
                          "judge")

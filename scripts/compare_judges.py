@@ -46,7 +46,8 @@ class CompareConfig:
     judges: str = option("shapes-oracle,shapes-clip,shapes-oracle[noise=0.3],shapes-oracle[position_bias=0.7],random",
                          "comma list of the judges to compare (options in brackets)", "judge")
     oracle: str = option("shapes-oracle", "the ground truth the judges' labels are measured against", "judge")
-    model: str = option("testbed", "the base model every judge fine-tunes", "model")
+    model: str = option("testbed", "the base model every judge fine-tunes: 'testbed', 'testbed-flow', a pipeline "
+                        "folder or hub id of any family (SD, SDXL, SD3, FLUX)", "model")
     # --- fine-tuning (identical for every judge)
     trainer: str = option("dpo", "dpo (Diffusion-DPO on each judge's labels) or ddpo (the judge as the online "
                           "reward)", "optimisation")
