@@ -15,17 +15,25 @@ from align.families.base import LORA_WEIGHTS, ModelLoadError, dtype_argument, on
 from align.families.sd import StableDiffusion
 from align.progress import progress_bar
 from align.runs import CONFIG_FILE
-from align.testbed.weights import TESTBED_SETTINGS_FILE, MissingTestbedWeightsError, testbed_pipeline_dir
+from align.testbed.weights import (
+    FLOW_TESTBED_SETTINGS_FILE,
+    TESTBED_SETTINGS_FILE,
+    MissingTestbedWeightsError,
+    flow_testbed_pipeline_dir,
+    testbed_pipeline_dir,
+)
 
 DENOISER_FOLDERS = ("unet", "transformer")  # a fully fine-tuned denoiser's folder, by family
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def resolve_model(model: str) -> str:
-    """'testbed' -> the bundled shapes-testbed pipeline; hub ids and local folders pass through."""
-    if model == "testbed":
+    """'testbed' / 'testbed-flow' -> the bundled shapes-testbed pipelines (SD v1.5 / SD3 architecture);
+    hub ids and local folders pass through."""
+    bundled = {"testbed": testbed_pipeline_dir, "testbed-flow": flow_testbed_pipeline_dir}
+    if model in bundled:
         try:
-            return str(testbed_pipeline_dir())
+            return str(bundled[model]())
         except MissingTestbedWeightsError as err:
             raise ModelLoadError(str(err)) from None
     return model
@@ -43,7 +51,7 @@ def check_model(model: str) -> str:
             raise ModelLoadError(
                 f"--model {model!r} is not a diffusers pipeline folder (no model_index.json); "
                 "give a hub id such as stable-diffusion-v1-5/stable-diffusion-v1-5, a folder saved with "
-                "save_pretrained, or 'testbed'"
+                "save_pretrained, or 'testbed' / 'testbed-flow'"
             )
     return resolved
 
@@ -60,9 +68,13 @@ def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | 
 
 
 def testbed_settings(model: str) -> dict:
-    """Inference defaults stored beside a testbed pipeline (steps, guidance, resolution), if any."""
-    path = Path(resolve_model(model)) / TESTBED_SETTINGS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """Inference defaults stored beside a testbed pipeline (steps, guidance, resolution), if any
+    (the flow testbed's file also holds its max_sequence_length)."""
+    for name in (TESTBED_SETTINGS_FILE, FLOW_TESTBED_SETTINGS_FILE):
+        path = Path(resolve_model(model)) / name
+        if path.is_file():
+            return json.loads(path.read_text())
+    return {}
 
 
 def add_lora(unet, rank: int = 4, alpha: float | None = None, target_modules=DEFAULT_LORA_TARGETS, dropout: float = 0.0):
