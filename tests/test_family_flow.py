@@ -325,3 +325,23 @@ def test_flux_sigmas_shift_with_the_resolution(built, pipe):
          output_type="latent", **family.generation_kwargs(pipe))
     torch.testing.assert_close(family.flow_sigmas(pipe, 3, 2 * RES), pipe.scheduler.sigmas.cpu(), rtol=0, atol=1e-7)
     assert (family.flow_sigmas(pipe, 3, 2 * RES)[1:3] > family.flow_sigmas(pipe, 3, RES)[1:3]).all()  # more tokens, more shift
+
+
+@pytest.mark.parametrize("built", ["sd3"], indirect=True)
+def test_sd3_schedule_at_shift_3_is_sd35s(built, pipe):
+    """SD3.5-M's published 10-step timesteps (shift 3, docs reference facts) from flow_sigmas."""
+    published = [1000, 960.1, 913.3, 857.7, 790.4, 707.3, 602.2, 464.9, 278.0, 8.9, 0]
+    got = family_of_pipeline(pipe).flow_sigmas(pipe, 10, RES) * 1000
+    torch.testing.assert_close(got, torch.tensor(published), rtol=0, atol=0.06)
+
+
+@pytest.mark.parametrize("built", ["flux_dev"], indirect=True)
+def test_flux_shift_for_1024_image_tokens_is_mu_063(built, pipe):
+    """FLUX at 512 px has 1024 packed tokens and mu = 0.5 + 0.65 (1024 - 256) / 3840 = 0.63; the tiny VAE
+    downsamples by 2 instead of 8, so 128 px gives the same token count."""
+    family = family_of_pipeline(pipe)
+    assert family.latent_shape(pipe, 128)[1:] == (64, 64)
+    base = torch.linspace(1.0, 1 / 8, 8, dtype=torch.float64)
+    mu = torch.tensor(0.63, dtype=torch.float64)
+    expected = torch.cat([mu.exp() / (mu.exp() + (1 / base - 1)), torch.zeros(1, dtype=torch.float64)]).float()
+    torch.testing.assert_close(family.flow_sigmas(pipe, 8, 128), expected, rtol=0, atol=1e-6)

@@ -136,5 +136,6 @@ def save_transformer_lora(pipeline_class, denoiser, folder: str | Path) -> Path:
 
 
 def load_transformer_lora(pipe, folder: str | Path) -> None:
-    """Our LoRA files hold transformer weights only: ``pipe.load_lora_weights`` loads them into the transformer."""
-    pipe.load_lora_weights(str(folder), weight_name=LORA_WEIGHTS)
+    """Our LoRA files hold transformer weights only: loaded into the transformer alone (``pipe.load_lora_weights``
+    gives the same outputs and warns once per text encoder that it has no LoRA keys; tested both ways)."""
+    pipe.transformer.load_lora_adapter(str(folder), prefix="transformer", weight_name=LORA_WEIGHTS)
