@@ -9,7 +9,8 @@ target) on freshly rendered scenes whose captions are all true (the base saw a q
 under another scene's caption), for ``--minutes`` of training CPU time (process time, one thread; the
 transformer only, both text encoders frozen, as the trainers keep them), and scores it on the
 trainers' held-out set (``--eval-prompts``, default DDPO's ``testbed:200:1000``, ``--eval-seed`` 1234,
-4 seeds per caption, the testbed's sampling settings) before, every ``--eval-every`` minutes and at
+4 seeds per caption, the testbed's sampling settings, the trainers'
+``align.pipeline.generate_images``) before, every ``--eval-every`` minutes and at
 the end. Rendering, encoding and evaluations are not counted in the budget.
 
 The gain is reported with its paired standard error: every image after training has the same caption
@@ -98,19 +99,6 @@ def held_out_set(spec: str, repeats: int, first_seed: int) -> tuple[list[str], l
     return prompts, [first_seed + i for i in range(len(prompts))]
 
 
-@torch.no_grad()
-def generate(pipe, prompts: list[str], seeds: list[int], settings: dict, batch_size: int) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1]; image i depends only on (prompt i, seed i), as align.pipeline.generate_images."""
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        generators = [torch.Generator().manual_seed(int(s)) for s in seeds[start : start + batch_size]]
-        out.append(pipe(prompt=prompts[start : start + batch_size], generator=generators, output_type="pt",
-                        num_inference_steps=settings["num_inference_steps"], guidance_scale=settings["guidance_scale"],
-                        height=settings["resolution"], width=settings["resolution"],
-                        max_sequence_length=settings["max_sequence_length"]).images.float())
-    return torch.cat(out)
-
-
 def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[str], torch.Tensor]:
     """``n`` true (caption, image) pairs, none of them on a held-out caption; images in [-1, 1]."""
     from align.testbed.scene import sample_captions
@@ -137,14 +125,13 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     import rewards
-    from align.pipeline import add_lora, merged_adapter, resolve_model
+    from align.pipeline import add_lora, generate_images, load_pipeline, merged_adapter, testbed_settings
     from align.runs import atomic_write_text
-    from align.testbed import flow_models
 
-    folder = Path(resolve_model(args.model))
-    settings = json.loads((folder / flow_models.FLOW_SETTINGS_FILE).read_text(encoding="utf-8"))
-    pipe = flow_models.load_pipeline(folder)
-    pipe.set_progress_bar_config(disable=True)
+    settings = testbed_settings(args.model)
+    if "max_sequence_length" not in settings:
+        raise SystemExit(f"--model {args.model!r} has no flow_testbed.json: give a flow testbed folder or 'testbed-flow'")
+    pipe = load_pipeline(args.model)  # through the model family, as the trainers load it
     for module in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
         module.requires_grad_(False).eval()
     transformer = pipe.transformer
@@ -172,7 +159,9 @@ def main(argv=None) -> dict:
         nonlocal scores_before
         transformer.eval()
         with merged_adapter(transformer):  # LoRA folded in: the same images up to rounding, faster
-            generated = generate(pipe, prompts, seeds, settings, args.eval_batch_size)
+            # the trainers' generation (align.pipeline.generate_images): the same images for the same seeds
+            generated = generate_images(pipe, prompts, seeds, num_inference_steps=settings["num_inference_steps"],
+                                        guidance_scale=settings["guidance_scale"], batch_size=args.eval_batch_size)
         transformer.train()
         scores = judge.score(prompts, generated).float().tolist()
         scores_before = scores if scores_before is None else scores_before

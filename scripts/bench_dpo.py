@@ -9,7 +9,7 @@ Cases (each runs in its own subprocess so peak memory is its own):
                               reference = the same UNet with the adapter disabled
   sd15-lora-frozen            the same, but the reference is a frozen copy of the UNet
   sd15-lora-merged            sd15-lora-disabled with the LoRA layers computed as one matmul with
-                              W + B·A (align.pipeline.lora_as_merged_weight, `--lora_merged_forward`)
+                              W + B·A (align.pipeline.lora_as_merged_weight; DPO's former `--lora_merged_forward`)
 Peak memory: torch.cuda.max_memory_allocated on a GPU, else the process's peak RSS.
 Target (issue 2): adapter-disabled reference peak <= 60% of the frozen-copy peak.
 """
@@ -127,8 +127,8 @@ def run_tiny(cache: bool, steps: int) -> dict:
         config = dpo.DPOConfig(
             model=str(model), dataset=str(data), output_dir=str(Path(tmp) / "run"), finetune="lora", lora_rank=4,
             resolution=None, train_batch_size=4, gradient_accumulation_steps=1, max_steps=steps, learning_rate=1e-4,
-            scale_lr=False, lr_warmup_steps=0, checkpointing_steps=10**9, validation_steps=0, report_to="none",
-            cache_latents=cache,
+            scale_lr=False, lr_warmup_steps=0, checkpointing_steps=10**9, report_to="none",
+            latent_store="run" if cache else "none",
         )
         run = dpo.train(config)
         rates = [json.loads(line)["pairs_per_second"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -170,3 +170,23 @@ def test_testbed_settings_reads_a_flow_testbed_folders_settings(built):
 
     out, settings = built
     assert testbed_settings(str(out))["max_sequence_length"] == settings["max_sequence_length"] == 2
+
+
+def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_settings_and_samples_at_its_resolution():
+    from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings
+    from align.testbed import weights
+
+    folder = resolve_model("testbed-flow")
+    assert folder == str(weights.FLOW_TESTBED_PIPELINE_DIR)
+    # small enough to ship inside the package (the SD testbed's pipeline is ~8 MB)
+    assert sum(f.stat().st_size for f in weights.FLOW_TESTBED_PIPELINE_DIR.rglob("*.safetensors")) < 15e6
+    settings = testbed_settings("testbed-flow")
+    assert settings["resolution"] == 32 and settings["max_sequence_length"] == flow_models.MAX_SEQUENCE_LENGTH
+    assert settings["scheduler"] == "FlowMatchEulerDiscreteScheduler" and 0 < settings["evaluation"]["mean_oracle_score"] < 1
+    pipe = load_pipeline("testbed-flow")
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline" and pipe.text_encoder_3 is None
+    assert dict(pipe.transformer.config) | flow_models.transformer_config(settings["build"]["size"]) == dict(pipe.transformer.config)
+    images = generate_images(pipe, ["a red circle", "two blue squares"], [0, 0], num_inference_steps=4,
+                             guidance_scale=settings["guidance_scale"])
+    assert images.shape == (2, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
+    assert (images[0] - images[1]).abs().mean() > 0.01  # the same seed, another caption: another image
