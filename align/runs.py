@@ -39,7 +39,7 @@ _SET_ASIDE_LIST = "moved.json"  # inside SET_ASIDE: which outputs were being mov
 # Everything a run writes into its folder (other files, e.g. the user's notes, are never touched).
 RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED,
-               "latents")  # --cache_latents' store of the run's pairs (align/dpo.py run_store_path)
+               "latents")  # --latent_store run's store of the run's pairs (align/dpo.py run_store_path)
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 # Run folders whose old run this process set aside and has not yet let go (see restores_old_run_on_failure).
 _SET_ASIDE_HERE: set[Path] = set()

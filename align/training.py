@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from align.cli import ConfigError
+from align.families import family_of_pipeline
 from align.health import degenerate_reason, weights_finite
 from align.metrics import mean_and_sem
 from align.prompt_sets import PromptSetError, load_prompt_set
@@ -161,8 +162,7 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     prompts = held_out * repeats
     # Seed eval_seed + i for the first image of prompt i, as with one image per prompt; further rounds follow on.
     seeds = [config.eval_seed + i for i in range(len(prompts))]
-    denoiser = family_of_pipeline(pipe).denoiser(pipe)  # the UNet or transformer
-    with merged_adapter(denoiser):  # a LoRA folded into the weights: the same images up to float rounding, faster
+    with merged_adapter(family_of_pipeline(pipe).denoiser(pipe)):  # a LoRA folded into the weights: the same images up to float rounding, faster
         images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance,
                                  batch_size=config.eval_batch_size, progress=f"held-out evaluation ({label})")
     degenerate = degenerate_reason(images)
@@ -199,12 +199,13 @@ def periodic_evaluation_due(every: int, done: int, total: int) -> bool:
 def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_dir: Path, done: int) -> float:
     """The held-out score after ``done`` steps (epochs for DDPO): evals/step_N.json and .png, scored
     exactly as eval_before / eval_after (same prompts and seeds), with the UNet in eval mode."""
-    was_training = pipe.unet.training
-    pipe.unet.eval()
+    denoiser = family_of_pipeline(pipe).denoiser(pipe)  # the UNet or the transformer
+    was_training = denoiser.training
+    denoiser.eval()
     try:
         return evaluate_model(pipe, judge, config, steps, guidance, run_dir / EVALS / eval_file_name(done), f"step {done}")
     finally:
-        pipe.unet.train(was_training)
+        denoiser.train(was_training)
 
 
 def tracker_config(config) -> dict:

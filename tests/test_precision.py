@@ -84,7 +84,7 @@ def test_deepspeed_and_fsdp_are_refused_with_what_works(monkeypatch, tmp_path, c
 def dpo_config(tiny_model, pairs, out, **overrides) -> DPOConfig:
     settings = dict(model=tiny_model, dataset=pairs, output_dir=str(out), resolution=None, train_batch_size=4,
                     gradient_accumulation_steps=1, max_steps=1, learning_rate=1e-3, scale_lr=False, lr_warmup_steps=0,
-                    beta=5000.0, caption_dropout=0.0, num_inference_steps=2, checkpointing_steps=10, validation_steps=0,
+                    beta=5000.0, caption_dropout=0.0, num_inference_steps=2, checkpointing_steps=10,
                     report_to="none", lora_rank=4)
     return DPOConfig(**{**settings, **overrides})
 
@@ -116,7 +116,7 @@ def test_accelerate_launch_mixed_precision_reaches_the_trainer(tiny_model, pairs
     argv = ["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--finetune", "full", "--resolution", "16",
             "--train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "1", "--learning_rate", "1e-3",
             "--scale_lr", "false", "--lr_warmup_steps", "0", "--caption_dropout", "0", "--checkpointing_steps", "10",
-            "--validation_steps", "0", "--report_to", "none"]
+            "--report_to", "none"]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     env.pop("ACCELERATE_MIXED_PRECISION", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
