@@ -1,21 +1,20 @@
-"""Diffusion-DPO (Wallace et al., CVPR 2024) for Stable Diffusion, with preference pairs from a
-dataset or made on the fly by a judge.
+"""Diffusion-DPO (Wallace et al., CVPR 2024) for SD 1.x/2.x, SDXL, SD3/SD3.5 and FLUX, with preference pairs
+from a dataset or made on the fly by a judge.
 
     accelerate launch align/dpo.py --reward gpt4o --prompts prompts.txt
     accelerate launch align/dpo.py --dataset yuvalkirstain/pickapic_v2
     python align/dpo.py --config configs/testbed_dpo.yaml          # offline, on a CPU
 
-The algorithm box, per optimisation step:
-    1. take pairs (caption c, preferred x_w, rejected x_l) and encode them to latents;
+The algorithm box, per optimisation step (the model family, align/families, supplies t, x_t and the target):
+    1. take pairs (caption c, preferred x_w, rejected x_l) and encode them to latents and conditioning;
     2. draw one timestep t and one noise ε per pair, shared by x_w and x_l;
-    3. err(x) = ‖ε_θ(x_t, t, c) − ε‖² averaged over C, H, W, for the model and the frozen reference;
+    3. err(x) = ‖f_θ(x_t, t, c) − target‖² averaged over C, H, W, for the model and the frozen reference
+       (target: ε, v, or the flow velocity ε − x for SD3/FLUX);
     4. loss = −log σ(−β/2 · [(err_θ(w) − err_ref(w)) − (err_θ(l) − err_ref(l))]).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,13 +27,13 @@ if __package__ in (None, ""):
 
 from align.api_cost import dpo_api_plan, guard_api_cost  # noqa: E402
 from align.cli import ConfigError  # noqa: E402
-from align.dpo_config import DPOConfig  # noqa: E402
+from align.dpo_config import RUN_STORE, DPOConfig  # noqa: E402
+from align.families.base import cat_conditioning, conditioning_to  # noqa: E402
 from align.judges import check_judge_names, load_judge  # noqa: E402
-from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse  # noqa: E402
+from align.losses import diffusion_dpo_loss, per_sample_mse  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
 from align.runs import (  # noqa: E402
     RunFolder,
-    atomic_write_text,
     restores_old_run_on_failure,
 )
 from align.trainer_run import (  # noqa: E402
@@ -60,7 +59,6 @@ from align.training import (  # noqa: E402
     register_trainable_checkpoint_hooks,
     require_pointwise_eval_judge,
     save_checkpoint,
-    save_image_row,
     stop_unless_weights_finite,
     tracker_config,
 )
@@ -74,7 +72,7 @@ def check_inputs(config: DPOConfig) -> None:
     """Every bad input that can be found without loading a model or calling a judge."""
     check_config_and_model(config)
     check_judge_names((config.reward, config.eval_judge), "--reward/--eval_judge")
-    prompt_specs = (config.prompts if config.reward else None, config.eval_prompts, config.validation_prompts)
+    prompt_specs = (config.prompts if config.reward else None, config.eval_prompts)
     for spec in filter(None, prompt_specs):
         load_prompt_list(spec)
     if config.reward and len(load_prompt_list(config.prompts)) < config.feedback_rounds:
@@ -132,16 +130,18 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
-    from align.feedback import generate_feedback, make_pipeline_generator, pairwise_scheme
+    from align.families import family_of_pipeline
+    from align.feedback import generate_feedback, pairwise_scheme
     from align.pair_stream import open_pairs
 
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
     stopped = None
     if accelerator.is_main_process:
-        was_training = pipe.unet.training
-        pipe.unet.eval()
-        generate_images = healthy_images_only(make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance))
+        denoiser = family_of_pipeline(pipe).denoiser(pipe)
+        was_training = denoiser.training
+        denoiser.eval()
+        generate_images = healthy_images_only(pipeline_generator(pipe, steps, guidance))
         labelled = round_prompts(prompts, round_index, rounds)
         if is_pointwise(judge):
             asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
@@ -152,13 +152,13 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
         try:
             stats = generate_feedback(
                 generate_images, judge, labelled, path,
-                images_per_prompt=config.images_per_prompt, seed=config.seed + round_index, pairing=config.feedback_pairing,
+                images_per_prompt=config.images_per_prompt, seed=config.seed + round_index,  # best vs worst of K
             )
             label = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
             print(f"[feedback]{label} {stats.summary()}", flush=True)
         except TrainingStopped as err:  # degenerate images: every process stops (none waits for the main one for ever)
             stopped = str(err)
-        pipe.unet.train(was_training)
+        denoiser.train(was_training)
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -166,10 +166,21 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
     if stopped:
         raise TrainingStopped(stopped)
     accelerator.wait_for_everyone()
-    table = open_pairs(str(path), tie_policy=config.tie_policy, max_pairs=config.max_pairs)
+    table = open_pairs(str(path), max_pairs=config.max_pairs)  # ties dropped, as the authors' code does
     if accelerator.is_main_process:
         print(f"[data] {table.stats.summary()}", flush=True)
     return table
+
+
+def pipeline_generator(pipe, steps: int, guidance: float):
+    """``generate(prompts, seeds)`` through align.pipeline.generate_images (the family's generation keyword
+    arguments; image i depends on seed i only)."""
+    from align.pipeline import generate_images
+
+    def generate(prompts, seeds):
+        return generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
+
+    return generate
 
 
 def healthy_images_only(generate_images):
@@ -190,7 +201,7 @@ def healthy_images_only(generate_images):
 
 
 def run_store_path(run_path: Path, round_index: int, rounds: int) -> Path:
-    """Where --cache_latents keeps the latents of a run's pairs (one store per feedback round)."""
+    """Where --latent_store run keeps the latents of a run's pairs (one store per feedback round)."""
     return run_path / "latents" if rounds == 1 else run_path / "latents" / f"round_{round_index + 1}"
 
 
@@ -199,16 +210,16 @@ def check_latent_store(config: DPOConfig, table, resolution: int) -> None:
     checked from the model's files, before the run folder is written or the model loads."""
     from align.latent_store import check_store, model_fingerprint, read_manifest
 
-    if read_manifest(config.latent_store) is None and table is not None:
+    if read_manifest(config.store_folder) is None and table is not None:
         return  # built after the model loads
-    complete = table is None or read_manifest(config.latent_store).get("complete", False)
-    check_store(config.latent_store, model_fingerprint(config.model), resolution,
+    complete = table is None or read_manifest(config.store_folder).get("complete", False)
+    check_store(config.store_folder, model_fingerprint(config.model), resolution,
                 table.fingerprint if table is not None else None, need_complete=complete)
 
 
 def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, store: Path | None):
-    """The torch Dataset of this round's pairs and its epoch order. With a store (--latent_store, or
-    --cache_latents' store in the run folder) items are latents read from disk, else decoded images;
+    """The torch Dataset of this round's pairs and its epoch order. With a store (--latent_store: a store
+    folder, or the run folder's) items are latents read from disk, else decoded images;
     a missing or interrupted store is first built (resumably) by the main process."""
     from align.latent_store import StoreLatents, StoreSpec, build_store, check_store, model_fingerprint
     from align.pair_stream import PairPixels
@@ -217,7 +228,7 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
         return PairPixels(table, resolution), PairOrder(len(table), config.seed)
     model_fp = model_fingerprint(config.model)
     if table is not None:
-        dtype = "float32" if config.latent_store is None else "float16"
+        dtype = "float32" if config.store_folder is None else "float16"
         spec = StoreSpec(model_fp, resolution, table.fingerprint, len(table), 1024, dtype)
         if accelerator.is_main_process:
             from align.latent_store import read_manifest
@@ -245,18 +256,27 @@ def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start:
 
 
 @torch.no_grad()
-def batch_latents_and_text(pipe, batch: dict):
-    """(winner latents, loser latents, text embeddings) of a micro-batch, on the CPU."""
+def batch_latents_and_conditioning(family, pipe, batch: dict, resolution: int):
+    """(winner latents, loser latents, conditioning dict) of a micro-batch, on the CPU."""
     from align.data import DataError
-    from align.pipeline import encode_images, encode_prompts
+    from align.latent_store import COND_PREFIX
 
     if "error" in batch:
         raise DataError(batch["error"])
-    if "text" in batch:  # from a latent store
-        return batch["latents_w"], batch["latents_l"], batch["text"]
-    latents = encode_images(pipe, torch.cat([batch["pixels_w"], batch["pixels_l"]])).float().cpu()
+    if "latents_w" in batch:  # from a latent store: conditioning under "cond.<key>"
+        cond = {key[len(COND_PREFIX):]: value for key, value in batch.items() if key.startswith(COND_PREFIX)}
+        return batch["latents_w"], batch["latents_l"], cond
+    latents = family.encode_images(pipe, torch.cat([batch["pixels_w"], batch["pixels_l"]])).float().cpu()
     latents_w, latents_l = latents.chunk(2)
-    return latents_w, latents_l, encode_prompts(pipe, batch["caption"]).float().cpu()
+    cond = family.encode_prompts(pipe, list(batch["caption"]), resolution)
+    return latents_w, latents_l, {key: value.float().cpu() for key, value in cond.items()}
+
+
+def native_resolution_of(pipe, family) -> int:
+    """The pipeline's default image side, as its ``__call__`` computes it: ``default_sample_size`` (SDXL, SD3,
+    FLUX) or the UNet's sample size (SD 1.x/2.x), times the VAE's downsampling."""
+    sample_size = getattr(pipe, "default_sample_size", None) or family.denoiser(pipe).config.sample_size
+    return int(sample_size) * pipe.vae_scale_factor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,13 +289,13 @@ def train(config: DPOConfig) -> Path:
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
 
+    from align.families import family_of_pipeline
     from align.pair_stream import open_pairs
     from align.pipeline import (
         add_lora,
         disabled_adapter,
         frozen_copy,
         load_pipeline,
-        lora_as_merged_weight,
         testbed_settings,
     )
 
@@ -306,8 +326,8 @@ def train(config: DPOConfig) -> Path:
     # latent store is checked against the model's files before the model loads: bad data stops here.
     table = None
     if config.dataset:
-        table = open_pairs(config.dataset, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
-    if config.latent_store:
+        table = open_pairs(config.dataset, split=config.dataset_split, max_pairs=config.max_pairs)
+    if config.store_folder:
         from align.latent_store import native_resolution
 
         check_latent_store(config, table, config.resolution or native_resolution(config.model))
@@ -317,11 +337,12 @@ def train(config: DPOConfig) -> Path:
     set_seed(config.seed)
 
     pipe = load_pipeline(config.model, device=accelerator.device)
+    family = family_of_pipeline(pipe)  # what differs between SD, SDXL, SD3 and FLUX (align/families)
     defaults = testbed_settings(config.model)
     steps = config.num_inference_steps or defaults.get("num_inference_steps", 50)
     guidance = config.guidance_scale if config.guidance_scale is not None else defaults.get("guidance_scale", 7.5)
-    resolution = config.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
-    for module in (pipe.vae, pipe.text_encoder):
+    resolution = config.resolution or native_resolution_of(pipe, family)
+    for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
 
     # 1. The prompts of AI feedback (labelled in step 5), or the offline pairs read above.
@@ -332,15 +353,16 @@ def train(config: DPOConfig) -> Path:
     elif main and table is not None:
         print(f"[data] {table.stats.summary()}", flush=True)
 
-    # 2. The trained UNet and its reference.
-    unet = pipe.unet
-    keep_default_attention(unet)
+    # 2. The trained denoiser (UNet or transformer; named ``unet`` below) and its reference.
+    unet = family.denoiser(pipe)
+    if family.denoiser_name == "unet":  # transformers keep their own (joint) attention processors
+        keep_default_attention(unet)
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank)
-        reference = None  # same UNet, adapter off
+        add_lora(unet, rank=config.lora_rank, target_modules=family.lora_targets)
+        reference = None  # same denoiser, adapter off
     else:
         unet.requires_grad_(True)
-        reference = frozen_copy(unet) if config.loss == "dpo" else None
+        reference = frozen_copy(unet)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
@@ -358,7 +380,6 @@ def train(config: DPOConfig) -> Path:
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     noise_scheduler = pipe.scheduler
-    prediction_type = noise_scheduler.config.prediction_type
 
     # 4. Resume.
     start_step = resume_from_checkpoint(accelerator, run, "dpo")
@@ -376,9 +397,9 @@ def train(config: DPOConfig) -> Path:
         table = label_round(accelerator, pipe, judge, config, prompts, start_step // steps_per_round, run.path, steps, guidance)
 
     def store_of_round(round_index):
-        if config.latent_store:
-            return Path(config.latent_store)
-        return run_store_path(run.path, round_index, rounds) if config.cache_latents else None
+        if config.store_folder:
+            return Path(config.store_folder)
+        return run_store_path(run.path, round_index, rounds) if config.latent_store == RUN_STORE else None
 
     def round_batches(table, step):
         """The data of the round holding ``step``, read from ``step`` to the round's end."""
@@ -406,7 +427,6 @@ def train(config: DPOConfig) -> Path:
         evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_before.json", "before")
 
     # 7. The loop.
-    merged_lora = config.finetune == "lora" and config.lora_merged_forward
     progress = progress_bar(range(start_step, config.max_steps), desc="dpo", unit="step", enabled=accelerator.is_local_main_process)
     last_good = run.latest_checkpoint()
     for step in progress:
@@ -419,35 +439,31 @@ def train(config: DPOConfig) -> Path:
             # The pairs, flips and dropped captions were drawn from ``gen`` by the DataLoader's sampler
             # (micro_batch_keys); redrawing them here leaves ``gen`` where the noise draws start.
             gen, batch = micro_batch_keys(order, config, step, micro, accelerator.process_index, accelerator.num_processes)
-            latents_w, latents_l, text = batch_latents_and_text(pipe, next(batches))
+            latents_w, latents_l, cond = batch_latents_and_conditioning(family, pipe, next(batches), resolution)
 
-            # One timestep and one noise draw per pair, shared by winner and loser.
+            # One timestep (flow families: σ·1000) and one noise draw per pair, shared by winner and loser;
+            # the family noises x0 and says what the denoiser regresses (ε, v or the flow velocity ε − x0).
             noise = torch.randn(latents_w.shape, generator=gen)
-            timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(batch),), generator=gen)
+            timesteps = family.draw_training_timesteps(noise_scheduler, len(batch), gen)
             x0 = torch.cat([latents_w, latents_l]).to(accelerator.device)
             noise2 = torch.cat([noise, noise]).to(accelerator.device)
             t2 = torch.cat([timesteps, timesteps]).to(accelerator.device)
-            text2 = torch.cat([text, text]).to(accelerator.device)
-            noisy = noise_scheduler.add_noise(x0, noise2, t2)
-            target = noise2 if prediction_type == "epsilon" else noise_scheduler.get_velocity(x0, noise2, t2)
+            # FLUX.1-dev's guidance input: the family's training value (3.5, diffusers' FLUX LoRA script).
+            cond2 = conditioning_to(cat_conditioning([cond, cond]), device=accelerator.device)
+            noisy, target = family.noisy_and_target(noise_scheduler, x0, noise2, t2)
 
-            # The merged LoRA forward stays on through the backward (gradient checkpointing recomputes it).
-            merged = lora_as_merged_weight(accelerator.unwrap_model(unet)) if merged_lora else contextlib.nullcontext()
-            with accelerator.accumulate(unet), merged:
-                model_err = per_sample_mse(unet(noisy, t2, text2).sample, target)
+            with accelerator.accumulate(unet):
+                model_err = per_sample_mse(family.predict(unet, noisy, t2, cond2), target)
                 model_err_w, model_err_l = model_err.chunk(2)
-                if config.loss == "sft":
-                    loss, metrics = diffusion_sft_loss(model_err_w)
-                else:
-                    # The reference runs exactly as the policy: the prepared UNet's forward is under autocast.
-                    with torch.no_grad(), accelerator.autocast():
-                        if reference is None:
-                            with disabled_adapter(accelerator.unwrap_model(unet)) as ref_unet:
-                                ref_pred = ref_unet(noisy, t2, text2).sample
-                        else:
-                            ref_pred = reference(noisy, t2, text2).sample
-                    ref_err_w, ref_err_l = per_sample_mse(ref_pred, target).chunk(2)
-                    loss, metrics = diffusion_dpo_loss(model_err_w, model_err_l, ref_err_w, ref_err_l, config.beta)
+                # The reference runs exactly as the policy: the prepared denoiser's forward is under autocast.
+                with torch.no_grad(), accelerator.autocast():
+                    if reference is None:
+                        with disabled_adapter(accelerator.unwrap_model(unet)) as ref_unet:
+                            ref_pred = family.predict(ref_unet, noisy, t2, cond2)
+                    else:
+                        ref_pred = family.predict(reference, noisy, t2, cond2)
+                ref_err_w, ref_err_l = per_sample_mse(ref_pred, target).chunk(2)
+                loss, metrics = diffusion_dpo_loss(model_err_w, model_err_l, ref_err_w, ref_err_l, config.beta)
                 finite = accelerator.gather(torch.isfinite(loss.detach()).float().reshape(1)).min()
                 if finite < 1:
                     raise TrainingStopped(
@@ -478,8 +494,6 @@ def train(config: DPOConfig) -> Path:
         # Every round ends with a checkpoint: a resumed run labels the next round from exactly this model.
         if done % config.checkpointing_steps == 0 or done == config.max_steps or (rounds > 1 and done % steps_per_round == 0):
             last_good = save_checkpoint(accelerator, run, done, config.checkpoints_total_limit)
-        if main and config.validation_steps > 0 and (done % config.validation_steps == 0 or done == config.max_steps):
-            save_validation_grid(pipe, config, steps, guidance, run.path / "samples" / f"step_{done:07d}.png")
 
     # 8. After-evaluation, final weights with their model card (one folder, written as a whole), report.
     #    Each step is redone by --resume latest from the last checkpoint if the run stops before its end.
@@ -487,7 +501,8 @@ def train(config: DPOConfig) -> Path:
     if main:
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
-        save_final_weights(accelerator, unet, run.path, config.finetune, lambda final: write_model_card(final, config, run))
+        save_final_weights(accelerator, unet, run.path, config.finetune, lambda final: write_model_card(final, config, run),
+                           family=family)
         write_run_report(run, config)
         run.let_go_of_old_run()
     for used in {id(j): j for j in (judge, eval_judge) if j is not None}.values():
@@ -498,26 +513,7 @@ def train(config: DPOConfig) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation, evaluation, model card, report
-
-
-def _validation_prompts(config: DPOConfig) -> list[str]:
-    source = config.validation_prompts or config.eval_prompts or (config.prompts if config.reward else None)
-    if source:
-        return load_prompt_list(source)[: config.num_validation_images]
-    return ["a photo of a cat", "a red car on a street", "a bowl of fruit", "a mountain lake at sunrise"][
-        : config.num_validation_images
-    ]
-
-
-def save_validation_grid(pipe, config: DPOConfig, steps: int, guidance: float, path: Path) -> None:
-    from align.pipeline import generate_images
-
-    prompts = _validation_prompts(config)
-    seeds = [config.eval_seed + i for i in range(len(prompts))]
-    images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
-    save_image_row(images, path)
-    atomic_write_text(path.with_suffix(".json"), json.dumps([{"prompt": p, "seed": s} for p, s in zip(prompts, seeds)], indent=1))
+# Model card, report
 
 
 def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
@@ -528,7 +524,7 @@ def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
         feedback += f" in {config.feedback_rounds} online rounds (each labelling the model trained so far)"
     write_diffusion_model_card(folder, config.model, config.finetune, "Diffusion-DPO", "diffusion-dpo",
                                f"Trained with Diffusion-DPO (Wallace et al. 2024) on {feedback}.", {
-        "objective": f"{config.loss} (beta = {config.beta})",
+        "objective": f"Diffusion-DPO (beta = {config.beta})",
         "fine-tuning": config.finetune,
         "steps": config.max_steps,
         "pairs per step": f"{config.train_batch_size} x processes x {config.gradient_accumulation_steps}",

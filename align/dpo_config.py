@@ -1,4 +1,5 @@
-"""Diffusion-DPO's options: the dataclass behind `align/dpo.py`'s flags and its YAML configs.
+"""Diffusion-DPO's options: the dataclass behind `align/dpo.py`'s flags and its YAML configs (45 fields;
+the options removed after measurements: docs/experiments/removed-options.md).
 
 Defaults follow the paper's recipe (Wallace et al. 2024, official code); configs/testbed_dpo.yaml holds
 the settings measured best on the shapes testbed.
@@ -8,14 +9,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from align.cli import ConfigError, option
 from align.training import check_lr_schedule, check_periodic_evaluation
 from align.validation import check_common_inputs, check_optimiser_ranges
 
+RUN_STORE, NO_STORE = "run", "none"  # --latent_store's two words; anything else is a store folder
+
 
 @dataclass
 class DPOConfig:
+    # Fixed values the shared evaluation reads (not flags; see docs/experiments/removed-options.md).
+    eval_seed: ClassVar[int] = 1234  # seed of the first held-out image, the same before, during and after
+    num_validation_images: ClassVar[int] = 4  # the report's before/after rows show 4 x this many held-out images
+
     # --- what to train and on what feedback
     model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5",
                         "the pipeline to fine-tune: a hub id, a local pipeline folder, or 'testbed'", "model")
@@ -27,12 +35,8 @@ class DPOConfig:
                                  "dataset id; give this or --reward", "data")
     dataset_split: str = option("train", "split of --dataset", "data")
     max_pairs: int | None = option(None, "cap on the pairs used (None: all)", "data")
-    tie_policy: str = option("drop", "tied pairs: drop (the official code) or keep_first (diffusers' script)",
-                             "data")
     # --- AI feedback (used with --reward)
     images_per_prompt: int = option(2, "K generations per prompt for the judge to label", "judge")
-    feedback_pairing: str = option("best_worst", "pointwise judges: best vs worst of the K images, or 'all' "
-                                   "K(K-1)/2 pairs", "judge")
     feedback_rounds: int = option(
         1, "> 1: online DPO: the prompts split into this many rounds of max_steps / rounds steps, each round "
         "labelled from the model trained so far (the reference stays the base model)", "judge")
@@ -47,19 +51,15 @@ class DPOConfig:
     # --- model and adapter
     finetune: str = option("full", "'full' (the paper: a frozen copy is the reference) or 'lora' (the adapter "
                            "off is the reference)", "model")
-    lora_rank: int = option(8, "LoRA rank of the attention projections to_q, to_k, to_v, to_out.0 (alpha = rank, "
-                            "as in diffusers' training scripts)", "model")
-    lora_merged_forward: bool = option(
-        False, "training forward with each LoRA layer as one matmul with W + B·A: the same gradients; faster on "
-        "small UNets, more memory on SD v1.5 (align.pipeline.lora_as_merged_weight, scripts/bench_dpo.py)", "model")
+    lora_rank: int = option(8, "LoRA rank of the model family's attention projections (SD, SDXL: to_q, to_k, to_v, "
+                            "to_out.0; SD3, FLUX: align/families); alpha = rank, as in diffusers' training scripts", "model")
     mixed_precision: str | None = option(
         None, "no, fp16 (paper) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
         "else no", "optimisation")
-    gradient_checkpointing: bool = option(False, "recompute UNet activations in the backward: less memory, slower",
-                                          "model")
+    gradient_checkpointing: bool = option(False, "recompute the denoiser's activations in the backward: less memory, "
+                                          "slower", "model")
     use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
-    # --- objective
-    loss: str = option("dpo", "dpo, or sft (the denoising loss on the preferred images only)", "optimisation")
+    # --- objective (Diffusion-DPO's loss)
     beta: float = option(5000.0, "DPO's β: how tightly the model stays at the reference (the official "
                          "normalisation; diffusers' LoRA script's 2500 is this / 2)", "optimisation")
     # --- optimisation (paper: 16 GPUs x 1 pair x 128 accumulation = 2048 pairs per step)
@@ -80,30 +80,24 @@ class DPOConfig:
     random_flip: bool = option(True, "flip training images horizontally at random", "data")
     caption_dropout: float = option(0.2, "share of captions replaced by '' (keeps classifier-free guidance "
                                     "working)", "data")
-    cache_latents: bool = option(True, "encode each pair once (both flips) into a latent store in the run folder "
-                                 "(<run>/latents)", "data")
     dataloader_num_workers: int = option(0, "DataLoader worker processes that decode, crop and flip the images (or "
                                          "read the latent store); 0: in the training process", "data")
-    latent_store: str | None = option(None, "train from a latent store (python -m align.precompute); with --dataset, "
-                                      "a missing store is built there first", "data")
-    # --- sampling (feedback, validation, before/after evaluation)
-    num_inference_steps: int | None = option(None, "DDIM steps of every generation (None: the model's "
-                                             "testbed.json if any, else 50)", "sampling")
+    latent_store: str = option(
+        "run", "where the pairs' latents and text conditioning come from: 'run' (encoded once, both flips, into the run "
+        "folder's latents/), a store folder (python -m align.precompute; with --dataset a missing one is built there "
+        "first), or 'none' (the images decoded and encoded at every step)", "data")
+    # --- sampling (feedback, before/after evaluation)
+    num_inference_steps: int | None = option(None, "sampling steps of every generation (DDIM; flow families: their "
+                                             "Euler scheduler; None: the testbed's settings file if any, else 50)",
+                                             "sampling")
     guidance_scale: float | None = option(None, "classifier-free guidance of every generation (None: the "
                                           "model's testbed.json if any, else 7.5)", "sampling")
-    # --- checkpoints, validation, evaluation
+    # --- checkpoints, evaluation
     checkpointing_steps: int = option(500, "save a resumable checkpoint every N optimiser steps", "output")
     checkpoints_total_limit: int = option(3, "checkpoints kept (older ones are deleted)", "output")
-    validation_steps: int = option(100, "save a grid of validation images every N steps (0: never)", "evaluation")
-    validation_prompts: str | None = option(None, "prompts of the validation images (None: the held-out or "
-                                            "the first training prompts)", "evaluation")
-    num_validation_images: int = option(4, "validation images per grid; images per row of the before/after "
-                                        "grids", "evaluation")
     eval_prompts: str | None = option(None, "held-out prompts scored before and after training (a file, a "
                                       "prompt set or testbed:<n>:<seed>)", "evaluation")
     eval_judge: str | None = option(None, "judge of the held-out evaluation (None: --reward)", "evaluation")
-    eval_seed: int = option(1234, "first seed of the held-out and validation images (the same before and after)",
-                            "evaluation")
     eval_images_per_prompt: int = option(1, "seeds per held-out prompt (more: a smaller standard error)",
                                          "evaluation")
     eval_batch_size: int = option(8, "images per pipeline call in the evaluation (each image's seed fixes it, "
@@ -115,31 +109,30 @@ class DPOConfig:
     max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
                                       "(answers already cached count as free)", "judge")
 
+    @property
+    def store_folder(self) -> str | None:
+        """The store folder --latent_store names (None for 'run' and 'none')."""
+        return None if self.latent_store in (RUN_STORE, NO_STORE) else self.latent_store
+
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
         check_common_inputs(self)
         check_optimiser_ranges(self)
-        if bool(self.reward) == bool(self.dataset or self.latent_store):
+        if not self.latent_store:
+            raise ConfigError(f"--latent_store must be '{RUN_STORE}', '{NO_STORE}' or a store folder, got {self.latent_store!r}")
+        if bool(self.reward) == bool(self.dataset or self.store_folder):
             raise ConfigError("give exactly one of --reward (AI feedback on --prompts) or --dataset/--latent_store (offline pairs)")
         if self.dataloader_num_workers < 0:
             raise ConfigError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if self.beta <= 0 or not math.isfinite(self.beta):
             raise ConfigError(f"--beta must be a positive number, got {self.beta}")
-        if self.loss not in ("dpo", "sft"):
-            raise ConfigError(f"--loss must be dpo or sft, got {self.loss!r}")
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
-        if self.tie_policy not in ("drop", "keep_first"):
-            raise ConfigError(f"--tie_policy must be drop or keep_first, got {self.tie_policy!r}")
         if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
 
-        from align.feedback import PAIRINGS  # pyarrow: not on every command's import path
-
-        if self.feedback_pairing not in PAIRINGS:
-            raise ConfigError(f"--feedback_pairing must be {' or '.join(PAIRINGS)}, got {self.feedback_pairing!r}")
         if self.images_per_prompt < 2:
             raise ConfigError(f"--images_per_prompt must be >= 2, got {self.images_per_prompt}")
         if self.feedback_rounds < 1:

@@ -3,9 +3,11 @@
 Layout of a store folder:
     manifest.json              what was encoded: model fingerprint, resolution, dataset fingerprint,
                                number of pairs, shard size, dtype, shapes; "complete" once all shards exist
-    empty_text.safetensors     the text embedding of "" (caption dropout)
+    empty_text.safetensors     the conditioning of "" (caption dropout): cond.<key> for each key
     shard_00000.safetensors    pairs [0, S): latents [n, 2 flips, 2 (winner, loser), C, h, w],
-                               text [U, 77, D] (the shard's distinct captions), caption_index [n], rows [n]
+                               cond.<key> [U, ...] for every key of the model family's conditioning
+                               (prompt_embeds; pooled_embeds, time_ids, ... where the family has them)
+                               of the shard's U distinct captions, caption_index [n], rows [n]
     ...
 
 Each shard is written atomically (temporary file, then rename), so an interrupted build keeps its
@@ -14,8 +16,9 @@ never interrupted. Training memory-maps the shards (safetensors) and reads one p
 
 What is stored: the centre crop at the training resolution, un-flipped AND flipped (the flip is drawn
 at train time), and the VAE posterior's mean times the scaling factor, exactly what the trainer
-encodes when it reads images (align.pipeline.encode_images), so training from a store is training
-from the images with the same latents. The official Diffusion-DPO code draws ``latent_dist.sample()``
+encodes when it reads images (the family's encode_images / encode_prompts), so training from a store is
+training from the images with the same latents and conditioning. Format 1 stores (SD 1.x/2.x, one
+``text`` tensor) are still read. The official Diffusion-DPO code draws ``latent_dist.sample()``
 at every step instead; see docs/scale.md.
 """
 
@@ -31,11 +34,13 @@ import torch
 from align.data import DataError
 from align.runs import atomic_path, atomic_write_text
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2
+READABLE_FORMATS = (1, 2)  # 1: the text embeddings alone under "text" (SD 1.x/2.x)
+COND_PREFIX = "cond."  # a conditioning key's tensor name in the files and in the items read
 MANIFEST = "manifest.json"
 EMPTY_TEXT = "empty_text.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FINGERPRINTED_PARTS = ("vae", "text_encoder", "tokenizer")
+FINGERPRINTED_PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
 
 
 def shard_name(index: int) -> str:
@@ -56,7 +61,7 @@ def model_folder(model: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(resolved, local_files_only=True, allow_patterns=[f"{p}/*" for p in FINGERPRINTED_PARTS] + ["model_index.json", "unet/config.json"]))
+        return Path(snapshot_download(resolved, local_files_only=True, allow_patterns=[f"{p}/*" for p in FINGERPRINTED_PARTS] + ["model_index.json", "unet/config.json", "transformer/config.json"]))
     except Exception as err:  # not cached (offline or never downloaded)
         raise DataError(
             f"--model {model!r}: cannot find its files to fingerprint ({type(err).__name__}); "
@@ -65,7 +70,8 @@ def model_folder(model: str) -> Path:
 
 
 def model_fingerprint(model: str) -> str:
-    """sha256 over the VAE's, text encoder's and tokenizer's files (configs and weights)."""
+    """sha256 over the VAE's, text encoders' and tokenizers' files (configs and weights); the parts a
+    family lacks (text_encoder_2, ...) are absent from the digest, so SD 1.x/2.x digests are unchanged."""
     folder = model_folder(model)
     digest = hashlib.sha256()
     for part in FINGERPRINTED_PARTS:
@@ -77,12 +83,19 @@ def model_fingerprint(model: str) -> str:
     return digest.hexdigest()[:32]
 
 
+FLUX_DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size: its transformer config names no sample size
+
+
 def native_resolution(model: str) -> int:
-    """The pipeline's own image size: the UNet's sample size times the VAE's downsampling."""
+    """The pipeline's own image size: the denoiser's sample size (UNet or transformer) times the VAE's
+    downsampling, as the family's pipeline computes its default height."""
     folder = model_folder(model)
-    unet = json.loads((folder / "unet" / "config.json").read_text())
+    denoiser = folder / "unet" / "config.json"
+    if not denoiser.is_file():
+        denoiser = folder / "transformer" / "config.json"
+    sample_size = json.loads(denoiser.read_text()).get("sample_size") or FLUX_DEFAULT_SAMPLE_SIZE
     vae = json.loads((folder / "vae" / "config.json").read_text())
-    return int(unet["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
+    return int(sample_size) * 2 ** (len(vae["block_out_channels"]) - 1)
 
 
 # -------------------------------------------------------------------------------------- manifest
@@ -115,8 +128,9 @@ def read_manifest(store: str | Path) -> dict | None:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise DataError(f"latent store {str(store)!r}: {MANIFEST} is not valid JSON ({err})") from None
-    if manifest.get("format") != STORE_FORMAT:
-        raise DataError(f"latent store {str(store)!r} has format {manifest.get('format')!r}; this version reads {STORE_FORMAT}")
+    if manifest.get("format") not in READABLE_FORMATS:
+        raise DataError(f"latent store {str(store)!r} has format {manifest.get('format')!r}; this version reads "
+                        f"{', '.join(map(str, READABLE_FORMATS))}")
     return manifest
 
 
@@ -175,14 +189,15 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
     are skipped, so an interrupted build resumes. Returns the completed manifest."""
     from safetensors.torch import save_file
 
-    from align.pipeline import encode_prompts
+    from align.families import family_of_pipeline
 
     store = Path(store)
     prepare_store(store, spec)
     dtype = DTYPES[spec.dtype]
     if not (store / EMPTY_TEXT).is_file():
         with torch.no_grad(), atomic_path(store / EMPTY_TEXT) as tmp:
-            save_file({"text": encode_prompts(pipe, [""])[0].to(dtype).contiguous().cpu()}, str(tmp))
+            empty = family_of_pipeline(pipe).encode_prompts(pipe, [""], spec.resolution)
+            save_file({COND_PREFIX + key: stored(value[0], dtype) for key, value in empty.items()}, str(tmp))
     for shard in range(spec.num_shards):
         path = store / shard_name(shard)
         if path.is_file():
@@ -190,7 +205,7 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
         first, last = shard * spec.shard_size, min(spec.num_pairs, (shard + 1) * spec.shard_size)
         tensors = encode_shard(pipe, table.remapped(), range(first, last), spec.resolution, batch_size)
         with atomic_path(path) as tmp:
-            save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}, str(tmp))
+            save_file({k: stored(v, dtype) for k, v in tensors.items()}, str(tmp))
         log(f"[latents] shard {shard + 1}/{spec.num_shards} ({last - first} pairs) -> {path}")
         if after_shard is not None:
             after_shard(shard)
@@ -199,11 +214,18 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
     return manifest
 
 
+def stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor as the store holds it: floating ones in the store's dtype (integer ones as they are), on the CPU."""
+    return (value.to(dtype) if value.is_floating_point() else value).contiguous().cpu()
+
+
 @torch.no_grad()
 def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) -> dict[str, torch.Tensor]:
-    """Latents of both images of each pair, un-flipped and flipped, and the shard's caption embeddings."""
-    from align.pipeline import encode_images, encode_prompts
+    """Latents of both images of each pair, un-flipped and flipped, and the shard's caption conditioning."""
+    from align.families import family_of_pipeline
+    from align.families.base import cat_conditioning
 
+    family = family_of_pipeline(pipe)
     latents = []
     for start in range(indices.start, indices.stop, batch_size):
         pixels = []
@@ -211,15 +233,16 @@ def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) 
             pair = table.pair(k)
             for flip in (False, True):
                 pixels.extend(table.pair_pixels(pair, resolution, flip))  # winner, loser
-        encoded = encode_images(pipe, torch.stack(pixels)).float().cpu()
+        encoded = family.encode_images(pipe, torch.stack(pixels)).float().cpu()
         latents.append(encoded.reshape(-1, 2, 2, *encoded.shape[1:]))  # [pairs, flip, (w, l), C, h, w]
     captions = [table.caption(k) for k in indices]
     distinct = sorted(set(captions))
     position = {c: i for i, c in enumerate(distinct)}
-    text = torch.cat([encode_prompts(pipe, distinct[i : i + batch_size]).float().cpu() for i in range(0, len(distinct), batch_size)])
+    cond = cat_conditioning([family.encode_prompts(pipe, distinct[i : i + batch_size], resolution)
+                             for i in range(0, len(distinct), batch_size)])
     return {
         "latents": torch.cat(latents),
-        "text": text,
+        **{COND_PREFIX + key: (value.float() if value.is_floating_point() else value).cpu() for key, value in cond.items()},
         "caption_index": torch.tensor([position[c] for c in captions], dtype=torch.int64),
         "rows": torch.from_numpy(table.rows[indices.start : indices.stop].copy()),
     }
@@ -228,14 +251,26 @@ def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) 
 # ------------------------------------------------------------------------------------------ read
 
 
+def cond_names(names) -> dict[str, str]:
+    """Tensor name in a store file -> item key (``cond.<key>``); format 1's ``text`` is ``cond.prompt_embeds``."""
+    out = {name: name for name in names if name.startswith(COND_PREFIX)}
+    if "text" in names:
+        out["text"] = COND_PREFIX + "prompt_embeds"
+    return out
+
+
+def as_float(value: torch.Tensor) -> torch.Tensor:
+    return value.float() if value.is_floating_point() else value
+
+
 class StoreLatents(torch.utils.data.Dataset):
-    """Items (k, flip, drop) -> winner/loser latents and the text embedding ("" when dropped),
-    read from the memory-mapped shards (each DataLoader worker opens its own handles)."""
+    """Items (k, flip, drop) -> winner/loser latents and the conditioning under ``cond.<key>`` (that of ""
+    when dropped), read from the memory-mapped shards (each DataLoader worker opens its own handles)."""
 
     def __init__(self, store: str | Path, manifest: dict):
         self.store, self.shard_size, self.num_pairs = Path(store), manifest["shard_size"], manifest["num_pairs"]
         self._handles: dict[int, object] = {}
-        self._empty: torch.Tensor | None = None
+        self._empty: dict[str, torch.Tensor] | None = None
 
     def __getstate__(self):
         return {**self.__dict__, "_handles": {}}  # file handles are per process
@@ -266,12 +301,14 @@ class StoreLatents(torch.utils.data.Dataset):
         pair = handle.get_slice("latents")[i : i + 1][0, int(flip)].float()
         if drop:
             if self._empty is None:
-                self._empty = load_file(str(self.store / EMPTY_TEXT))["text"].float()
-            text = self._empty
+                empty = load_file(str(self.store / EMPTY_TEXT))
+                self._empty = {key: as_float(empty[name]) for name, key in cond_names(empty.keys()).items()}
+            cond = self._empty
         else:
             caption = int(handle.get_slice("caption_index")[i : i + 1][0])
-            text = handle.get_slice("text")[caption : caption + 1][0].float()
-        return {"latents_w": pair[0], "latents_l": pair[1], "text": text}
+            cond = {key: as_float(handle.get_slice(name)[caption : caption + 1][0])
+                    for name, key in cond_names(handle.keys()).items()}
+        return {"latents_w": pair[0], "latents_l": pair[1], **cond}
 
 
-__all__ = ["DTYPES", "StoreLatents", "StoreSpec", "build_store", "check_store", "model_fingerprint", "native_resolution", "read_manifest"]
+__all__ = ["COND_PREFIX", "DTYPES", "StoreLatents", "StoreSpec", "build_store", "check_store", "model_fingerprint", "native_resolution", "read_manifest"]

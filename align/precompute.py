@@ -30,7 +30,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="the store folder (new, empty, or an interrupted build of the same arguments)")
     parser.add_argument("--resolution", type=int, default=None, help="training resolution in pixels (default: the model's own)")
     parser.add_argument("--dataset_split", default="train")
-    parser.add_argument("--tie_policy", default="drop", choices=("drop", "keep_first"))
     parser.add_argument("--max_pairs", type=int, default=None)
     parser.add_argument("--shard_size", type=int, default=1024, help="pairs per shard file")
     parser.add_argument("--batch_size", type=int, default=8, help="pairs per VAE call")
@@ -57,7 +56,7 @@ def precompute(args: argparse.Namespace, after_shard=None) -> Path:
         check_model(args.model)
     except ModelLoadError as err:
         raise DataError(str(err)) from None
-    table = open_pairs(args.dataset, split=args.dataset_split, tie_policy=args.tie_policy, max_pairs=args.max_pairs)
+    table = open_pairs(args.dataset, split=args.dataset_split, max_pairs=args.max_pairs)
     print(f"[data] {table.stats.summary()}", flush=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe = None

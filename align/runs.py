@@ -31,7 +31,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
-COMPILED = "compiled"  # older runs kept compiled code here; never loaded now (align/compiled_sampling.py), --overwrite removes it
+COMPILED = "compiled"  # older runs kept compiled sampling code here (--compile_sampling, removed); --overwrite removes it
 JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so a resumed run asks nothing twice
 CHECKPOINT_STATE = "state.json"  # written last into a checkpoint: its step and the manifest of its files
 SET_ASIDE = ".overwritten_run"  # --overwrite: the old run's outputs, until the new run has a checkpoint
@@ -39,7 +39,7 @@ _SET_ASIDE_LIST = "moved.json"  # inside SET_ASIDE: which outputs were being mov
 # Everything a run writes into its folder (other files, e.g. the user's notes, are never touched).
 RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED,
-               "latents")  # --cache_latents' store of the run's pairs (align/dpo.py run_store_path)
+               "latents")  # --latent_store run's store of the run's pairs (align/dpo.py run_store_path)
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 # Run folders whose old run this process set aside and has not yet let go (see restores_old_run_on_failure).
 _SET_ASIDE_HERE: set[Path] = set()

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from align.cli import ConfigError
+from align.families import family_of_pipeline
 from align.health import degenerate_reason, weights_finite
 from align.metrics import mean_and_sem
 from align.prompt_sets import PromptSetError, load_prompt_set
@@ -145,9 +146,15 @@ def save_image_row(images: torch.Tensor, path: Path) -> None:
         image_grid(images, ncols=len(images), pad=0).save(tmp, format="PNG")
 
 
+def shown_images(config) -> int:
+    """Held-out images in the report's before/after row: 4 x --num_validation_images (DPO), 16 for DDPO."""
+    return getattr(config, "num_validation_images", 4) * 4
+
+
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
     """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
     ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
+    from align.families import family_of_pipeline
     from align.pipeline import generate_images, merged_adapter
 
     held_out = load_prompt_list(config.eval_prompts)
@@ -155,19 +162,19 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     prompts = held_out * repeats
     # Seed eval_seed + i for the first image of prompt i, as with one image per prompt; further rounds follow on.
     seeds = [config.eval_seed + i for i in range(len(prompts))]
-    with merged_adapter(pipe.unet):  # a LoRA folded into the weights: the same images up to float rounding, faster
+    with merged_adapter(family_of_pipeline(pipe).denoiser(pipe)):  # a LoRA folded into the weights: the same images up to float rounding, faster
         images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance,
                                  batch_size=config.eval_batch_size, progress=f"held-out evaluation ({label})")
     degenerate = degenerate_reason(images)
     if degenerate:  # a diverged model's images are marked, not scored as if the model were merely bad
         atomic_write_text(path, json.dumps({"mean": None, "sem": None, "scores": None, "degenerate": degenerate,
                                             "prompts": prompts, "seeds": seeds}))
-        save_image_row(torch.nan_to_num(images[: config.num_validation_images * 4]), path.with_suffix(".png"))
+        save_image_row(torch.nan_to_num(images[: shown_images(config)]), path.with_suffix(".png"))
         print(f"[eval] {label}: DEGENERATE images ({degenerate}): not scored", flush=True)
         return float("nan")
     scores = judge.score(prompts, images).float().tolist()
     mean, sem = mean_and_sem(scores)
-    shown = images[: config.num_validation_images * 4]  # the report splits this row back into images
+    shown = images[: shown_images(config)]  # the report splits this row back into images
     atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds,
                                         "row_images": len(shown)}))
     save_image_row(shown, path.with_suffix(".png"))
@@ -192,12 +199,13 @@ def periodic_evaluation_due(every: int, done: int, total: int) -> bool:
 def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_dir: Path, done: int) -> float:
     """The held-out score after ``done`` steps (epochs for DDPO): evals/step_N.json and .png, scored
     exactly as eval_before / eval_after (same prompts and seeds), with the UNet in eval mode."""
-    was_training = pipe.unet.training
-    pipe.unet.eval()
+    denoiser = family_of_pipeline(pipe).denoiser(pipe)  # the UNet or the transformer
+    was_training = denoiser.training
+    denoiser.eval()
     try:
         return evaluate_model(pipe, judge, config, steps, guidance, run_dir / EVALS / eval_file_name(done), f"step {done}")
     finally:
-        pipe.unet.train(was_training)
+        denoiser.train(was_training)
 
 
 def tracker_config(config) -> dict:

@@ -12,7 +12,7 @@ single process's peak RSS (getrusage of the children), and the whole process tre
 20 ms (psutil: the trainer plus its DataLoader workers), in full and without file-backed pages
 (RSS - shared: the pages of memory-mapped data that were read count in RSS but the kernel can drop them).
 
-Cases: images          pixels decoded in the training process (--cache_latents false)
+Cases: images          pixels decoded in the training process (--latent_store none)
        images-workers  the same with two DataLoader workers (--dataloader_num_workers 2)
        store           the default: every pair encoded once into the run folder's latent store
                        (at 32 px: the build encodes every pair, which at 128 px takes over an hour here)
@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 CASES = {
-    "images": ["--cache_latents", "false"],
-    "images-workers": ["--cache_latents", "false", "--dataloader_num_workers", "2"],
+    "images": ["--latent_store", "none"],
+    "images-workers": ["--latent_store", "none", "--dataloader_num_workers", "2"],
     # Encoding 5,000 pairs at 128 px takes over an hour on two shared cores: the store case trains at 32 px.
     "store": ["--resolution", "32"],
 }
@@ -76,7 +76,7 @@ def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: 
     cmd = [sys.executable, str(ROOT / "align" / "dpo.py"), "--model", model, "--dataset", str(data),
            "--output-dir", str(workdir / "run"), "--finetune", "lora", "--lora_rank", "4", "--resolution", str(resolution),
            "--train_batch_size", "2", "--gradient_accumulation_steps", "1", "--max_steps", "2", "--learning_rate", "1e-4",
-           "--scale_lr", "false", "--lr_warmup_steps", "0", "--checkpointing_steps", "1000", "--validation_steps", "0",
+           "--scale_lr", "false", "--lr_warmup_steps", "0", "--checkpointing_steps", "1000",
            "--report_to", "none", *extra]
     start = time.perf_counter()
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -259,7 +259,7 @@ def side(name: str, model: Path, data: Path, store: Path, out: Path, args) -> di
             "--resolution", str(args.resolution), "--finetune", "lora", "--lora_rank", "4", "--train_batch_size", "1",
             "--gradient_accumulation_steps", "1", "--max_steps", str(args.steps), "--learning_rate", "1e-5",
             "--scale_lr", "false", "--lr_warmup_steps", "0", "--beta", "5000", "--checkpointing_steps", "100000",
-            "--validation_steps", "0", "--report_to", "none", "--seed", "0"]
+            "--report_to", "none", "--seed", "0"]
     cmd = [sys.executable, __file__, "--one", str(script), "--", *argv]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if result.returncode != 0:

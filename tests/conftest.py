@@ -21,3 +21,11 @@ def tiny_model(tmp_path_factory):
     from tiny_sd import build_tiny_pipeline
 
     return str(build_tiny_pipeline(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl_model(tmp_path_factory):
+    """A tiny SDXL-architecture pipeline folder (tests/tiny_sdxl.py), built once per test module that asks for it."""
+    from tiny_sdxl import build_tiny_sdxl_pipeline
+
+    return str(build_tiny_sdxl_pipeline(tmp_path_factory.mktemp("tiny_sdxl")))

@@ -203,7 +203,8 @@ CASES = [
          ("--cache_dir", "a_file.txt")),
     # --- typos and wrong choices ---
     Case("dpo-flag-typo", "dpo", flags("dpo", "--learnig_rate", "1e-5"), ("learnig_rate",)),
-    Case("dpo-loss-choice", "dpo", flags("dpo", "--loss", "ipo"), ("--loss", "dpo or sft")),
+    Case("dpo-latent-store-missing", "dpo", flags("dpo", "--latent_store", "./no_such_store", drop=("--reward",)),
+         ("no_such_store", "not found")),
     Case("dpo-finetune-choice", "dpo", flags("dpo", "--finetune", "half"), ("--finetune", "full or lora")),
     Case("dpo-precision-choice", "dpo", flags("dpo", "--mixed_precision", "fp8"), ("--mixed_precision",)),
     Case("dpo-scheduler-typo", "dpo", flags("dpo", "--lr_scheduler", "cosin"), ("--lr_scheduler", "cosine")),
@@ -268,7 +269,7 @@ CASES = [
     Case("score-image-missing", "score", flags("score", "missing.png"), ("missing.png",)),
     Case("score-image-truncated", "score", flags("score", path("truncated_png")), ("truncated.png",)),
     Case("score-image-is-text", "score", flags("score", path("text_as_png")), ("text.png",)),
-    Case("dpo-validation-prompts-latin1", "dpo", flags("dpo", "--validation_prompts", path("latin1_prompts")),
+    Case("dpo-eval-prompts-latin1", "dpo", flags("dpo", "--eval_prompts", path("latin1_prompts")),
          ("latin1.txt", "UTF-8")),
     Case("reward-unpaired-missing", "train_reward", flags("train_reward", "--unpaired", "./no_such_unpaired.parquet"),
          ("--unpaired", "no_such_unpaired.parquet")),

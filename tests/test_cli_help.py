@@ -28,8 +28,8 @@ CONFIG_CLASSES = (DPOConfig, DDPOConfig, EvalConfig, BestOfNConfig, JudgeBenchCo
 # Valid values other than the default for fields that take one of a few words.
 CHOICES = {
     "finetune": ("full", "lora", "head"), "mixed_precision": ("no", "fp16", "bf16"),
-    "report_to": ("tensorboard", "wandb", "all", "none"), "loss": ("dpo", "sft"), "tie_policy": ("drop", "keep_first"),
-    "feedback_pairing": ("best_worst", "all"), "advantage": ("per-prompt", "group", "group-mean", "batch"),
+    "report_to": ("tensorboard", "wandb", "all", "none"), "tie_policy": ("drop", "keep_first"),
+    "latent_store": ("run", "none"), "advantage": ("per-prompt", "group", "group-mean", "batch"),
     "timestep_selection": ("random", "high_noise"), "lr_scheduler": ("constant", "cosine"),
     "backbone": ("clip", "blip", "mllm"), "search": ("random", "zero-order"), "ci": ("wilson", "bootstrap"),
     "device": ("auto", "cpu"), "fid_feature": ("inception", "pixels"), "cmmd_feature": ("clip", "shapes-clip"),

@@ -81,8 +81,6 @@ def small_config(tiny_model, out, **overrides):
         num_inference_steps=2,
         guidance_scale=2.0,
         checkpointing_steps=2,
-        validation_steps=0,
-        num_validation_images=2,
         report_to="none",
     )
     base.update(overrides)
@@ -95,7 +93,7 @@ def _trainable(folder):
 
 def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, prompt_file, tmp_path):
     run = dpo.train(
-        small_config(tiny_model, tmp_path / "run", reward="jpeg-compressibility", prompts=prompt_file, validation_steps=2)
+        small_config(tiny_model, tmp_path / "run", reward="jpeg-compressibility", prompts=prompt_file)
     )
     feedback = pq.read_table(run / "feedback" / "pairs.parquet").to_pylist()
     assert len(feedback) == 3 and {r["judge"] for r in feedback} == {"jpeg-compressibility"}
@@ -104,7 +102,6 @@ def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, pro
     for key in ("loss", "implicit_acc", "model_mse", "ref_mse", "lr"):
         assert key in records[0]
     assert (run / "final" / "README.md").is_file() and (run / "report.html").is_file()
-    assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["step_0000002.png", "step_0000004.png"]
 
     # The saved LoRA goes into a plain diffusers pipeline and changes its output.
     from diffusers import StableDiffusionPipeline
@@ -202,22 +199,6 @@ def test_periodic_held_out_evaluation_scores_the_run_without_changing_its_traini
     assert [r.get("heldout_score") for r in records] == [None, during["mean"], None, None]
     assert 'alt="held-out score along the run"' in (run / "report.html").read_text()
     assert 'alt="held-out score along the run"' not in (plain / "report.html").read_text()
-
-
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_merged_lora_forward_gives_the_peft_loss(tiny_model, pair_parquet, tmp_path, checkpointing):
-    # Step 2 runs through an adapter that step 1 trained (B is zero before), so its loss tells whether
-    # the merged forward applies the adapter. With gradient checkpointing the backward recomputes
-    # the forward, which must still be the merged one.
-    settings = dict(dataset=pair_parquet, max_steps=2, gradient_checkpointing=checkpointing)
-    peft = dpo.train(small_config(tiny_model, tmp_path / "peft", **settings))
-    merged = dpo.train(small_config(tiny_model, tmp_path / "merged", lora_merged_forward=True, **settings))
-    ra, rb = ([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (peft, merged))
-    for a, b in zip(ra, rb, strict=True):
-        for key in ("loss", "model_mse", "ref_mse"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4), key
-    assert ra[1]["model_mse"] != ra[1]["ref_mse"]  # step 2: the adapter is on and changes the prediction
-    assert _trainable(merged).keys() == _trainable(peft).keys()
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_model, pair_parquet, tmp_path, monkeypatch):
@@ -397,7 +378,7 @@ def test_two_process_cpu_run(tiny_model, pair_parquet, prompts4, tmp_path, feedb
         "--model", tiny_model, *source, "--output-dir", str(out), "--finetune", "lora",
         "--resolution", "16", "--train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_steps", "2",
         "--learning_rate", "1e-3", "--scale_lr", "false", "--lr_warmup_steps", "0", "--beta", "100",
-        "--num_inference_steps", "2", "--checkpointing_steps", "2", "--validation_steps", "0", "--report_to", "none",
+        "--num_inference_steps", "2", "--checkpointing_steps", "2", "--report_to", "none",
     ])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "processes: 2" in result.stdout
@@ -415,7 +396,7 @@ def test_testbed_config_runs_on_the_bundled_model(tmp_path):
     config = parse_config(
         DPOConfig,
         ["--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:4:2",
-         "--max_steps", "2", "--checkpointing_steps", "2", "--validation_steps", "0", "--report_to", "none",
+         "--max_steps", "2", "--checkpointing_steps", "2", "--report_to", "none",
          "--eval_images_per_prompt", "2", "--output-dir", str(tmp_path / "run")],
     )
     assert config.model == "testbed" and config.reward == "shapes-oracle" and config.random_flip is False

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from two_processes import launch_two_cpu_processes  # noqa: E402
 
 SETTINGS = dict(finetune="lora", lora_rank=4, resolution=16, train_batch_size=1, learning_rate=1e-3, scale_lr=False,
-                lr_warmup_steps=0, beta=100.0, num_inference_steps=2, checkpointing_steps=1, validation_steps=0,
+                lr_warmup_steps=0, beta=100.0, num_inference_steps=2, checkpointing_steps=1,
                 report_to="none")
 
 

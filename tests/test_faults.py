@@ -52,7 +52,7 @@ def dpo_config(tiny_model, prompt_file, out, **overrides):
     if not feedback_prompts.exists():
         feedback_prompts.write_text(FEEDBACK_PROMPTS)
     # the tiny model's own 16 px given explicitly: a command line cannot say None, and the run's latent
-    # store (--cache_latents) is refused at another resolution
+    # store (--latent_store run) is refused at another resolution
     return dpo_small_config(tiny_model, out, reward="jpeg-compressibility", prompts=str(feedback_prompts),
                             eval_prompts=prompt_file, eval_judge="jpeg-compressibility", **{"resolution": 16, **overrides})
 
@@ -142,7 +142,7 @@ def _labelling_fails_after_one_batch(monkeypatch):
     monkeypatch.setattr(align.feedback, "generate_feedback", generate_feedback)
 
 
-def _half_written_lora(unet, folder):
+def _half_written_lora(unet, folder, family=None):
     (Path(folder) / "pytorch_lora_weights.safetensors").write_bytes(b"\0" * 100)
 
 

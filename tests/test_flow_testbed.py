@@ -10,7 +10,7 @@ import torch
 from align import flow_sampling
 from align.testbed import flow_models
 from align.testbed.weights import TESTBED_PIPELINE_DIR
-from tests.script_loader import load_script
+from tests.script_loader import load_experiment, load_script
 
 pytestmark = pytest.mark.skipif(
     not (TESTBED_PIPELINE_DIR / "vae" / "config.json").is_file(), reason="the bundled SD testbed (its VAE) is missing"
@@ -108,3 +108,85 @@ def test_an_existing_folder_that_is_not_a_pipeline_is_not_replaced(build, tmp_pa
         build.main(["--out", str(tmp_path), "--max-steps", "1"])
     assert "not a pipeline folder" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+# --- the perfect-supervision ceiling (experiments/flow_ceiling.py) and the bundled folder ('testbed-flow')
+
+
+@pytest.fixture(scope="module")
+def ceiling():
+    return load_experiment("flow_ceiling")
+
+
+def test_paired_gain_is_the_mean_difference_with_the_standard_error_of_the_differences(ceiling):
+    # 2 prompts x 2 seeds, laid out prompt-major per round: images (p0 s0, p1 s0, p0 s1, p1 s1).
+    gain = ceiling.paired_gain([0.0, 0.5, 1.0, 0.5], [1.0, 0.5, 1.0, 1.0], images_per_prompt=2)
+    assert gain["gain"] == pytest.approx(0.375)  # differences 1, 0, 0, 0.5
+    assert gain["paired_sem_images"] == pytest.approx(float(torch.tensor([1.0, 0, 0, 0.5]).std()) / 2)
+    assert gain["paired_sem_captions"] == pytest.approx(float(torch.tensor([0.5, 0.25]).std()) / 2 ** 0.5)
+    with pytest.raises(ValueError):
+        ceiling.paired_gain([0.0] * 3, [1.0] * 3, images_per_prompt=2)
+
+
+def test_ceiling_run_trains_on_true_scenes_and_scores_the_same_images_before_and_after(ceiling, built, tmp_path):
+    out, _ = built
+    run = ceiling.main(["--model", str(out), "--out", str(tmp_path / "ceiling"), "--minutes", "0.02",
+                        "--eval-every", "0.01", "--num-scenes", "32", "--batch-size", "4",
+                        "--eval-prompts", "testbed:3:1000", "--eval-images-per-prompt", "2"])
+    curve = run["curve"]
+    assert curve[0]["step"] == 0 and curve[0]["gain"] == 0.0 and len(curve) >= 3
+    assert curve[-1]["step"] > curve[-2]["step"] > 0 and curve[-1]["cpu_minutes"] >= 0.02
+    before = json.loads((tmp_path / "ceiling" / "eval_before.json").read_text())
+    after = json.loads((tmp_path / "ceiling" / "eval_after.json").read_text())
+    assert len(before["scores"]) == 6 and after["seeds"] == before["seeds"] == list(range(1234, 1240))
+    assert run["result"]["gain"] == pytest.approx(after["mean"] - before["mean"])
+    captions, images = ceiling.render_training_scenes(16, held_out=set(before["prompts"]), seed=0)
+    assert not set(captions) & set(before["prompts"])
+    import rewards
+
+    assert rewards.load("shapes-oracle").score(captions, (images + 1) / 2).tolist() == [1.0] * 16
+
+
+def test_ceiling_refuses_a_folder_with_results_before_any_work(ceiling, tmp_path, capsys):
+    (tmp_path / "curve.json").write_text("{}")
+    with pytest.raises(SystemExit) as stopped:
+        ceiling.main(["--out", str(tmp_path)])
+    assert stopped.value.code == 2 and "is not empty" in capsys.readouterr().err
+    assert (tmp_path / "curve.json").read_text() == "{}"
+
+
+def test_testbed_flow_without_bundled_weights_says_how_to_build_them(monkeypatch, tmp_path):
+    from align.families.base import ModelLoadError
+    from align.pipeline import resolve_model
+    from align.testbed import weights
+
+    monkeypatch.setattr(weights, "FLOW_TESTBED_PIPELINE_DIR", tmp_path / "nothing")
+    with pytest.raises(ModelLoadError, match="scripts/build_flow_testbed.py"):
+        resolve_model("testbed-flow")
+
+
+def test_testbed_settings_reads_a_flow_testbed_folders_settings(built):
+    from align.pipeline import testbed_settings
+
+    out, settings = built
+    assert testbed_settings(str(out))["max_sequence_length"] == settings["max_sequence_length"] == 2
+
+
+def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_settings_and_samples_at_its_resolution():
+    from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings
+    from align.testbed import weights
+
+    folder = resolve_model("testbed-flow")
+    assert folder == str(weights.FLOW_TESTBED_PIPELINE_DIR)
+    # small enough to ship inside the package (the SD testbed's pipeline is ~8 MB)
+    assert sum(f.stat().st_size for f in weights.FLOW_TESTBED_PIPELINE_DIR.rglob("*.safetensors")) < 15e6
+    settings = testbed_settings("testbed-flow")
+    assert settings["resolution"] == 32 and settings["max_sequence_length"] == flow_models.MAX_SEQUENCE_LENGTH
+    assert settings["scheduler"] == "FlowMatchEulerDiscreteScheduler" and 0 < settings["evaluation"]["mean_oracle_score"] < 1
+    pipe = load_pipeline("testbed-flow")
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline" and pipe.text_encoder_3 is None
+    assert dict(pipe.transformer.config) | flow_models.transformer_config(settings["build"]["size"]) == dict(pipe.transformer.config)
+    images = generate_images(pipe, ["a red circle", "two blue squares"], [0, 0], num_inference_steps=4,
+                             guidance_scale=settings["guidance_scale"])
+    assert images.shape == (2, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
+    assert (images[0] - images[1]).abs().mean() > 0.01  # the same seed, another caption: another image

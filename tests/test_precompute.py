@@ -66,8 +66,29 @@ def test_store_round_trip_holds_the_trainers_latents_for_both_flips(tiny_model, 
             torch.testing.assert_close(item["latents_w"], expected[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(item["latents_l"], expected[1], rtol=1e-5, atol=1e-5)
         with torch.no_grad():
-            torch.testing.assert_close(item["text"], encode_prompts(pipe, [row["caption"]])[0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(data[(k, False, True)]["text"], encode_prompts(pipe, [""])[0], rtol=1e-5, atol=1e-5)
+            # The conditioning dict's every key, under "cond.<key>" (SD 1.x/2.x: prompt_embeds alone).
+            torch.testing.assert_close(item["cond.prompt_embeds"], encode_prompts(pipe, [row["caption"]])[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(data[(k, False, True)]["cond.prompt_embeds"], encode_prompts(pipe, [""])[0],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_a_format_1_store_of_text_embeddings_is_still_read(tiny_model, pairs_file, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    store = build(tiny_model, pairs_file, tmp_path / "store")
+    new = StoreLatents(store, read_manifest(store))
+    expected = [new[(1, False, drop)]["cond.prompt_embeds"] for drop in (False, True)]
+    for path in [*store.glob("shard_*"), store / "empty_text.safetensors"]:  # the layout before conditioning dicts
+        tensors = load_file(str(path))
+        tensors["text"] = tensors.pop("cond.prompt_embeds")
+        save_file(tensors, str(path))
+    manifest = {**read_manifest(store), "format": 1}
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    old = StoreLatents(store, read_manifest(store))
+    for drop, want in zip((False, True), expected):
+        item = old[(1, False, drop)]
+        assert sorted(k for k in item if k.startswith("cond.")) == ["cond.prompt_embeds"]
+        assert torch.equal(item["cond.prompt_embeds"], want)
 
 
 def test_interrupted_precompute_resumes_to_the_same_bytes(tiny_model, pairs_file, tmp_path):
@@ -96,7 +117,7 @@ def test_interrupted_precompute_resumes_to_the_same_bytes(tiny_model, pairs_file
 def test_training_from_the_store_equals_training_from_images(tiny_model, pairs_file, tmp_path):
     store = build(tiny_model, pairs_file, tmp_path / "store")
     settings = dict(max_steps=3, checkpointing_steps=10, caption_dropout=0.5)
-    from_images = dpo.train(small_config(tiny_model, tmp_path / "images", dataset=pairs_file, cache_latents=False, **settings))
+    from_images = dpo.train(small_config(tiny_model, tmp_path / "images", dataset=pairs_file, latent_store="none", **settings))
     from_store = dpo.train(small_config(tiny_model, tmp_path / "stored", latent_store=str(store), dataloader_num_workers=1, **settings))
     a = [json.loads(line) for line in (from_images / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (from_store / "metrics.jsonl").read_text().splitlines()]
@@ -106,10 +127,10 @@ def test_training_from_the_store_equals_training_from_images(tiny_model, pairs_f
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), key
 
 
-def test_cache_latents_builds_the_runs_store_once_and_trains_as_from_images(tiny_model, pairs_file, tmp_path):
+def test_latent_store_run_builds_the_runs_store_once_and_trains_as_from_images(tiny_model, pairs_file, tmp_path):
     settings = dict(dataset=pairs_file, max_steps=2, checkpointing_steps=10, caption_dropout=0.5)
-    cached = dpo.train(small_config(tiny_model, tmp_path / "cached", cache_latents=True, **settings))
-    plain = dpo.train(small_config(tiny_model, tmp_path / "plain", cache_latents=False, **settings))
+    cached = dpo.train(small_config(tiny_model, tmp_path / "cached", **settings))  # the default: --latent_store run
+    plain = dpo.train(small_config(tiny_model, tmp_path / "plain", latent_store="none", **settings))
     manifest = read_manifest(cached / "latents")
     assert manifest is not None and manifest["num_pairs"] == 5  # every pair encoded once, into the run folder
     assert not (plain / "latents").exists()
@@ -123,7 +144,7 @@ def test_resume_mid_epoch_from_images_with_workers_is_exact(tiny_model, pairs_fi
     """5 pairs, 2 a step: step 2 starts mid-epoch. The resumed half reads through two workers."""
     from safetensors.torch import load_file
 
-    common = dict(dataset=pairs_file, cache_latents=False, max_steps=4)
+    common = dict(dataset=pairs_file, latent_store="none", max_steps=4)
     straight = dpo.train(small_config(tiny_model, tmp_path / "straight", **common))
     dpo.train(small_config(tiny_model, tmp_path / "halves", **{**common, "max_steps": 2}))
     resumed = dpo.train(small_config(tiny_model, tmp_path / "halves", resume="latest", dataloader_num_workers=2, **common))
@@ -179,7 +200,7 @@ def test_refusals_are_one_line_and_lose_nothing(tiny_model, pairs_file, tmp_path
 def test_unreadable_image_stops_training_with_one_line_naming_the_row(tiny_model, tmp_path, capsys):
     broken = write_pairs(tmp_path / "broken.parquet", corrupt_row=3)
     _fails(capsys, lambda: dpo.main(["--model", tiny_model, "--dataset", broken, "--output-dir", str(tmp_path / "run"),
-                                     "--report_to", "none", "--cache_latents", "false", "--resolution", "16",
+                                     "--report_to", "none", "--latent_store", "none", "--resolution", "16",
                                      "--finetune", "lora", "--train_batch_size", "5", "--gradient_accumulation_steps", "1",
-                                     "--max_steps", "1", "--validation_steps", "0"]),
+                                     "--max_steps", "1"]),
            "row 3 holds an unreadable image")

@@ -26,7 +26,7 @@ def _run(script, *args):
 
 def test_a_testbed_dpo_run_prints_no_third_party_warning(tmp_path):
     result = _run("align/dpo.py", "--config", "configs/testbed_dpo.yaml", "--prompts", "testbed:4:1", "--eval_prompts", "testbed:4:2",
-                  "--max_steps", "2", "--checkpointing_steps", "2", "--validation_steps", "0", "--report_to", "none",
+                  "--max_steps", "2", "--checkpointing_steps", "2", "--report_to", "none",
                   "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if WARNING_LINE.search(line)] == []

@@ -114,7 +114,7 @@ def tiny_dpo_run(tmp_path_factory):
     config = parse_config(DPOConfig, [
         "--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:3:2",
         "--eval_images_per_prompt", "2", "--max_steps", "2", "--eval_every_steps", "1", "--checkpointing_steps", "2",
-        "--validation_steps", "2", "--num_validation_images", "2", "--report_to", "none", "--output-dir", str(out),
+        "--report_to", "none", "--output-dir", str(out),
     ])
     return dpo.train(config)
 
@@ -156,9 +156,7 @@ def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_co
     # Curves from metrics.jsonl, the held-out curve (evals/step_1), all decodable PNG figures.
     for alt in ("loss", "implicit_acc", "reward_margin", "model_mse / ref_mse", "held-out score along the run"):
         assert images[alt].width > 200
-    # Validation samples with their prompts; the config as written (config.yaml).
-    first_prompt = json.loads((run / "samples" / "step_0000002.json").read_text())[0]["prompt"]
-    assert "step 2" in text and f"<th>{html_lib.escape(first_prompt)}</th>" in text  # the same prompts at every step: column heads
+    # The config as written (config.yaml).
     assert "beta:</span> 500" in text and "eval_prompts:</span> testbed:3:2" in text
     assert not list(run.glob(".report.html.*"))  # written atomically: no temporary file left behind
 

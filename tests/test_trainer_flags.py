@@ -1,5 +1,5 @@
 """Behaviour of trainer flags no other test exercises: weight decay, sample logging, checkpoint rotation,
-latent caching, validation prompts, feedback pairing, the held-out judge."""
+latent caching, the held-out judge."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def ddpo_config(tiny_model, prompt_file, out, **overrides) -> DDPOConfig:
     base = dict(model=tiny_model, reward="jpeg-compressibility", prompts=prompt_file, output_dir=str(out),
                 report_to="none", num_inference_steps=4, samples_per_epoch=4, sample_batch_size=2, train_batch_size=2,
                 gradient_accumulation_steps=2, timestep_fraction=0.5, num_epochs=1, checkpointing_epochs=1,
-                stat_buffer_size=4, stat_min_count=2, learning_rate=1e-3, clip_range=0.2, num_logged_images=0)
+                learning_rate=1e-3, clip_range=0.2)
     base.update(overrides)
     return DDPOConfig(**base)
 
@@ -34,7 +34,7 @@ def dpo_config(tiny_model, prompt_file, out, **overrides) -> DPOConfig:
     base = dict(model=tiny_model, reward="jpeg-compressibility", prompts=prompt_file, output_dir=str(out),
                 finetune="lora", lora_rank=4, resolution=None, train_batch_size=2, gradient_accumulation_steps=1,
                 max_steps=1, learning_rate=1e-3, scale_lr=False, lr_warmup_steps=0, beta=100.0, num_inference_steps=2,
-                guidance_scale=2.0, checkpointing_steps=1, validation_steps=0, report_to="none")
+                guidance_scale=2.0, checkpointing_steps=1, report_to="none")
     base.update(overrides)
     return DPOConfig(**base)
 
@@ -60,40 +60,19 @@ def test_weight_decay_shrinks_the_lora_A_matrices_on_the_first_step(trainer, tin
     assert any(float(plain[k].abs().max()) > 0 for k in plain if k not in a_keys)  # B did move
 
 
-def test_ddpo_logs_samples_every_sample_log_epochs_and_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):
-    run = ddpo.train(ddpo_config(tiny_model, prompt_file, tmp_path / "run", num_epochs=3, gradient_accumulation_steps=1,
-                                 num_logged_images=3, sample_log_epochs=2, checkpoints_total_limit=2))
-    # The first epoch (a baseline), every second one, and the last.
+def test_ddpo_logs_samples_at_checkpoint_epochs_and_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):
+    run = ddpo.train(ddpo_config(tiny_model, prompt_file, tmp_path / "run", num_epochs=5, gradient_accumulation_steps=1,
+                                 checkpointing_epochs=2, checkpoints_total_limit=2))
+    # The first epoch (a baseline), every checkpoint epoch, and the last; this process's images, at most 8.
     assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["epoch_00001.png", "epoch_00002.png",
-                                                                         "epoch_00003.png"]
-    assert len(json.loads((run / "samples" / "epoch_00002.json").read_text())) == 3
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002", "step_0000003"]
+                                                                         "epoch_00004.png", "epoch_00005.png"]
+    assert len(json.loads((run / "samples" / "epoch_00002.json").read_text())) == 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000004", "step_0000005"]
 
 
 def test_dpo_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):
     run = dpo.train(dpo_config(tiny_model, prompt_file, tmp_path / "run", max_steps=3, checkpoints_total_limit=1))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000003"]
-
-
-def test_validation_prompts_win_over_held_out_and_training_prompts(tmp_path):
-    files = {}
-    for name in ("validation", "held_out", "training"):
-        files[name] = tmp_path / f"{name}.txt"
-        files[name].write_text("\n".join(f"{name} {i}" for i in range(5)))
-    base = dict(reward="random", prompts=str(files["training"]), num_validation_images=3)
-    config = DPOConfig(validation_prompts=str(files["validation"]), eval_prompts=str(files["held_out"]), **base)
-    assert dpo._validation_prompts(config) == ["validation 0", "validation 1", "validation 2"]
-    assert dpo._validation_prompts(DPOConfig(eval_prompts=str(files["held_out"]), **base))[0] == "held_out 0"
-    assert dpo._validation_prompts(DPOConfig(**base)) == ["training 0", "training 1", "training 2"]
-
-
-def test_feedback_pairing_all_labels_every_pair_of_a_prompts_images(tiny_model, prompt_file, tmp_path):
-    import pyarrow.parquet as pq
-
-    run = dpo.train(dpo_config(tiny_model, prompt_file, tmp_path / "all", images_per_prompt=3, feedback_pairing="all"))
-    rows = pq.read_table(run / "feedback" / "pairs.parquet").to_pylist()
-    # 3 prompts x 3 pairs of 3 images (best_worst would give one pair per prompt); a tie would be dropped.
-    assert len(rows) == 9 and all(sum(r["caption"] == c for r in rows) == 3 for c in {r["caption"] for r in rows})
 
 
 def test_ddpo_eval_judge_scores_the_held_out_images_instead_of_the_reward(tiny_model, prompt_file, tmp_path):

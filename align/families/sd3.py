@@ -1,8 +1,27 @@
-"""StableDiffusion3 family (being written in this session: only detection so far; every method raises NotImplementedError)."""
+"""Stable Diffusion 3 / 3.5: two CLIPs (+ optional T5), an MMDiT transformer, rectified flow.
+
+Matches diffusers' StableDiffusion3Pipeline (conditioning, denoiser call, σ schedule, VAE shift and
+scale) and examples/dreambooth/train_dreambooth_lora_sd3.py (training draw, target, LoRA targets).
+Deliberate differences from the script:
+
+- target: the velocity ε - x0. The script's default ``precondition_outputs=1`` regresses
+  x_σ - σ·v on x0 instead, which is the same loss times σ²; a trainer wanting that weights by σ².
+- σ of a timestep: timestep / 1000 instead of a lookup in the training table (the same to float
+  rounding; it also serves timesteps that are not in the table, e.g. a sampler's).
+- the T5 length: the one the model was trained with (``flow_testbed.json``), else the pipeline's
+  default 256 (the script defaults to 77 for training and validates with the pipeline's 256).
+"""
 
 from __future__ import annotations
 
-from align.families.base import ModelFamily
+from pathlib import Path
+
+import torch
+
+from align.families import flow_common
+from align.families.base import Conditioning, ModelFamily, ModelLoadError, one_line, pretrained_pipeline
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__ / encode_prompt default
 
 
 class StableDiffusion3(ModelFamily):
@@ -10,3 +29,89 @@ class StableDiffusion3(ModelFamily):
     pipeline_class_names = ("StableDiffusion3Pipeline",)
     denoiser_name = "transformer"
     is_flow = True
+    # train_dreambooth_lora_sd3.py's default --lora_layers (joint blocks' attention, both streams)
+    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
+    weighting_scheme = "logit_normal"  # the script's default timestep density (loss weight 1)
+
+    def pipeline_class(self):
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+
+    # --- loading and saving -------------------------------------------------------------------
+    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+        try:
+            index = flow_common.model_index(model)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
+        # diffusers refuses a null T5 entry unless it is passed as None (SD3 without T5, the flow testbed)
+        no_t5 = {name: None for name in ("text_encoder_3", "tokenizer_3")
+                 if flow_common.is_null_component(index.get(name))}
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion 3", **no_t5)
+        return flow_common.finish_loading(pipe, model, device, DEFAULT_MAX_SEQUENCE_LENGTH)
+
+    def frozen_modules(self, pipe) -> list[torch.nn.Module]:
+        encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
+        return [pipe.vae] + [encoder for encoder in encoders if encoder is not None]
+
+    def save_lora(self, denoiser, folder: str | Path) -> Path:
+        return flow_common.save_transformer_lora(self.pipeline_class(), denoiser, folder)
+
+    def load_lora(self, pipe, folder: str | Path) -> None:
+        flow_common.load_transformer_lora(pipe, folder)
+
+    # --- conditioning and latents -------------------------------------------------------------
+    def max_sequence_length(self, pipe) -> int:
+        return flow_common.max_sequence_length(pipe, DEFAULT_MAX_SEQUENCE_LENGTH)
+
+    @torch.no_grad()
+    def encode_prompts(self, pipe, prompts: list[str], resolution: int | None = None) -> Conditioning:
+        """``pipe.encode_prompt``'s positive outputs (CLIP-L/G penultimate states + T5 tokens, both pooled
+        CLIP embeddings); ``[""]`` is the unconditional side, as the pipeline encodes a missing negative."""
+        prompt_embeds, _, pooled, _ = pipe.encode_prompt(
+            list(prompts), None, None, do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length(pipe),
+        )
+        return {"prompt_embeds": prompt_embeds, "pooled_embeds": pooled}
+
+    def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
+        return flow_common.encode_shifted(pipe.vae, pixels)
+
+    def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        return flow_common.decode_shifted(pipe.vae, latents)
+
+    def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
+        side = resolution // pipe.vae_scale_factor
+        return (pipe.transformer.config.in_channels, side, side)
+
+    # --- the denoiser and its training target -------------------------------------------------
+    def predict(self, denoiser, latents, timesteps, cond: Conditioning) -> torch.Tensor:
+        """The velocity; ``timesteps`` = σ·1000 as the pipeline passes them."""
+        return denoiser(
+            hidden_states=latents, timestep=timesteps, encoder_hidden_states=cond["prompt_embeds"],
+            pooled_projections=cond["pooled_embeds"], return_dict=False,
+        )[0]
+
+    def flow_sigmas(self, pipe, num_inference_steps: int, resolution: int) -> torch.Tensor:
+        """As StableDiffusion3Pipeline: ``set_timesteps(N)`` with the static shift; with dynamic shifting
+        (``use_dynamic_shifting``, SD3.5 variants that set it) μ from the image's patch count."""
+        kwargs = {}
+        if pipe.scheduler.config.get("use_dynamic_shifting", False):
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+            side = resolution // pipe.vae_scale_factor // pipe.transformer.config.patch_size
+            config = pipe.scheduler.config
+            kwargs["mu"] = calculate_shift(side * side, config.get("base_image_seq_len", 256),
+                                           config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                                           config.get("max_shift", 1.16))
+        return flow_common.set_timesteps_copy(pipe.scheduler, num_inference_steps, **kwargs)
+
+    def generation_kwargs(self, pipe) -> dict:
+        return {"max_sequence_length": self.max_sequence_length(pipe)}
+
+    def draw_training_timesteps(self, scheduler, batch: int, generator: torch.Generator) -> torch.Tensor:
+        return flow_common.draw_flow_timesteps(scheduler, batch, generator, self.weighting_scheme)
+
+    def noisy_and_target(self, scheduler, x0, noise, timesteps):
+        return flow_common.rectified_flow_pair(scheduler, x0, noise, timesteps)

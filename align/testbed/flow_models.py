@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from align.testbed import models
+from align.testbed.weights import FLOW_TESTBED_SETTINGS_FILE
 
 # Short prompt sequences keep the joint attention cheap on a CPU (the longest caption is 16 tokens).
 TOKENIZER_MAX_LENGTH = 20
@@ -30,7 +31,7 @@ SIZES: dict[str, dict] = {
     "base": dict(num_attention_heads=6, attention_head_dim=32, num_layers=6, patch_size=1),
 }
 TEXT_HIDDEN = {"text_encoder": models.TEXT_HIDDEN_SIZE, "text_encoder_2": 32}
-FLOW_SETTINGS_FILE = "flow_testbed.json"
+FLOW_SETTINGS_FILE = FLOW_TESTBED_SETTINGS_FILE  # sampling settings beside model_index.json
 
 
 def text_encoder_config(name: str, vocab_size: int, bos_token_id: int, eos_token_id: int) -> dict:
