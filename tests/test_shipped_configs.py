@@ -23,6 +23,7 @@ CONFIG_CLASSES = {
     "dpo_sd15_full_1gpu.yaml": DPOConfig,
     "ddpo_sd15_lora_1gpu.yaml": DDPOConfig,
     "testbed_dpo.yaml": DPOConfig,
+    "testbed_flow_dpo.yaml": DPOConfig,
     "ddpo_sd15.yaml": DDPOConfig,
     "testbed_ddpo.yaml": DDPOConfig,
     "testbed_eval.yaml": EvalConfig,
