@@ -30,8 +30,16 @@ import torch
 from align import report
 from align.api_cost import best_of_n_api_plan, guard_api_cost
 from align.cli import ConfigError, die, option, parse_config
+from align.families import family_of_pipeline
 from align.feedback import derive_seed
-from align.generation import GenerationCache, ModelEntry, resolve_device, sampling_settings
+from align.generation import (
+    GenerationCache,
+    ModelEntry,
+    check_generation_dtype,
+    generation_dtype,
+    resolve_device,
+    sampling_settings,
+)
 from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
 from align.pipeline import ModelLoadError, check_model
@@ -49,8 +57,8 @@ SEARCHES = ("random", "zero-order")
 @dataclass
 class BestOfNConfig:
     model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "the generator: a hub id, pipeline folder, "
-                        "run or LoRA folder, or 'testbed'", "model")
-    base_model: str | None = option(None, "base pipeline for a bare LoRA/UNet folder", "model")
+                        "run or LoRA folder, 'testbed' or 'testbed-flow' (any family: SD, SDXL, SD3, FLUX)", "model")
+    base_model: str | None = option(None, "base pipeline for a bare LoRA / unet/ / transformer/ folder", "model")
     reward: str = option("pickscore", "the selector judge that picks the best of the candidates", "judge")
     eval_judges: str | None = option(None, "comma list of other judges that score the chosen images", "judge")
     prompts: str = option("drawbench", "a prompt set (align.prompt_sets) or a file", "data")
@@ -59,10 +67,10 @@ class BestOfNConfig:
     n: int = option(16, "candidates per prompt (the curve is at 1, 2, 4, ..., n)", "sampling")
     batch_size: int = option(8, "images per pipeline call", "sampling")
     seed: int = option(0, "seed of the candidates' starting noises", "sampling")
-    num_inference_steps: int | None = option(None, "DDIM steps (None: the model's testbed.json if any, else 50)",
-                                             "sampling")
-    guidance_scale: float | None = option(None, "classifier-free guidance (None: the model's testbed.json if any, "
-                                          "else 7.5)", "sampling")
+    num_inference_steps: int | None = option(None, "sampling steps (None: the model's testbed.json if any, else its "
+                                             "pipeline's default: 50 SD/SDXL, 28 SD3/FLUX)", "sampling")
+    guidance_scale: float | None = option(None, "classifier-free guidance (FLUX: its guidance embedding; None: the "
+                                          "model's testbed.json if any, else its pipeline's default)", "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     search: str = option("random", "random, or zero-order (which also runs random search for comparison)",
                          "sampling")
@@ -71,6 +79,8 @@ class BestOfNConfig:
                               "radius²)", "sampling")
     grid_prompts: int = option(8, "prompts shown in the report's image grid", "output")
     device: str = option("auto", "auto, cpu, cuda or mps", "model")
+    dtype: str = option("float32", "weights and compute dtype of the generators: float32, bfloat16 or float16 "
+                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model")
     output_dir: str = option("runs/best_of_n", "folder of the results, curve and report", "output")
     cache_dir: str | None = option(None, "folder of generated candidates (PNG); share it between runs with other "
                                    "judges", "output")
@@ -80,6 +90,7 @@ class BestOfNConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_generation_dtype(self.dtype)
         if self.cache_dir:
             check_writable_dir("cache_dir", self.cache_dir)
         if self.n < 1:
@@ -156,9 +167,26 @@ def candidate_seed(seed: int, prompt_index: int, k: int) -> int:
     return derive_seed(seed, prompt_index, k)
 
 
+def native_resolution(pipe) -> int:
+    """The image side the pipeline generates when not told: its ``default_sample_size`` (SDXL, SD3, FLUX: 128,
+    i.e. 1024 px) or, for SD 1.x/2.x, which has none, its UNet's sample size, in latent pixels."""
+    side = getattr(pipe, "default_sample_size", None) or family_of_pipeline(pipe).denoiser(pipe).config.sample_size
+    return side * pipe.vae_scale_factor
+
+
 def latent_shape(pipe, resolution: int | None) -> tuple[int, int, int]:
-    size = resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
-    return (pipe.unet.config.in_channels, size // pipe.vae_scale_factor, size // pipe.vae_scale_factor)
+    """(C, h, w) of the starting noise, as the family's latents (FLUX: before packing into tokens)."""
+    return family_of_pipeline(pipe).latent_shape(pipe, resolution or native_resolution(pipe))
+
+
+def pipeline_latents(pipe, noise: torch.Tensor) -> torch.Tensor:
+    """``noise`` [B, C, h, w] in the layout the pipeline's ``latents=`` argument takes: FLUX pipelines take
+    latents packed into 2 x 2 patch tokens (what they draw for a seed is this noise, packed), others as is."""
+    pack = getattr(pipe, "_pack_latents", None)
+    if pack is None:
+        return noise
+    batch, channels, height, width = noise.shape
+    return pack(noise, batch, channels, height, width)
 
 
 def seed_noise(seed: int, shape: tuple) -> torch.Tensor:
@@ -171,17 +199,20 @@ def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings
                         progress: str | None = None) -> torch.Tensor:
     """Images [N, 3, H, W] in [0, 1] from explicit initial noises [N, C, h, w]; ``progress``: a bar's label."""
     out = []
-    device = pipe.unet.device
+    family = family_of_pipeline(pipe)
+    denoiser = family.denoiser(pipe)
+    extra = family.generation_kwargs(pipe)
     for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
         result = pipe(
             prompt=list(prompts[chunk]),
-            latents=noises[chunk].to(device, pipe.unet.dtype),
+            latents=pipeline_latents(pipe, noises[chunk].to(denoiser.device, denoiser.dtype)),
             num_inference_steps=settings["num_inference_steps"],
             guidance_scale=settings["guidance_scale"],
             height=settings["resolution"],
             width=settings["resolution"],
             output_type="pt",
+            **extra,
         )
         out.append(result.images.float().cpu())
     return torch.cat(out)
@@ -236,7 +267,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
     # The model loads only when something is generated: a rerun with another selector finds every candidate cached.
     pipe = shape = None
     if todo or config.search == "zero-order":
-        pipe = load_trained(config.model, device=resolve_device(config.device), base=config.base_model)
+        pipe = load_trained(config.model, dtype=generation_dtype(settings), device=resolve_device(config.device),
+                            base=config.base_model)
         shape = latent_shape(pipe, settings["resolution"])
     if todo:
         noises = torch.stack([seed_noise(s, shape) for _, s in todo])

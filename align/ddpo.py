@@ -1,32 +1,33 @@
-"""DDPO (Black et al. 2023, "Training Diffusion Models with Reinforcement Learning") for Stable
-Diffusion, with rewards from any judge in ``rewards``.
+"""DDPO (Black et al. 2023, "Training Diffusion Models with Reinforcement Learning") for SD 1.x/2.x and
+SDXL, and Flow-GRPO (Liu et al. 2025) / Flow-GRPO-Fast for flow-matching models (SD3, FLUX), with rewards
+from any judge in ``rewards``. What differs between model families comes from ``align.families``.
 
     accelerate launch align/ddpo.py --reward aesthetic --prompts prompts.txt
     accelerate launch align/ddpo.py --config configs/ddpo_sd15.yaml
     python align/ddpo.py --config configs/testbed_ddpo.yaml          # offline, on a CPU
 
 The algorithm box, per epoch:
-    1. sample: draw prompts, run stochastic DDIM (η > 0) with classifier-free guidance and keep
-       every step's latent, next latent and log-probability (align/sampling.py);
+    1. sample: draw prompts, run stochastic DDIM (η > 0; align/sampling.py) or, for flow families,
+       Flow-GRPO's SDE (noise level a = η; align/flow_sampling.py) with classifier-free guidance, and keep
+       every stochastic step's latent, next latent and log-probability. With --deterministic_tail only the
+       trained steps are stochastic (DDIM: the noisiest ones; flow: Flow-GRPO-Fast's window);
     2. reward: score the final images with the judge(s), in a worker thread while the next batch
        samples; pairwise-only judges give win rates within each prompt's group of images;
     3. advantages: gather rewards from all processes, normalise them per prompt (DDPO's stat
        tracker) or per group (GRPO), give each process its share back;
     4. train: shuffle samples and, per sample, the order of its timesteps; for a fraction of the
        timesteps re-score the stored step under the current model and take the PPO-clip loss (plus,
-       optionally, the KL to the reference model, as Flow-GRPO does);
+       optionally, the KL to the reference model, as Flow-GRPO does; losses in align/losses.py);
        gradients accumulate over the timesteps and ``gradient_accumulation_steps`` batches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
-import os
-import shutil
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,24 @@ if __package__ in (None, ""):
 from align.advantages import PerPromptStatTracker, compute_advantages  # noqa: E402
 from align.api_cost import ddpo_api_plan, guard_on_every_process
 from align.cli import ConfigError  # noqa: E402
-from align.compiled_sampling import CompileError  # noqa: E402
 from align.data import DataError
-from align.ddpo_config import DDPOConfig  # noqa: E402
+from align.ddpo_config import FAST_WINDOW_SHARE, DDPOConfig  # noqa: E402
 from align.ddpo_rewards import BackgroundRewards, MixedReward, RewardError  # noqa: E402
+from align.families import UnknownFamilyError, family_of, family_of_pipeline
+from align.families.base import (
+    Conditioning,
+    ModelFamily,
+    ModelLoadError,
+    cat_conditioning,
+    expand_conditioning,
+    guided_prediction,
+    one_line,
+    repeat_conditioning,
+    select_conditioning,
+)
+from align.families.sd import StableDiffusion
+from align.flow_sampling import draw_window, flow_grpo_kl, sample_flow_with_logprob, sde_step
+from align.flow_sampling import gaussian_log_prob as flow_gaussian_log_prob
 from align.health import images_finite
 from align.judges import check_judge_names, load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
@@ -58,7 +73,6 @@ from align.sampling import (  # noqa: E402
     check_scheduler_steps,
     ddim_step_mean_std,
     gaussian_log_prob,
-    guided_noise_prediction,
     sample_with_logprob,
 )
 from align.trainer_run import (  # noqa: E402
@@ -71,7 +85,6 @@ from align.trainer_run import (  # noqa: E402
 from align.training import (  # noqa: E402
     TrainingStopped,
     adamw_class,
-    apply_matmul_switches,
     end_training,
     evaluate_model,
     keep_default_attention,
@@ -89,6 +102,8 @@ from align.training import (  # noqa: E402
 )
 
 STATE_FILE = "ddpo_state.json"
+STAT_BUFFER_SIZE, STAT_MIN_COUNT = 32, 16  # --advantage per-prompt: ddpo-pytorch's per-prompt stat tracking
+LOGGED_IMAGES = 8  # training images (with their rewards) saved under samples/ at each checkpoint epoch
 
 
 def check_inputs(config: DDPOConfig) -> None:
@@ -103,16 +118,19 @@ def check_inputs(config: DDPOConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
-def compile_toolchain_problem(device: torch.device) -> str | None:
-    """Why torch.compile cannot build its C++ kernels on this CPU (compiler, Python headers), or None."""
-    if device.type != "cpu":
-        return None
-    if not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++")):
-        return "--compile_sampling on a CPU needs a C++ compiler (g++ or clang++, or set CXX) and none was found"
-    include = Path(sysconfig.get_paths()["include"])
-    if not (include / "Python.h").is_file():
-        return f"--compile_sampling on a CPU needs the Python headers (Python.h), not found in {include}"
-    return None
+def resolve_family(config: DDPOConfig) -> ModelFamily:
+    """The model's family (from its model_index.json, before any weight loads); fills the sampler options
+    left unset with that family's defaults (DDIM: the DDPO paper's; flow: Flow-GRPO's)."""
+    from align.pipeline import check_model
+
+    try:
+        family = family_of(check_model(config.model))
+    except ModelLoadError:
+        raise
+    except (UnknownFamilyError, OSError, ValueError) as err:
+        raise ModelLoadError(f"--model {config.model!r}: {one_line(err)}") from None
+    config.resolve_for_family(family.is_flow)
+    return family
 
 
 def check_batch_sizes(config: DDPOConfig, num_processes: int) -> int:
@@ -155,45 +173,81 @@ def draw_prompts(prompts: list[str], config: DDPOConfig, gen: torch.Generator) -
 @dataclass
 class SampleBatch:
     prompts: list[str]
-    embeds: torch.Tensor  # [B, L, D] prompt embeddings
-    all_latents: torch.Tensor  # [B, T+1, C, H, W]
-    timesteps: torch.Tensor  # [B, T]
-    log_probs: torch.Tensor  # [B, T]
+    cond: Conditioning  # the family's conditioning of each prompt (batch-first tensors)
+    # The recorded steps, [B, T, ...] each. DDIM: all_latents [B, T+1, C, H, W], timesteps, log_probs.
+    # Flow: latents and next_latents of each stochastic step, timesteps (σ·1000), step_indices, log_probs.
+    steps: dict[str, torch.Tensor]
     images: torch.Tensor  # [B, 3, H, W] in [0, 1], CPU
 
 
 def sampling_merges_lora(config: DDPOConfig) -> bool:
     """Sample with the LoRA folded into the weights (~12% faster on the testbed) when that computes what the
-    training forward does: in fp32 up to rounding; under fp16/bf16 only if training uses the merged weight too
-    (else the rounding differs, the first minibatch is off-policy and PPO clips it)."""
-    return config.mixed_precision == "no" or config.lora_merged_forward
+    training forward does: in fp32 up to rounding; not under fp16/bf16 (the rounding differs, the first
+    minibatch would be off-policy and PPO would clip it)."""
+    return config.mixed_precision == "no"
 
 
-def collect_samples(pipe, sampler, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape):
+def flow_window(config: DDPOConfig, num_steps: int, gen: torch.Generator) -> tuple[int, int] | None:
+    """The stochastic steps of a flow sampling batch: every step (None: Flow-GRPO) or, with
+    --deterministic_tail, a window of num_train_timesteps steps (Flow-GRPO-Fast): at the start
+    (high_noise) or drawn per batch within the first half of the steps (random, the authors' window range)."""
+    if not config.deterministic_tail:
+        return None
+    size = config.num_train_timesteps
+    if config.timestep_selection == "high_noise":
+        return 0, size
+    return draw_window(size, (0, max(size, int(num_steps * FAST_WINDOW_SHARE))), gen)
+
+
+@torch.no_grad()
+def sample_steps(pipe, family, sampler, config, cond, uncond, noise, gen, sigmas) -> tuple[torch.Tensor, dict]:
+    """One batch's chain from ``noise``: (final latents, the recorded steps of SampleBatch.steps)."""
+    if family.is_flow:
+        def velocity(x, t):
+            return guided_prediction(family, sampler, x, t, cond, uncond, config.guidance_scale)
+
+        trajectory = sample_flow_with_logprob(velocity, noise, sigmas, flow_window(config, len(sigmas) - 1, gen),
+                                              config.eta, generator=gen,
+                                              num_train_timesteps=pipe.scheduler.config.num_train_timesteps)
+        batch, width = trajectory.log_probs.shape
+        return trajectory.final_latents, {
+            "latents": trajectory.latents, "next_latents": trajectory.next_latents, "log_probs": trajectory.log_probs,
+            "timesteps": trajectory.timesteps.expand(batch, -1).clone(),
+            "step_indices": torch.tensor(trajectory.step_indices, device=noise.device).expand(batch, width).clone(),
+        }
+    trajectory = sample_with_logprob(
+        sampler, pipe.scheduler, cond, uncond,
+        num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
+        eta=config.eta, latents=noise, generator=gen,
+        stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None, family=family,
+    )
+    return trajectory.final_latents, {"all_latents": trajectory.all_latents, "timesteps": trajectory.timesteps,
+                                      "log_probs": trajectory.log_probs}
+
+
+def collect_samples(pipe, family, sampler, config, prompts, negative, epoch, process, num_batches, background,
+                    latent_shape, resolution, sigmas=None):
     """Sample num_batches batches; rewards are computed in the background as each batch finishes.
 
-    ``sampler`` is pipe.unet or a compiled wrapper of it.
+    ``sampler`` is the family's denoiser; ``negative`` the one-row unconditional side of classifier-free
+    guidance (the family's); ``sigmas`` the flow families' σ schedule.
     """
-    from align.pipeline import decode_latents, encode_prompts, merged_adapter
+    from align.pipeline import decode_latents, merged_adapter
 
     batches, futures = [], []
-    merge = merged_adapter(pipe.unet) if sampling_merges_lora(config) else contextlib.nullcontext()
+    merge = merged_adapter(family.denoiser(pipe)) if sampling_merges_lora(config) else contextlib.nullcontext()
     with merge:
         for b in range(num_batches):
             gen = epoch_generator(config.seed, epoch, SAMPLE, b, process)
             batch_prompts = draw_prompts(prompts, config, gen)
-            embeds = encode_prompts(pipe, batch_prompts)
-            negative = negative_embed.expand(len(batch_prompts), -1, -1)
+            cond = family.encode_prompts(pipe, batch_prompts, resolution)
+            embeds = cond["prompt_embeds"]
             noise = torch.randn((len(batch_prompts), *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
-            trajectory = sample_with_logprob(
-                sampler, pipe.scheduler, embeds, negative,
-                num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
-                eta=config.eta, latents=noise, generator=gen,
-                stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None,
-            )
-            images = decode_latents(pipe, trajectory.final_latents).cpu()
+            final, steps = sample_steps(pipe, family, sampler, config, cond, expand_conditioning(negative, len(batch_prompts)),
+                                        noise, gen, sigmas)
+            images = decode_latents(pipe, final).cpu()  # the family's decoder
             futures.append(background.submit(batch_prompts, images))
-            batches.append(SampleBatch(batch_prompts, embeds, trajectory.all_latents, trajectory.timesteps, trajectory.log_probs, images))
+            batches.append(SampleBatch(batch_prompts, cond, steps, images))
     return batches, futures
 
 
@@ -224,27 +278,22 @@ def gather_rewards(accelerator, futures) -> tuple[torch.Tensor | None, dict[str,
 def train(config: DDPOConfig) -> Path:
     """Run DDPO; returns the run folder."""
     from accelerate.utils import gather_object, set_seed
-    from diffusers.optimization import get_scheduler
 
     from align.pipeline import (
         add_lora,
         disabled_adapter,
-        encode_prompts,
         frozen_copy,
         load_pipeline,
-        lora_as_merged_weight,
     )
 
     check_inputs(config)
+    family = resolve_family(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
         config.mixed_precision, "ddpo", log_with=log_with, project_dir=str(run.path))
-    apply_matmul_switches(config.allow_tf32)
     main, process = accelerator.is_main_process, accelerator.process_index
     num_batches = check_batch_sizes(config, accelerator.num_processes)
-    if config.compile_sampling and (problem := compile_toolchain_problem(accelerator.device)):
-        raise ConfigError(problem)  # else it would fail at the first sampling step
 
     # The judges and prompts before anything is written or generated: a missing API key stops us here,
     # and with --overwrite the old run is still whole.
@@ -274,16 +323,20 @@ def train(config: DDPOConfig) -> Path:
     # Frozen parts in the compute dtype; trainable weights stay in float32.
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
     pipe = load_pipeline(config.model, dtype=weight_dtype if config.finetune == "lora" else torch.float32, device=accelerator.device)
-    check_scheduler_steps(pipe.scheduler, config.num_inference_steps, config.eta)
-    for module in (pipe.vae, pipe.text_encoder):
+    if family_of_pipeline(pipe) is not family:
+        raise ConfigError(f"--model {config.model!r} loaded as {family_of_pipeline(pipe).name}, detected as {family.name}")
+    if not family.is_flow:
+        check_scheduler_steps(pipe.scheduler, config.num_inference_steps, config.eta)
+    for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
-    resolution = config.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
-    latent_shape = (pipe.unet.config.in_channels, resolution // pipe.vae_scale_factor, resolution // pipe.vae_scale_factor)
+    unet = family.denoiser(pipe)  # the UNet (or transformer) that trains
+    resolution = config.resolution or native_resolution(pipe, unet)
+    latent_shape = family.latent_shape(pipe, resolution)
 
-    unet = pipe.unet
-    keep_default_attention(unet)
+    if not family.is_flow:  # SD3/FLUX keep their joint-attention processors
+        keep_default_attention(unet)
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank)
+        add_lora(unet, rank=config.lora_rank, target_modules=family.lora_targets)
         for p in unet.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -305,7 +358,8 @@ def train(config: DDPOConfig) -> Path:
             f"{config.num_train_timesteps}/{config.num_inference_steps} timesteps | optimiser steps per epoch: "
             f"{updates_per_epoch} | epochs: {config.num_epochs} | finetune: {config.finetune} "
             f"({sum(p.numel() for p in params):,} trainable parameters) | reward: {config.reward} | "
-            f"advantage: {config.advantage} | kl_coef: {config.kl_coef}",
+            f"advantage: {config.advantage} | kl_coef: {config.kl_coef} | family: {family.name} "
+            f"({sampler_name(family, config)})",
             flush=True,
         )
         if reward_fn.needs_groups:  # what a paid judge will be asked, before it is asked
@@ -315,31 +369,11 @@ def train(config: DDPOConfig) -> Path:
                   "caption is drawn twice in a batch; API and VLM judges ask each in both image orders)", flush=True)
 
     optimizer = adamw_class(config.use_8bit_adam)(params, lr=config.learning_rate, weight_decay=config.adam_weight_decay)  # β, ε: PyTorch's
-    lr_scheduler = get_scheduler(
-        config.lr_scheduler, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
-        num_training_steps=config.num_epochs * updates_per_epoch * accelerator.num_processes,
-    )  # accelerate steps a prepared scheduler once per process
-    train_unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+    train_unet, optimizer = accelerator.prepare(unet, optimizer)  # a constant learning rate, as the papers
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
-    tracker = PerPromptStatTracker(config.stat_buffer_size, config.stat_min_count)
-    negative_embed = encode_prompts(pipe, [""])
-    sampling_unet = unet
-    if config.compile_sampling and config.finetune == "full":
-        # Every weight trains, and compiling ahead of time bakes some small ones into the code.
-        sampling_unet = torch.compile(unet)
-    elif config.compile_sampling:  # after the LoRA is added: the compiled code reads the UNet's weights at each call
-        from align.compiled_sampling import CompiledSamplingUNet, SamplingShapes, ensure_package
-
-        rows = config.sample_batch_size * (1 if config.guidance_scale == 1.0 else 2)
-        shapes = SamplingShapes((rows, *latent_shape), (rows,), (rows, *negative_embed.shape[1:]), str(negative_embed.dtype))
-        if main:  # in the per-user cache, never the run folder (native code from a data folder never loads)
-            ensure_package(config.model, shapes, accelerator.device)
-        accelerator.wait_for_everyone()  # the other processes load what the main one built
-        sampling_unet = CompiledSamplingUNet(ensure_package(config.model, shapes, accelerator.device)[0], unet, shapes)
-        error = sampling_unet.check_against_eager()
-        if main:
-            print(f"[ddpo] compiled sampling UNet for {rows} rows; relative difference from eager {error:.1e}", flush=True)
-
+    tracker = PerPromptStatTracker(STAT_BUFFER_SIZE, STAT_MIN_COUNT)
+    negative = family.unconditional(pipe, 1, resolution)  # what the family's pipeline uses without a negative prompt
+    sigmas = family.flow_sigmas(pipe, config.num_inference_steps, resolution).to(accelerator.device) if family.is_flow else None
     # Resume: weights, optimiser and the reward statistics; the epoch seeds do the rest.
     start_epoch, global_step = 0, 0
     checkpoint = run.resume_checkpoint()
@@ -357,12 +391,11 @@ def train(config: DDPOConfig) -> Path:
     if log_with:
         accelerator.init_trackers("ddpo", config=tracker_config(config))
     if main and eval_judge is not None and start_epoch == 0:
-        evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
+        evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
                        run.path / "eval_before.json", "before")
 
     background = BackgroundRewards(reward_fn)
     last_good = run.latest_checkpoint()
-    merged_lora = config.finetune == "lora" and config.lora_merged_forward  # the training forward (pipeline.py)
     progress = progress_bar(range(start_epoch, config.num_epochs), desc="ddpo", unit="epoch", enabled=accelerator.is_local_main_process)
     try:
         for epoch in progress:
@@ -371,7 +404,8 @@ def train(config: DDPOConfig) -> Path:
             unet.eval()
             with accelerator.autocast():
                 batches, futures = collect_samples(
-                    pipe, sampling_unet, config, prompts, negative_embed, epoch, process, num_batches, background, latent_shape
+                    pipe, family, unet, config, prompts, negative, epoch, process, num_batches, background,
+                    latent_shape, resolution, sigmas,
                 )
             local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
             stop_on_nonfinite_images(accelerator, batches, epoch, last_good)
@@ -391,20 +425,16 @@ def train(config: DDPOConfig) -> Path:
 
             # 4. PPO on the stored trajectories.
             unet.train()
-            samples = {
-                "embeds": torch.cat([b.embeds for b in batches]),
-                "all_latents": torch.cat([b.all_latents for b in batches]),
-                "timesteps": torch.cat([b.timesteps for b in batches]),
-                "log_probs": torch.cat([b.log_probs for b in batches]),
-                "advantages": advantages.to(accelerator.device),
-            }
+            samples = {key: torch.cat([b.steps[key] for b in batches]) for key in batches[0].steps}
+            samples.update(cond=cat_conditioning([b.cond for b in batches]), advantages=advantages.to(accelerator.device))
+            if sigmas is not None:
+                samples["sigmas"] = sigmas  # the σ schedule the step indices point into (not per sample)
             stats: dict[str, list[float]] = {}
-            with lora_as_merged_weight(unet) if merged_lora else contextlib.nullcontext():
-                gen = epoch_generator(config.seed, epoch, TRAIN, 0, process)
-                global_step += train_inner_epoch(
-                    config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
-                    samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler,
-                )
+            gen = epoch_generator(config.seed, epoch, TRAIN, 0, process)
+            global_step += train_inner_epoch(
+                config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
+                samples, negative, gen, stats, disabled_adapter, family=family,
+            )
 
             # 5. Log, save samples, checkpoint.
             done = epoch + 1
@@ -415,7 +445,6 @@ def train(config: DDPOConfig) -> Path:
             logs.update({
                 "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                 "epoch": done, "global_step": global_step, "samples_seen": done * config.samples_per_epoch,
-                "lr": lr_scheduler.get_last_lr()[0],
                 "samples_per_second": config.samples_per_epoch / (time.perf_counter() - epoch_start),
                 "sampling_seconds": sample_seconds,
                 "epoch_cpu_seconds": time.process_time() - epoch_cpu_start,  # this process, all threads
@@ -423,13 +452,13 @@ def train(config: DDPOConfig) -> Path:
             if config.advantage == "per-prompt":
                 logs.update(tracker.stats())
             if main and periodic_evaluation_due(config.eval_every_epochs, done, config.num_epochs):
-                logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.num_inference_steps,
+                logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.eval_inference_steps,
                                                             config.guidance_scale, run.path, done)
             if main:
                 run.log(done, logs)
                 progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", kl=f"{logs.get('approx_kl', 0):.2e}")
-                if config.num_logged_images > 0 and (done % config.sample_log_epochs == 0 or done == config.num_epochs or epoch == start_epoch):
-                    log_samples(accelerator, run, batches, local_rewards, config.num_logged_images, done)
+                if done % config.checkpointing_epochs == 0 or done == config.num_epochs or epoch == start_epoch:
+                    log_samples(accelerator, run, batches, local_rewards, LOGGED_IMAGES, done)
             accelerator.log(logs, step=done)
             if done % config.checkpointing_epochs == 0 or done == config.num_epochs:
                 last_good = save_ddpo_checkpoint(accelerator, run, done, global_step, tracker, config.checkpoints_total_limit)
@@ -442,18 +471,25 @@ def train(config: DDPOConfig) -> Path:
     check_weights_in_sync(accelerator, params)
     if main:
         if eval_judge is not None:
-            evaluate_model(pipe, eval_judge, config, config.num_inference_steps, config.guidance_scale,
+            evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
-        save_final_weights(accelerator, train_unet, run.path, config.finetune, lambda final: write_model_card(final, config, run))
+        save_final_weights(accelerator, train_unet, run.path, config.finetune, lambda final: write_model_card(final, config, run, family),
+                           family=family)
         from align.run_report import write_training_report
 
-        write_training_report(run.path, title=f"DDPO: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
+        write_training_report(run.path, title=f"{method_name(family)}: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
                               metric_keys=("reward_mean", "approx_kl", "kl_to_reference", "clipfrac", "policy_loss"))
         run.let_go_of_old_run()
     reward_fn.close()
-    del train_unet, optimizer, lr_scheduler
+    del train_unet, optimizer
     end_training(accelerator)
     return run.path
+
+
+def native_resolution(pipe, denoiser) -> int:
+    """The side in pixels the pipeline generates by default (its ``default_sample_size`` where it has one)."""
+    sample_size = getattr(pipe, "default_sample_size", None) or denoiser.config.sample_size
+    return int(sample_size) * pipe.vae_scale_factor
 
 
 def stop_on_nonfinite_images(accelerator, batches, epoch: int, last_good) -> None:
@@ -487,9 +523,22 @@ def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen
     return torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, :k]
 
 
+def as_conditioning(value) -> Conditioning:
+    """A family's conditioning dict; a bare tensor is SD 1.x/2.x's prompt embeddings (benchmarks and tests
+    that build samples by hand pass those)."""
+    return value if isinstance(value, dict) else {"prompt_embeds": value}
+
+
 def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
-                      samples, negative_embed, gen, stats, disabled_adapter, lr_scheduler=None) -> int:
-    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken."""
+                      samples, negative, gen, stats, disabled_adapter, family: ModelFamily | None = None) -> int:
+    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken.
+
+    ``samples["cond"]`` (or ``samples["embeds"]``, SD's bare prompt embeddings) holds each sample's
+    conditioning, ``negative`` the one-row unconditional side; ``family`` is the denoiser's (None: SD 1.x/2.x)."""
+    family = family or StableDiffusion()
+    if config.eta is None or config.num_inference_steps is None:  # built by hand (tests, benchmarks), not by train()
+        config = dataclasses.replace(config)
+        config.resolve_for_family(family.is_flow)
     n, steps_total = samples["timesteps"].shape
     order = torch.randperm(n, generator=gen)
     time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
@@ -508,30 +557,63 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
         stats.setdefault("trained_sample_fraction", []).append(len(update_samples) / per_update)
         micro_batches = update_samples.split(config.train_batch_size)
         for m, idx in enumerate(micro_batches):
-            train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative_embed,
-                              stats, disabled_adapter, idx, time_order, per_update, last_of_update=m == len(micro_batches) - 1)
+            train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative,
+                              stats, disabled_adapter, idx, time_order, per_update, last_of_update=m == len(micro_batches) - 1,
+                              family=family)
         if config.max_grad_norm > 0:
             accelerator.clip_grad_norm_(params, config.max_grad_norm)
         optimizer.step()
-        if lr_scheduler is not None:
-            lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         updates += 1
     return updates
 
 
-def train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative_embed, stats,
-                      disabled_adapter, idx, time_order, per_update, last_of_update) -> None:
+def step_pairs(samples, rows, chosen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input and output latents of the chosen steps: DDIM keeps the whole chain, flow its stochastic steps' pairs."""
+    if "all_latents" in samples:
+        return samples["all_latents"][rows, chosen], samples["all_latents"][rows, chosen + 1]
+    return samples["latents"][rows, chosen], samples["next_latents"][rows, chosen]
+
+
+def policy_step(family, scheduler, config, samples, prediction, timesteps, latents, step_indices):
+    """(mean, std, log-density function, KL function) of the step's Gaussian under ``prediction``, in float32:
+    DDIM's step (align/sampling.py) or Flow-GRPO's SDE step (align/flow_sampling.py) with the KL the authors
+    train with; each exactly as the sampler computed it, so the first minibatch is on-policy."""
+    if family.is_flow:
+        sigmas = samples["sigmas"]
+        step = sde_step(latents, prediction, sigmas[step_indices], sigmas[step_indices + 1], float(sigmas[1]), config.eta)
+        return step.mean, step.std, flow_gaussian_log_prob, lambda mean, ref_mean: flow_grpo_kl(mean, ref_mean, step.sde_sigma)
+    mean, std = ddim_step_mean_std(scheduler, prediction, timesteps, latents, config.eta)
+    return mean, std, gaussian_log_prob, lambda mean, ref_mean: gaussian_mean_kl(mean, ref_mean, std)
+
+
+def trained_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale) -> torch.Tensor:
+    """The guided prediction the update differentiates: ``guided_prediction``'s value; for flow families the
+    unconditional half carries no gradient, as Flow-GRPO's ``compute_log_prob`` detaches it (DDPO, as
+    ddpo-pytorch, differentiates both halves)."""
+    if not family.is_flow or guidance_scale == 1.0 or family.uses_guidance_embedding(denoiser):
+        return guided_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale)
+    out = family.predict(denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+                         cat_conditioning([uncond, cond]))
+    uncond_out, cond_out = out.float().chunk(2)
+    uncond_out = uncond_out.detach()
+    return uncond_out + guidance_scale * (cond_out - uncond_out)
+
+
+def train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative, stats,
+                      disabled_adapter, idx, time_order, per_update, last_of_update, family: ModelFamily | None = None) -> None:
     """Forward and backward of the samples `idx` at their trained timesteps; gradients accumulate, each
     term weighted 1 / (per_update x k), so an update's gradient is the mean over all its samples' terms."""
     device = accelerator.device
+    family = family or StableDiffusion()
     k = time_order.shape[1]
     rows = idx[:, None]  # each sample's row, against its k chosen steps
-    embeds = samples["embeds"][idx]
+    sample_cond = select_conditioning(as_conditioning(samples["cond"] if "cond" in samples else samples["embeds"]), idx)
+    negative = as_conditioning(negative)
     chosen = time_order[idx]
-    latents = samples["all_latents"][rows, chosen]  # [b, k, C, H, W]
-    next_latents = samples["all_latents"][rows, chosen + 1]
+    latents, next_latents = step_pairs(samples, rows, chosen)  # [b, k, C, H, W]
     timesteps = samples["timesteps"][rows, chosen]
+    step_indices = samples["step_indices"][rows, chosen] if family.is_flow else None
     old_log_probs = samples["log_probs"][rows, chosen]
     adv = samples["advantages"][idx]
     # Timesteps go through the UNet `timestep_batch` at a time, flattened into the batch
@@ -544,13 +626,14 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
         lat = latents[:, js].flatten(0, 1)
         nxt = next_latents[:, js].flatten(0, 1)
         ts = timesteps[:, js].flatten()
-        cond = embeds.repeat_interleave(c, dim=0)
-        uncond = negative_embed.expand(len(lat), -1, -1)
+        cond = repeat_conditioning(sample_cond, c)
+        uncond = expand_conditioning(negative, len(lat))
         with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
             with accelerator.autocast():
-                pred = guided_noise_prediction(train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
-            mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, config.eta)
-            log_prob = gaussian_log_prob(nxt, mean, std)
+                pred = trained_prediction(family, train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+            step_index = step_indices[:, js].flatten() if family.is_flow else None
+            mean, std, log_density, kl_to = policy_step(family, scheduler, config, samples, pred, ts, lat, step_index)
+            log_prob = log_density(nxt, mean, std)
             loss, metrics = ddpo_clipped_loss(
                 log_prob, old_log_probs[:, js].flatten(), adv.repeat_interleave(c), config.clip_range, config.adv_clip_max
             )
@@ -558,11 +641,11 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
                 with torch.no_grad(), accelerator.autocast():
                     if reference is None:
                         with disabled_adapter(unet):
-                            ref_pred = guided_noise_prediction(unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                            ref_pred = guided_prediction(family, unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
                     else:
-                        ref_pred = guided_noise_prediction(reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
-                ref_mean, _ = ddim_step_mean_std(scheduler, ref_pred, ts, lat, config.eta)
-                kl = gaussian_mean_kl(mean, ref_mean, std).mean()
+                        ref_pred = guided_prediction(family, reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
+                ref_mean = policy_step(family, scheduler, config, samples, ref_pred, ts, lat, step_index)[0]
+                kl = kl_to(mean, ref_mean).mean()
                 loss = loss + config.kl_coef * kl
                 metrics["kl_to_reference"] = kl.detach()
             if not torch.isfinite(loss):
@@ -611,28 +694,44 @@ def log_samples(accelerator, run: RunFolder, batches, rewards: torch.Tensor, cou
             tracker.writer.add_images("samples", images, epoch)
 
 
-def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder) -> None:
+def method_name(family: ModelFamily) -> str:
+    return "Flow-GRPO" if family.is_flow else "DDPO"
+
+
+def sampler_name(family: ModelFamily, config: DDPOConfig) -> str:
+    """How the training sampler runs, in words (the startup line and the model card)."""
+    k, n = config.num_train_timesteps, config.num_inference_steps
+    if family.is_flow:
+        noise = f"SDE noise level {config.eta}"
+        if not config.deterministic_tail:
+            return f"Flow-GRPO SDE on all {n} steps, {noise}"
+        where = "the first steps" if config.timestep_selection == "high_noise" else "drawn per batch in the first half"
+        return f"Flow-GRPO-Fast: SDE on a window of {k} of {n} steps ({where}), ODE elsewhere, {noise}"
+    tail = f" on the first {k} steps, then {n - k} deterministic (eta 0) steps" if config.deterministic_tail else ""
+    return f"DDIM, {n} steps, eta {config.eta}{tail}"
+
+
+def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder, family: ModelFamily) -> None:
     metrics = run.read_metrics()
     first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
-    tail = ""
-    if config.deterministic_tail:
-        tail = (f" on the first {config.num_train_timesteps} steps, then {config.num_untrained_timesteps} "
-                "deterministic (eta 0) steps")
-    write_diffusion_model_card(folder, config.model, config.finetune, "DDPO", "ddpo, reinforcement-learning",
-                               f"Trained with DDPO (Black et al. 2023) to maximise the reward `{config.reward}`.", {
-        "sampling": f"DDIM, {config.num_inference_steps} steps, eta {config.eta}{tail}, guidance {config.guidance_scale}",
+    method = method_name(family)
+    paper = "Liu et al. 2025" if family.is_flow else "Black et al. 2023"
+    write_diffusion_model_card(folder, config.model, config.finetune, method, f"{method.lower()}, reinforcement-learning",
+                               f"Trained with {method} ({paper}) to maximise the reward `{config.reward}`.", {
+        "sampling": f"{sampler_name(family, config)}, guidance {config.guidance_scale}",
+        "evaluation sampler": f"the pipeline's own, {config.eval_inference_steps} steps",
         "trained steps per sample": f"{config.num_train_timesteps} ({config.timestep_selection})",
         "epochs x samples": f"{config.num_epochs} x {config.samples_per_epoch}",
         "advantages": config.advantage,
         "PPO": f"clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef}",
-        "learning rate": f"{config.learning_rate} ({config.lr_scheduler}, {config.lr_warmup_steps} warm-up steps)",
+        "learning rate": f"{config.learning_rate} (constant)",
         "reward mean, first epoch": f"{first.get('reward_mean', float('nan')):.4f}",
         "reward mean, last epoch": f"{last.get('reward_mean', float('nan')):.4f}",
     })
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_trainer(DDPOConfig, train, argv, __doc__, stopped=(TrainingStopped, RewardError, CompileError))
+    run_trainer(DDPOConfig, train, argv, __doc__, stopped=(TrainingStopped, RewardError))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """DDPO's options: the dataclass behind `align/ddpo.py`'s flags and its YAML configs.
 
-Defaults follow the paper (Black et al. 2023) as released in ddpo-pytorch; configs/testbed_ddpo.yaml
-holds the settings measured best on the shapes testbed (docs/experiments/removed-options.md lists the
-options removed after measurements showed they did not help).
+Defaults follow the paper (Black et al. 2023) as released in ddpo-pytorch for DDIM families (SD 1.x/2.x,
+SDXL) and Flow-GRPO (Liu et al. 2025) as released in its authors' code for flow-matching families (SD3,
+FLUX): the sampler options left unset (``None``) take the family's value in ``resolve_for_family``.
+configs/testbed_ddpo.yaml holds the settings measured best on the shapes testbed
+(docs/experiments/removed-options.md lists the options removed after measurements showed they did not help).
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from dataclasses import dataclass
 
 from align.advantages import MODES
 from align.cli import ConfigError, option
-from align.training import check_lr_schedule, check_periodic_evaluation
+from align.training import check_periodic_evaluation
 from align.validation import check_common_inputs, check_optimiser_ranges
 
 TIMESTEP_SELECTIONS = ("random", "high_noise")
+# Sampler defaults per kind of family. DDIM: the DDPO paper (50 steps, η 1), evaluated with the same sampler.
+# Flow: Flow-GRPO's configs (config/grpo.py: sample.num_steps 10, eval_num_steps 40, noise_level 0.7).
+DDIM_DEFAULTS = {"num_inference_steps": 50, "eta": 1.0}
+FLOW_DEFAULTS = {"num_inference_steps": 10, "eval_inference_steps": 40, "eta": 0.7}
+# Flow-GRPO-Fast draws its stochastic window among the first half of the steps (the authors' sde_window_range).
+FAST_WINDOW_SHARE = 0.5
 
 
 @dataclass
@@ -38,23 +46,23 @@ class DDPOConfig:
     finetune: str = option("lora", "'lora' (the paper) or 'full' (every UNet weight)", "model")
     lora_rank: int = option(4, "LoRA rank of the attention projections to_q, to_k, to_v, to_out.0 (alpha = rank, as in diffusers' "
                        "training scripts)", "model")
-    lora_merged_forward: bool = option(
-        False, "training forward with each LoRA layer as one matmul with W + B·A: the same gradients; testbed "
-        "~18% faster steps at less memory, SD v1.5 on a CPU 1.02x the speed at 1.16x the peak memory "
-        "(scripts/bench_dpo.py)", "model")
     mixed_precision: str | None = option(
         None, "no, fp16 (paper) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
         "else no", "optimisation")
-    compile_sampling: bool = option(
-        False, "compile the UNet of the no-grad sampling chain ahead of time in a child process (~30 CPU-s "
-        "once; a testbed sampling forward then takes 36 ms instead of 52; with --finetune full torch.compile "
-        "in process). Never the training step", "sampling")
-    # --- sampling (paper: 50 DDIM steps, η = 1, guidance 5)
-    num_inference_steps: int = option(50, "DDIM steps per sample (the paper: 50)", "sampling")
+    # --- sampling (DDPO paper: 50 DDIM steps, η = 1, guidance 5; Flow-GRPO: 10 SDE steps, a = 0.7, 40 to evaluate)
+    num_inference_steps: int | None = option(
+        None, "denoising steps of the training sampler (None: 50 for DDIM families, the DDPO paper; 10 for "
+        "flow families, Flow-GRPO)", "sampling")
+    eval_inference_steps: int | None = option(
+        None, "steps of the held-out evaluation sampler, the pipeline's own (None: --num_inference_steps for "
+        "DDIM families; 40 for flow families, as Flow-GRPO evaluates)", "evaluation")
     guidance_scale: float = option(5.0, "classifier-free guidance of sampling, training and the held-out "
-                                   "evaluation (the paper: 5)", "sampling")
-    eta: float = option(1.0, "DDIM η of the training sampler, > 0: a deterministic step has no log-probability "
-                        "(the paper: 1; testbed: 0.7)", "sampling")
+                                   "evaluation (the DDPO paper: 5; Flow-GRPO on SD3.5: 4.5; FLUX.1-dev: the "
+                                   "guidance embedding's value)", "sampling")
+    eta: float | None = option(
+        None, "noise of the training sampler, > 0 (a deterministic step has no log-probability): DDIM's η for "
+        "DDIM families (None: 1, the paper; testbed: 0.7); for flow families the SDE noise level a of Flow-GRPO, "
+        "step std a·√(σ/(1-σ))·√Δσ (None: 0.7, the authors')", "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling")
     sample_batch_size: int = option(8, "images per process per sampling batch", "sampling")
@@ -63,21 +71,24 @@ class DDPOConfig:
     # --- advantages
     advantage: str = option("per-prompt", "per-prompt (DDPO's stat tracking), group (GRPO), group-mean "
                             "(Dr. GRPO: no std division) or batch", "optimisation")
-    stat_buffer_size: int = option(32, "per-prompt reward buffer (ddpo-pytorch: 16-32)", "optimisation")
-    stat_min_count: int = option(16, "below this many rewards a prompt uses the batch statistics", "optimisation")
     # --- objective (paper: PPO-clip, no KL)
     clip_range: float = option(1e-4, "PPO clip range of the probability ratio (the paper: 1e-4)", "optimisation")
     adv_clip_max: float = option(5.0, "advantages are clipped to [-this, this]", "optimisation")
-    kl_coef: float = option(0.0, "> 0 adds kl_coef x KL(step ‖ reference step) (Flow-GRPO); the reference is "
-                            "the adapter off (LoRA) or a frozen copy", "optimisation")
-    timestep_fraction: float = option(1.0, "share of the denoising steps trained per sample, in (0, 1]",
-                                      "optimisation")
+    kl_coef: float = option(0.0, "> 0 adds kl_coef x KL(step ‖ reference step) (Flow-GRPO's beta: 0.04 / 0.01; "
+                            "flow families use the authors' form, mean((μ-μ_ref)²)/(2s²)); the reference is the "
+                            "adapter off (LoRA) or a frozen copy", "optimisation")
+    timestep_fraction: float = option(1.0, "share of the denoising steps trained per sample, in (0, 1] (Flow-GRPO: "
+                                      "0.99, 9 of 10 steps); with --deterministic_tail also the size of the "
+                                      "stochastic window", "optimisation")
     timestep_selection: str = option(
         "random", "which steps are trained: random (the paper: a random subset per sample) or high_noise (the "
-        "first, noisiest steps, where layout and counts are decided)", "optimisation")
+        "first, noisiest steps, where layout and counts are decided; Flow-GRPO trains the first steps). With "
+        "--deterministic_tail on a flow family: where the window sits, high_noise at the start, random drawn per "
+        "sampling batch within the first half of the steps (Flow-GRPO-Fast)", "optimisation")
     deterministic_tail: bool = option(
-        False, "with high_noise: sample the untrained low-noise tail with η = 0, as the evaluation sampler does "
-        "(MixGRPO)", "sampling")
+        False, "stochastic steps only where trained, deterministic (η = 0 / the ODE) elsewhere, as the evaluation "
+        "sampler: DDIM families with high_noise (MixGRPO's tail); flow families: Flow-GRPO-Fast's window of "
+        "--timestep_fraction of the steps, only the window trained", "sampling")
     timestep_batch: int = option(1, "trained timesteps per UNet call: more is faster and takes more memory, "
                                  "the same gradient", "optimisation")
     # --- optimisation (paper: AdamW, lr 3e-4, LoRA)
@@ -87,17 +98,11 @@ class DDPOConfig:
                                               "timesteps)", "optimisation")
     learning_rate: float = option(3e-4, "AdamW learning rate (the paper: 3e-4; β 0.9 / 0.999, ε 1e-8, PyTorch's "
                                   "and every recipe's)", "optimisation")
-    lr_scheduler: str = option("constant", "diffusers' get_scheduler over all optimiser steps: constant (the "
-                               "paper), constant_with_warmup, linear, cosine, ...", "optimisation")
-    lr_warmup_steps: int = option(0, "optimiser steps of learning-rate warm-up", "optimisation")
     adam_weight_decay: float = option(1e-4, "AdamW weight decay", "optimisation")
     max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation")
     # --- checkpoints, samples, evaluation
     checkpointing_epochs: int = option(10, "save a resumable checkpoint every N epochs", "output")
     checkpoints_total_limit: int = option(3, "checkpoints kept (older ones are deleted)", "output")
-    num_logged_images: int = option(8, "training images (with their rewards) saved under samples/ each logged "
-                                    "epoch (0: none)", "output")
-    sample_log_epochs: int = option(10, "log training images every N epochs", "output")
     eval_prompts: str | None = option(None, "held-out prompts scored before and after training (a file, a "
                                       "prompt set or testbed:<n>:<seed>)", "evaluation")
     eval_judge: str | None = option(None, "judge of the held-out evaluation (None: --reward)", "evaluation")
@@ -108,12 +113,9 @@ class DDPOConfig:
                                   "not the batching)", "evaluation")
     eval_every_epochs: int = option(0, "> 0: also score the held-out prompts every N epochs (evals/, the "
                                     "report's held-out curve)", "evaluation")
-    num_validation_images: int = option(4, "images per row of the report's before/after grids", "evaluation")
     gradient_checkpointing: bool = option(False, "recompute the UNet's activations in the backward (less memory, a "
                                                  "slower training step)", "optimisation")
     use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
-    allow_tf32: bool = option(False, "TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (faster, slightly less exact)",
-                              "optimisation")
     max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
                                       "(answers already cached count as free)", "judge")
 
@@ -125,7 +127,7 @@ class DDPOConfig:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
         if not self.max_api_cost >= 0:
             raise ConfigError(f"--max_api_cost must be a number of USD >= 0, got {self.max_api_cost}")
-        if not (self.eta > 0 and math.isfinite(self.eta)):
+        if self.eta is not None and not (self.eta > 0 and math.isfinite(self.eta)):
             raise ConfigError(f"--eta must be > 0 (DDPO samples stochastically; the paper uses 1.0), got {self.eta}")
         if not 0.0 < self.timestep_fraction <= 1.0:
             raise ConfigError(f"--timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
@@ -133,9 +135,6 @@ class DDPOConfig:
             raise ConfigError(
                 f"--timestep_selection must be one of {', '.join(TIMESTEP_SELECTIONS)}, got {self.timestep_selection!r}"
             )
-        if self.deterministic_tail and self.timestep_selection != "high_noise":
-            raise ConfigError("--deterministic_tail needs --timestep_selection high_noise (the trained steps must be the first ones)")
-        check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
         check_periodic_evaluation("eval_every_epochs", self.eval_every_epochs, self.eval_prompts, self.eval_judge or self.reward)
         if self.finetune not in ("full", "lora"):
             raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
@@ -145,11 +144,10 @@ class DDPOConfig:
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.report_to not in ("tensorboard", "wandb", "all", "none"):
             raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
-        for name in ("num_inference_steps", "samples_per_epoch", "sample_batch_size", "images_per_prompt",
-                     "num_epochs", "train_batch_size", "gradient_accumulation_steps",
-                     "lora_rank", "checkpointing_epochs", "stat_buffer_size", "stat_min_count", "timestep_batch",
-                     "eval_images_per_prompt", "eval_batch_size"):
-            if getattr(self, name) < 1:
+        for name in ("num_inference_steps", "eval_inference_steps", "samples_per_epoch", "sample_batch_size",
+                     "images_per_prompt", "num_epochs", "train_batch_size", "gradient_accumulation_steps",
+                     "lora_rank", "checkpointing_epochs", "timestep_batch", "eval_images_per_prompt", "eval_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "clip_range", "adv_clip_max"):
             if not getattr(self, name) > 0:
@@ -158,16 +156,23 @@ class DDPOConfig:
             raise ConfigError(f"--kl_coef must be >= 0, got {self.kl_coef}")
         if self.guidance_scale < 1:
             raise ConfigError(f"--guidance_scale must be >= 1, got {self.guidance_scale}")
-        if self.stat_min_count > self.stat_buffer_size:
-            raise ConfigError(
-                f"--stat_min_count ({self.stat_min_count}) must not exceed --stat_buffer_size ({self.stat_buffer_size})"
-            )
         if self.sample_batch_size % self.images_per_prompt:
             raise ConfigError(
                 f"--sample_batch_size ({self.sample_batch_size}) must be a multiple of --images_per_prompt ({self.images_per_prompt})"
             )
         if self.advantage in ("group", "group-mean") and self.images_per_prompt < 2:
             raise ConfigError(f"--advantage {self.advantage} needs --images_per_prompt >= 2 (a group per prompt)")
+
+    def resolve_for_family(self, is_flow: bool) -> None:
+        """Fill the sampler options left unset with the family's defaults (DDIM or flow) and check what depends
+        on the family; called before anything is written, so the run's config.yaml records the values used."""
+        for name, value in (FLOW_DEFAULTS if is_flow else DDIM_DEFAULTS).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.eval_inference_steps is None:
+            self.eval_inference_steps = self.num_inference_steps
+        if self.deterministic_tail and not is_flow and self.timestep_selection != "high_noise":
+            raise ConfigError("--deterministic_tail needs --timestep_selection high_noise (the trained steps must be the first ones)")
 
     @property
     def num_train_timesteps(self) -> int:

@@ -34,16 +34,18 @@ from align.cli import ConfigError, die, option, parse_config
 from align.generation import (
     GenerationCache,
     ModelEntry,
+    check_generation_dtype,
     generate_missing,
     resolve_device,
     sample_seed,
     sampling_settings,
+    settings_per_model,
     slug,
 )
 from align.health import degenerate_reason
 from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import CI_METHODS, FeatureNetwork
-from align.pipeline import ModelLoadError, resolve_model
+from align.pipeline import ModelLoadError, resolve_model, run_base_model
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
 from align.runs import atomic_write_text
@@ -59,8 +61,8 @@ FID_FEATURES_BUILTIN = ("inception", "pixels")
 class EvalConfig:
     # --- what to compare
     models: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "comma list of models, the base first; "
-                         "'name=path' names a model (a hub id, pipeline, run or LoRA folder, or 'testbed')", "model")
-    base_model: str | None = option(None, "pipeline under bare LoRA/UNet folders (None: the first model)", "model")
+                         "'name=path' names a model (a hub id, pipeline, run or LoRA folder, 'testbed' or 'testbed-flow')", "model")
+    base_model: str | None = option(None, "pipeline under bare LoRA / unet/ / transformer/ folders (None: the first model)", "model")
     judges: str = option("clip,pickscore", "comma list of judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2]",
                          "judge")
     # --- prompts and seeds
@@ -70,14 +72,16 @@ class EvalConfig:
     prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data")
     seeds: str = option("0", "comma list of seeds; each prompt is generated once per seed, identically for every "
                         "model", "sampling")
-    # --- sampling (None = the model's testbed.json setting, else SD v1.5's usual 50 steps / 7.5)
-    num_inference_steps: int | None = option(None, "DDIM steps (None: the model's testbed.json if any, else 50)",
-                                             "sampling")
-    guidance_scale: float | None = option(None, "classifier-free guidance (None: the model's testbed.json if any, "
-                                          "else 7.5)", "sampling")
+    # --- sampling (None = the model's testbed.json / flow_testbed.json setting, else its pipeline's own default)
+    num_inference_steps: int | None = option(None, "sampling steps (None: the model's testbed.json if any, else its "
+                                             "pipeline's default: 50 SD/SDXL, 28 SD3/FLUX)", "sampling")
+    guidance_scale: float | None = option(None, "classifier-free guidance (FLUX: its guidance embedding; None: the "
+                                          "model's testbed.json if any, else its pipeline's default)", "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     batch_size: int = option(8, "images per pipeline call", "sampling")
     device: str = option("auto", "auto, cpu, cuda or mps", "model")
+    dtype: str = option("float32", "weights and compute dtype of the generators: float32, bfloat16 or float16 "
+                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model")
     # --- distribution metrics
     fid_reference: str | None = option(None, "FID reference: a folder of images, or 'testbed' (the true scenes "
                                        "of the prompts); None: no FID", "evaluation")
@@ -97,6 +101,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_generation_dtype(self.dtype)
 
         if not split_list(self.models):
             raise ConfigError("--models needs at least one model (the base first)")
@@ -309,6 +314,7 @@ def evaluate(config: EvalConfig) -> dict:
     device = resolve_device(config.device)
     base_for_adapters = config.base_model or models[0].path
     settings = sampling_settings(config, base_for_adapters)
+    model_settings = settings_per_model(config, models, base_for_adapters)  # another family: its own defaults
     prompts = prompt_set.prompts
     # seed-major order: sample k = (seed k // P, prompt k % P)
     items = [(p, s) for s in seeds for p in prompts]
@@ -320,8 +326,12 @@ def evaluate(config: EvalConfig) -> dict:
     embed = embedding_function(config.cmmd_feature) if config.cmmd else None
     images, paths, generated = {}, {}, {}
     for model in models:
-        cache = GenerationCache(out / "generations", model, settings, base_for_adapters)
-        generated[model.name] = generate_missing(cache, model, items, settings, base_for_adapters, device, config.batch_size)
+        own = model_settings[model.name]
+        # a run folder sits on the base its config.yaml names (unless --base_model says otherwise); a bare LoRA
+        # or denoiser folder on --base_model or the first model
+        base = config.base_model or run_base_model(model.path) or models[0].path
+        cache = GenerationCache(out / "generations", model, own, base)
+        generated[model.name] = generate_missing(cache, model, items, own, base, device, config.batch_size)
         images[model.name] = cache.load(items)
         paths[model.name] = [cache.path(p, s) for p, s in items]
     degenerate = degenerate_models(images, [m.name for m in models])
@@ -356,7 +366,7 @@ def evaluate(config: EvalConfig) -> dict:
     results = {
         "config": asdict(config),
         "models": [{"name": m.name, "path": m.path, "base": i == 0, "images_generated": generated[m.name],
-                    "degenerate": degenerate.get(m.name)} for i, m in enumerate(models)],
+                    "degenerate": degenerate.get(m.name), "sampling": model_settings[m.name]} for i, m in enumerate(models)],
         "prompt_set": prompt_set.name,
         "prompts": prompts,
         "categories": prompt_set.categories,

@@ -323,13 +323,18 @@ def make_pipeline_generator(
     batch_size: int = 8,
     **call_kwargs,
 ) -> GenerateImages:
-    """A ``generate_images(prompts, seeds)`` over a diffusers StableDiffusionPipeline.
+    """A ``generate_images(prompts, seeds)`` over a diffusers pipeline of any family (SD, SDXL, SD3, FLUX).
 
     Each image gets its own CPU ``torch.Generator(seed)``, so image i depends on seeds[i] only (not on
     the batch it shares or the device), and can be regenerated from the seed stored in the parquet.
+    The family's own call arguments (a flow testbed's ``max_sequence_length``) come first; ``call_kwargs``
+    override them.
     """
     if batch_size < 1:
         raise DataError(f"batch_size must be a positive number of images, got {batch_size}")
+    from align.families import family_of_pipeline
+
+    call_kwargs = {**family_of_pipeline(pipe).generation_kwargs(pipe), **call_kwargs}
 
     def generate_images(prompts: list[str], seeds: list[int]) -> list[Image.Image]:
         if len(prompts) != len(seeds):

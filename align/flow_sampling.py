@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from diffusers.utils.torch_utils import randn_tensor
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -177,7 +178,8 @@ def sample_flow_with_logprob(
         velocity = transformer_fn(x, t)
         if start <= i < end:
             step = sde_step(x, velocity, sigma, sigma_next, sigma_max, noise_level)
-            z = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            # drawn on the generator's device (a CPU generator serves a GPU run), then moved
+            z = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
             x_next = step.mean + step.std * z
             inputs.append(x)
             outputs.append(x_next)

@@ -39,6 +39,9 @@ def slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:limit] or "x"
 
 
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".json", ".yaml", ".txt", ".model")  # .model: T5's sentencepiece
+
+
 def model_fingerprint(path: str) -> str:
     """Changes when the model's files change (a re-trained run folder gets fresh images)."""
     p = Path(resolve_model(path)).expanduser()
@@ -46,7 +49,7 @@ def model_fingerprint(path: str) -> str:
         return path  # a hub id: its revision is fixed by the hub cache
     parts = []
     for f in sorted(p.rglob("*")):
-        if f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".yaml", ".txt") and "checkpoints" not in f.parts:
+        if f.is_file() and f.suffix in MODEL_FILE_SUFFIXES and "checkpoints" not in f.parts:
             stat = f.stat()
             parts.append(f"{f.relative_to(p)}:{stat.st_size}:{stat.st_mtime_ns}")
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
@@ -56,7 +59,12 @@ class GenerationCache:
     """PNG files per model and settings: <root>/<model-slug>-<hash>/<prompt-hash>_s<seed>.png."""
 
     def __init__(self, root: Path, model: ModelEntry, settings: dict, base: str | None):
-        key = json.dumps({"model": model.path, "files": model_fingerprint(model.path), "base": base, **settings}, sort_keys=True)
+        # The base's files count too: a LoRA or denoiser-only folder's images change with the pipeline under it,
+        # and so do the sampling settings stored there (a flow testbed's max_sequence_length).
+        files = {"files": model_fingerprint(model.path)}
+        if base and base != model.path:
+            files["base_files"] = model_fingerprint(base)
+        key = json.dumps({"model": model.path, **files, "base": base, **settings}, sort_keys=True)
         self.folder = root / f"{slug(model.name)}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
         self.meta = {"model": model.path, "name": model.name, "base": base, **settings}
 
@@ -83,17 +91,85 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
-def sampling_settings(config, model_path: str) -> dict:
-    """Steps, guidance and resolution: flags first, then the (base) model's testbed.json, then SD's defaults."""
+SD_CALL_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 7.5}  # StableDiffusionPipeline's
+
+
+def pipeline_call_defaults(model: str) -> dict:
+    """Steps and guidance that the model's own diffusers pipeline samples with when not told (read from its
+    ``__call__`` signature: SD 50 / 7.5, SDXL 50 / 5.0, SD3 28 / 7.0, FLUX 28 / 3.5); SD's where the model's
+    pipeline class cannot be read (a hub id offline)."""
+    import inspect
+
+    import diffusers
+
+    from align.families import pipeline_class_name
+
     try:
-        stored = testbed_settings(base_of(model_path))
+        parameters = inspect.signature(getattr(diffusers, pipeline_class_name(resolve_model(model))).__call__).parameters
+    except Exception:  # no model_index.json, offline hub id, a class diffusers lacks: SD's defaults
+        return dict(SD_CALL_DEFAULTS)
+    return {key: parameters[key].default if key in parameters else value for key, value in SD_CALL_DEFAULTS.items()}
+
+
+def model_family_name(model: str) -> str | None:
+    """The family (``align.families``) of a pipeline folder, hub id or run folder (its base's); None where it
+    cannot be told without loading anything (a bare LoRA folder, a hub id offline)."""
+    from align.families import family_of
+
+    try:
+        return family_of(resolve_model(base_of(model))).name
+    except Exception:
+        return None
+
+
+def settings_per_model(config, models: list[ModelEntry], base: str) -> dict[str, dict]:
+    """Each model's sampling settings: the base's (so that models differ by their weights alone), except for a
+    model of another family (SD v1.5 against FLUX), which samples with its own (testbed file or pipeline
+    defaults); flags apply to every model."""
+    shared = sampling_settings(config, base)
+    base_family = model_family_name(base)
+    out = {}
+    for model in models:
+        family = model_family_name(model.path)
+        other_family = None not in (family, base_family) and family != base_family
+        out[model.name] = sampling_settings(config, model.path) if other_family else shared
+    return out
+
+
+# Weights and compute dtype of a generator (--dtype). float32 is the default and leaves the cache key as it was;
+# bfloat16 is what SDXL / SD3.5 / FLUX.1 are run in on one GPU (FLUX.1's 12 B transformer in float32 alone is 48 GB).
+GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_generation_dtype(name: str) -> None:
+    if name not in GENERATION_DTYPES:
+        from align.cli import ConfigError
+
+        raise ConfigError(f"--dtype must be one of {', '.join(GENERATION_DTYPES)}, got {name!r}")
+
+
+def generation_dtype(settings: dict) -> torch.dtype:
+    return GENERATION_DTYPES[settings.get("dtype", "float32")]
+
+
+def sampling_settings(config, model_path: str) -> dict:
+    """Steps, guidance and resolution (and the dtype, when not float32): flags first, then the (base) model's
+    testbed.json (or flow_testbed.json), then its pipeline's own defaults."""
+    base = base_of(model_path)
+    try:
+        stored = testbed_settings(base)
     except (OSError, ValueError):  # a hub id, or a folder without testbed.json (ModelLoadError is a ValueError)
         stored = {}
-    return {
-        "num_inference_steps": config.num_inference_steps or stored.get("num_inference_steps", 50),
-        "guidance_scale": config.guidance_scale if config.guidance_scale is not None else stored.get("guidance_scale", 7.5),
+    if "num_inference_steps" not in stored or "guidance_scale" not in stored:
+        stored = {**pipeline_call_defaults(base), **stored}
+    settings = {
+        "num_inference_steps": config.num_inference_steps or stored["num_inference_steps"],
+        "guidance_scale": config.guidance_scale if config.guidance_scale is not None else stored["guidance_scale"],
         "resolution": config.resolution or stored.get("resolution"),
     }
+    if getattr(config, "dtype", "float32") != "float32":  # images in another dtype are other images
+        settings["dtype"] = config.dtype
+    return settings
 
 
 def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings: dict, base: str | None, device: str, batch_size: int,
@@ -103,7 +179,7 @@ def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings:
     if not todo:
         return 0
     print(f"[{log_name}] {model.name}: generating {len(todo)} images ({len(items) - len(todo)} cached)", flush=True)
-    pipe = pipeline.load_trained(model.path, device=device, base=base)
+    pipe = pipeline.load_trained(model.path, dtype=generation_dtype(settings), device=device, base=base)
     size = settings["resolution"]
     for start in progress_bar(range(0, len(todo), batch_size), desc=f"generate ({model.name})", unit="batch"):
         chunk = todo[start : start + batch_size]

@@ -130,56 +130,6 @@ def merged_adapter(unet):
             base.weight.data = weight
 
 
-@contextlib.contextmanager
-def lora_as_merged_weight(unet):
-    """Training forward with each LoRA linear layer computed as one matmul with W + B·A·scaling.
-
-    The same outputs and gradients (A and B get theirs through the merge) as PEFT's path, which runs
-    the base matmul, two small ones, a scale and an add per layer. With small layers the per-op cost
-    dominates and the training step gets ~18% faster (testbed UNet, CPU); the price is one
-    weight-sized gradient matmul per layer in the backward. Layers with dropout, a LoRA bias or a
-    variant (DoRA) keep PEFT's forward; with the adapter disabled every layer is its base layer.
-    """
-    from peft.tuners.lora import Linear as LoraLinear
-
-    def merged_forward(layer, peft_forward):
-        def forward(x, *args, **kwargs):
-            if layer.disable_adapters or layer.merged or args or kwargs:
-                return peft_forward(x, *args, **kwargs)
-            base = layer.get_base_layer()
-            weight = base.weight
-            for name in layer.active_adapters:
-                if name in layer.lora_A:
-                    weight = weight + layer.get_delta_weight(name).to(weight.dtype)
-            return torch.nn.functional.linear(x, weight, base.bias)
-
-        return forward
-
-    def plain(layer) -> bool:
-        names = [a for a in layer.active_adapters if a in layer.lora_A]
-        return (
-            isinstance(layer.get_base_layer(), torch.nn.Linear)
-            and not layer.fan_in_fan_out
-            and all(isinstance(layer.lora_dropout[a], torch.nn.Identity) for a in names)
-            and not any(a in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(a, False) for a in names)
-        )
-
-    layers = [m for m in unet.modules() if isinstance(m, LoraLinear) and plain(m)]
-    # An instance-level forward (a hook someone installed) is wrapped and put back; otherwise the
-    # override is deleted, which leaves the class's forward.
-    previous = [layer.__dict__.get("forward") for layer in layers]
-    for layer in layers:
-        layer.forward = merged_forward(layer, layer.forward)
-    try:
-        yield unet
-    finally:
-        for layer, forward in zip(layers, previous):
-            if forward is None:
-                del layer.forward
-            else:
-                layer.forward = forward
-
-
 def frozen_copy(unet):
     """The full fine-tuning reference model: a frozen copy of the starting UNet."""
     reference = copy.deepcopy(unet)
@@ -229,10 +179,14 @@ def load_trained(path: str, dtype: torch.dtype = torch.float32, device: str | to
         if not base:
             raise ModelLoadError(f"{path}: a LoRA folder needs the base model (base=...)")
         pipe = load_pipeline(base, dtype=dtype, device=device)
+        family = family_of_pipeline(pipe)
         try:
-            family_of_pipeline(pipe).load_lora(pipe, p)
+            family.load_lora(pipe, p)
         except Exception as err:  # safetensors' own error type for a truncated file is not an OSError
             raise ModelLoadError(f"cannot load the LoRA weights {p / LORA_WEIGHTS}: {one_line(err)}") from None
+        if not getattr(family.denoiser(pipe), "peft_config", None):  # diffusers only warns when no key matches
+            raise ModelLoadError(f"{p / LORA_WEIGHTS} holds no LoRA weights for the {family.denoiser_name} of {base!r} "
+                                 f"(a {family.name} pipeline): a LoRA of another model family? give its base model")
         return pipe
     denoiser_folder = next((p / name for name in DENOISER_FOLDERS if (p / name / "config.json").is_file()), None)
     if p.is_dir() and denoiser_folder is not None and not (p / "model_index.json").is_file():

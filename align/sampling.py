@@ -21,7 +21,11 @@ from dataclasses import dataclass
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from align.families.base import Conditioning, ModelFamily, guided_prediction
+from align.families.sd import StableDiffusion
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+_SD = StableDiffusion()  # the family of bare prompt-embedding tensors
 
 
 def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -145,23 +149,14 @@ def guided_noise_prediction(
     negative_prompt_embeds: torch.Tensor,
     guidance_scale: float,
 ) -> torch.Tensor:
-    """Classifier-free guidance: uncond + w·(cond - uncond), both halves in one UNet call.
+    """Classifier-free guidance for SD 1.x/2.x prompt embeddings: ``families.base.guided_prediction``
+    (uncond + w·(cond - uncond), both halves in one UNet call, in float32) for callers that hold bare tensors.
 
     ``timesteps`` is an int or a tensor [B]; the UNet takes one timestep per sample.
     """
-    batch = latents.shape[0]
-    t = _timesteps_tensor(timesteps, batch, latents.device)
-    if guidance_scale == 1.0:
-        return unet(latents, t, encoder_hidden_states=prompt_embeds).sample.float()
-    out = unet(
-        torch.cat([latents, latents]),
-        torch.cat([t, t]),
-        encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]),
-    ).sample
-    # In float32 whatever the UNet's output dtype: accelerate's prepared model returns float32 under fp16/bf16
-    # and the sampler's bare UNet does not, and the sampled and re-scored log-probabilities must agree bit for bit.
-    uncond, cond = out.float().chunk(2)
-    return uncond + guidance_scale * (cond - uncond)
+    t = _timesteps_tensor(timesteps, latents.shape[0], latents.device)
+    return guided_prediction(_SD, unet, latents, t, {"prompt_embeds": prompt_embeds},
+                             {"prompt_embeds": negative_prompt_embeds}, guidance_scale)
 
 
 @dataclass
@@ -209,8 +204,8 @@ def check_scheduler_steps(scheduler, num_inference_steps: int, eta: float) -> No
 def sample_with_logprob(
     unet,
     scheduler,
-    prompt_embeds: torch.Tensor,
-    negative_prompt_embeds: torch.Tensor,
+    prompt_embeds: torch.Tensor | Conditioning,
+    negative_prompt_embeds: torch.Tensor | Conditioning,
     *,
     num_inference_steps: int,
     guidance_scale: float,
@@ -218,22 +213,27 @@ def sample_with_logprob(
     latents: torch.Tensor,
     generator: torch.Generator | None = None,
     stochastic_steps: int | None = None,
+    family: ModelFamily | None = None,
 ) -> Trajectory:
     """Run the full DDIM chain from the initial noise ``latents`` [B, C, H, W] and record it.
 
+    ``prompt_embeds`` / ``negative_prompt_embeds``: the conditioning of each sample and of the negative
+    side, as ``family`` encodes it (a dict; a bare tensor is SD 1.x/2.x's prompt embeddings). ``family``:
+    the denoiser's model family (None: SD 1.x/2.x).
     ``stochastic_steps``: only the first (noisiest) this many steps draw noise with ``eta``; the rest
     are deterministic DDIM steps (η = 0) whose log-probability is undefined and recorded as NaN.
     None: every step is stochastic.
     """
+    family = family or _SD
+    cond, uncond = (c if isinstance(c, dict) else {"prompt_embeds": c} for c in (prompt_embeds, negative_prompt_embeds))
     scheduler.set_timesteps(num_inference_steps, device=latents.device)
     chain = scheduler.timesteps
     latents = latents * scheduler.init_noise_sigma
     all_latents, log_probs = [latents], []
     for i, t in enumerate(chain):
         model_input = scheduler.scale_model_input(latents, t)
-        noise_pred = guided_noise_prediction(
-            unet, model_input, t, prompt_embeds, negative_prompt_embeds, guidance_scale
-        )
+        t_batch = _timesteps_tensor(t, model_input.shape[0], model_input.device)
+        noise_pred = guided_prediction(family, unet, model_input, t_batch, cond, uncond, guidance_scale)
         if stochastic_steps is not None and i >= stochastic_steps:
             prev_t = int(chain[i + 1]) if i + 1 < len(chain) else -1
             latents = ddim_deterministic_jump(scheduler, noise_pred, t, latents, prev_t)

@@ -146,9 +146,15 @@ def save_image_row(images: torch.Tensor, path: Path) -> None:
         image_grid(images, ncols=len(images), pad=0).save(tmp, format="PNG")
 
 
+def shown_images(config) -> int:
+    """Held-out images in the report's before/after row: 4 x --num_validation_images (DPO), 16 for DDPO."""
+    return getattr(config, "num_validation_images", 4) * 4
+
+
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
     """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
     ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
+    from align.families import family_of_pipeline
     from align.pipeline import generate_images, merged_adapter
 
     held_out = load_prompt_list(config.eval_prompts)
@@ -163,12 +169,12 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     if degenerate:  # a diverged model's images are marked, not scored as if the model were merely bad
         atomic_write_text(path, json.dumps({"mean": None, "sem": None, "scores": None, "degenerate": degenerate,
                                             "prompts": prompts, "seeds": seeds}))
-        save_image_row(torch.nan_to_num(images[: config.num_validation_images * 4]), path.with_suffix(".png"))
+        save_image_row(torch.nan_to_num(images[: shown_images(config)]), path.with_suffix(".png"))
         print(f"[eval] {label}: DEGENERATE images ({degenerate}): not scored", flush=True)
         return float("nan")
     scores = judge.score(prompts, images).float().tolist()
     mean, sem = mean_and_sem(scores)
-    shown = images[: config.num_validation_images * 4]  # the report splits this row back into images
+    shown = images[: shown_images(config)]  # the report splits this row back into images
     atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds,
                                         "row_images": len(shown)}))
     save_image_row(shown, path.with_suffix(".png"))

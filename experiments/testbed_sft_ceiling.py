@@ -94,8 +94,7 @@ def main(argv=None) -> list[dict]:
     judge = rewards.load("shapes-oracle")
     # DDPO's held-out evaluation: the same captions and seeds as a default testbed run's eval_before / eval_after.
     eval_config = SimpleNamespace(eval_prompts=args.eval_prompts, eval_images_per_prompt=args.eval_images_per_prompt,
-                                  eval_seed=DDPOConfig.eval_seed, eval_batch_size=32,
-                                  num_validation_images=DDPOConfig.num_validation_images)
+                                  eval_seed=DDPOConfig.eval_seed, eval_batch_size=32)
     args.out.mkdir(parents=True, exist_ok=True)
 
     held_out = set(load_prompt_list(args.eval_prompts))

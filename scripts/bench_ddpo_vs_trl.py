@@ -6,14 +6,13 @@
 
 Both trainers get the same pipeline folder, reward (JPEG compressibility, a rule judge), prompts,
 sampling settings (DDIM steps, η, guidance), LoRA rank, batch sizes, timestep fraction and
-per-prompt statistics. Ours trains through the merged LoRA forward (`lora_merged_forward`, the same
-gradients as PEFT's layers; `--peft-forward` turns it off). Each runs in its own process (TRL from its own virtual environment,
+per-prompt statistics (buffer 16, minimum 16, TRL's). Ours trains through PEFT's LoRA layers, as TRL
+does (the merged W + B·A training forward, `lora_merged_forward`, was removed: docs/experiments/removed-options.md).
+Each runs in its own process (TRL from its own virtual environment,
 because TRL removed DDPOTrainer in 0.24); the first epoch is a warm-up and is not timed.
 Reported: samples per second (sampling + reward + PPO update, per epoch), peak memory
 (peak resident set size on CPU, peak allocated CUDA memory on a GPU), on Linux the peak of anonymous
 resident memory (RssAnon polled every 10 ms while each trainer loads and runs) and the untimed first epoch.
-With --compile-sampling our sampling UNet is compiled ahead of time by a child process before the first
-epoch (align/compiled_sampling.py); that one-time cost is printed beside, in CPU-seconds, not in the throughput.
 
 TRL 0.23.1 lives in a separate virtual environment, by default /tmp/trl023-shared, that holds only TRL
 and reads every other package from this project's environment:
@@ -67,10 +66,6 @@ def parse_args(argv=None):
     p.add_argument("--timestep-batch", type=int, default=None,
                    help="ours only: trained timesteps per UNet call (default: all of them; 1 = one at a time like TRL). "
                         "The gradient is the same either way")
-    p.add_argument("--compile-sampling", action="store_true",
-                   help="ours only: the sampling UNet compiled ahead of time by a child process (its CPU time shown beside)")
-    p.add_argument("--peft-forward", action="store_true",
-                   help="ours only: train through PEFT's LoRA layers instead of the merged W + B·A forward")
     p.add_argument("--lora-rank", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -140,10 +135,9 @@ def run_ours(args) -> dict:
         samples_per_epoch=samples_per_epoch, sample_batch_size=args.sample_batch_size,
         train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.grad_accum,
         timestep_fraction=args.timestep_fraction, lora_rank=args.lora_rank, learning_rate=args.lr,
-        num_epochs=args.epochs, checkpointing_epochs=10**6, num_logged_images=0,
-        stat_buffer_size=16, stat_min_count=16, timestep_batch=args.timestep_batch,
-        compile_sampling=args.compile_sampling, lora_merged_forward=not args.peft_forward,
+        num_epochs=args.epochs, checkpointing_epochs=10**6, timestep_batch=args.timestep_batch,
     )
+    ddpo.STAT_BUFFER_SIZE, ddpo.STAT_MIN_COUNT = 16, 16  # TRL's per-prompt statistics
     anonymous = AnonymousMemoryPeak()
     ddpo.train(config)
     records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
@@ -153,7 +147,6 @@ def run_ours(args) -> dict:
     return {"samples_per_s": samples_per_epoch * len(timed) / wall, "samples_per_cpu_s": samples_per_epoch * len(timed) / cpu,
             "epochs_timed": len(timed), "peak_memory_mb": peak_memory_mb(args.device), "peak_anonymous_mb": anonymous.mb(),
             "first_epoch_s": samples_per_epoch / records[0]["samples_per_second"],
-            "child_cpu_s": sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime")),
             "epoch_cpu_s": cpu / len(timed), **loaded_libraries()}
 
 
@@ -236,9 +229,6 @@ def print_round(ours: dict, theirs: dict) -> None:
     for name, r in rows:
         print(f"{name:<28}{r['samples_per_s']:>11.2f}{r['samples_per_cpu_s']:>15.2f}{r['peak_memory_mb']:>18.0f}"
               f"{r['peak_anonymous_mb'] or float('nan'):>21.0f}{r['first_epoch_s']:>17.1f}")
-    if ours.get("child_cpu_s"):
-        print(f"ours: {ours['child_cpu_s']:.0f} CPU-s in child processes before training (compiling the sampling UNet), "
-              f"about {ours['child_cpu_s'] / ours['epoch_cpu_s']:.0f} of our timed epochs")
     q = ratios(ours, theirs)
     print(f"ours / TRL: throughput {q['samples_per_s']:.2f}x (wall), {q['samples_per_cpu_s']:.2f}x (per CPU-second); "
           f"peak memory {q['peak_memory_mb']:.2f}x"
@@ -312,7 +302,7 @@ def main(argv=None) -> None:
             f"model: {args.model} | device: {args.device} ({args.threads} thread(s)) | {args.steps} DDIM steps, eta {args.eta}, "
             f"guidance {args.guidance} | {samples_per_epoch} samples/epoch ({args.sample_batch_size} x {args.batches_per_epoch}) | "
             f"train batch {args.train_batch_size} x {args.grad_accum} accumulation | timestep fraction {args.timestep_fraction} | "
-            f"ours: {args.timestep_batch} timestep(s) per UNet call{', compiled sampling' if args.compile_sampling else ''}{', PEFT LoRA forward' if args.peft_forward else ', merged LoRA forward'} | LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
+            f"ours: {args.timestep_batch} timestep(s) per UNet call | LoRA rank {args.lora_rank} | {args.epochs} epochs (first one untimed) | reward: jpeg-compressibility",
             flush=True,
         )
         rounds = []

@@ -8,8 +8,6 @@ Cases (each runs in its own subprocess so peak memory is its own):
   sd15-lora-disabled          SD v1.5-architecture UNet (random init from its config) + LoRA;
                               reference = the same UNet with the adapter disabled
   sd15-lora-frozen            the same, but the reference is a frozen copy of the UNet
-  sd15-lora-merged            sd15-lora-disabled with the LoRA layers computed as one matmul with
-                              W + B·A (align.pipeline.lora_as_merged_weight; DPO's former `--lora_merged_forward`)
 Peak memory: torch.cuda.max_memory_allocated on a GPU, else the process's peak RSS.
 Target (issue 2): adapter-disabled reference peak <= 60% of the frozen-copy peak.
 """
@@ -52,13 +50,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
 
 
-def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.device, merged: bool = False) -> dict:
-    import contextlib
+def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.device) -> dict:
 
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
     from align.losses import diffusion_dpo_loss, per_sample_mse
-    from align.pipeline import add_lora, disabled_adapter, frozen_copy, lora_as_merged_weight
+    from align.pipeline import add_lora, disabled_adapter, frozen_copy
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**SD15_UNET).to(device)
@@ -80,17 +77,16 @@ def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.dev
         noise = torch.randn(1, 4, latent, latent, device=device).repeat(2, 1, 1, 1)
         t = torch.randint(0, 1000, (1,), device=device).repeat(2)
         noisy = scheduler.add_noise(x0, noise, t)
-        with lora_as_merged_weight(unet) if merged else contextlib.nullcontext():
-            model_w, model_l = per_sample_mse(unet(noisy, t, text).sample, noise).chunk(2)
-            with torch.no_grad():
-                if reference is None:
-                    with disabled_adapter(unet):
-                        ref_pred = unet(noisy, t, text).sample
-                else:
-                    ref_pred = reference(noisy, t, text).sample
-            ref_w, ref_l = per_sample_mse(ref_pred, noise).chunk(2)
-            loss, _ = diffusion_dpo_loss(model_w, model_l, ref_w, ref_l, beta=5000.0)
-            loss.backward()
+        model_w, model_l = per_sample_mse(unet(noisy, t, text).sample, noise).chunk(2)
+        with torch.no_grad():
+            if reference is None:
+                with disabled_adapter(unet):
+                    ref_pred = unet(noisy, t, text).sample
+            else:
+                ref_pred = reference(noisy, t, text).sample
+        ref_w, ref_l = per_sample_mse(ref_pred, noise).chunk(2)
+        loss, _ = diffusion_dpo_loss(model_w, model_l, ref_w, ref_l, beta=5000.0)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -147,12 +143,10 @@ def run_case(case: str, args) -> dict:
         return run_sd15("disabled", args.resolution, args.sd15_steps, device)
     if case == "sd15-lora-frozen":
         return run_sd15("frozen", args.resolution, args.sd15_steps, device)
-    if case == "sd15-lora-merged":
-        return run_sd15("disabled", args.resolution, args.sd15_steps, device, merged=True)
     raise SystemExit(f"unknown case {case!r}")
 
 
-CASES = ("tiny-cache", "tiny-nocache", "sd15-lora-disabled", "sd15-lora-frozen", "sd15-lora-merged")
+CASES = ("tiny-cache", "tiny-nocache", "sd15-lora-disabled", "sd15-lora-frozen")
 
 
 def main() -> None:
@@ -180,10 +174,6 @@ def main() -> None:
         ratio = results["sd15-lora-disabled"]["peak_mb"] / results["sd15-lora-frozen"]["peak_mb"]
         speed = results["sd15-lora-disabled"]["pairs_per_s"] / results["sd15-lora-frozen"]["pairs_per_s"]
         print(f"adapter-disabled / frozen-copy peak memory: {ratio:.2f} (target <= 0.60); speed ratio {speed:.2f}")
-    if "sd15-lora-disabled" in results and "sd15-lora-merged" in results:
-        merged, peft = results["sd15-lora-merged"], results["sd15-lora-disabled"]
-        print(f"merged LoRA forward / PEFT's (SD v1.5 architecture): speed {merged['pairs_per_s'] / peft['pairs_per_s']:.2f}x, "
-              f"peak memory {merged['peak_mb'] / peft['peak_mb']:.2f}x")
     if "tiny-cache" in results and "tiny-nocache" in results:
         speed = results["tiny-cache"]["pairs_per_s"] / results["tiny-nocache"]["pairs_per_s"]
         print(f"latent cache speed-up (tiny pipeline): {speed:.2f}x")

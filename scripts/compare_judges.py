@@ -46,7 +46,8 @@ class CompareConfig:
     judges: str = option("shapes-oracle,shapes-clip,shapes-oracle[noise=0.3],shapes-oracle[position_bias=0.7],random",
                          "comma list of the judges to compare (options in brackets)", "judge")
     oracle: str = option("shapes-oracle", "the ground truth the judges' labels are measured against", "judge")
-    model: str = option("testbed", "the base model every judge fine-tunes", "model")
+    model: str = option("testbed", "the base model every judge fine-tunes: 'testbed', 'testbed-flow', a pipeline "
+                        "folder or hub id of any family (SD, SDXL, SD3, FLUX)", "model")
     # --- fine-tuning (identical for every judge)
     trainer: str = option("dpo", "dpo (Diffusion-DPO on each judge's labels) or ddpo (the judge as the online "
                           "reward)", "optimisation")
@@ -189,7 +190,7 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
         )
     values.update(model=config.model, output_dir=str(run_dir), seed=config.seed)
     if config.trainer == "dpo":
-        values.update(dataset=str(feedback), reward=None, prompts=None)
+        values.update(dataset=str(feedback), reward=None)  # offline pairs: the trainer's --prompts go unused
     else:
         values.update(reward=judge, prompts=config.train_prompts)
     if config.max_steps is not None:  # Diffusion-DPO only (validate)

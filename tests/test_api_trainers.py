@@ -143,7 +143,7 @@ def test_a_resumed_ddpo_run_asks_the_server_nothing_it_asked_before(tiny_model, 
 
 def test_ddpo_with_gpt4o_rewards_are_win_rates_from_the_server(tiny_model, prompt_file, server, tmp_path, capsys):
     run = tmp_path / "ddpo-run"
-    ddpo.main(ddpo_command(tiny_model, prompt_file, server, run, num_epochs=1, checkpointing_epochs=1, num_logged_images=4))
+    ddpo.main(ddpo_command(tiny_model, prompt_file, server, run, num_epochs=1, checkpointing_epochs=1))
     out = capsys.readouterr()
 
     # gpt4o compares images (pairwise-native): each image's reward is its win rate against the other images of

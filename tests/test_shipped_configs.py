@@ -26,6 +26,7 @@ CONFIG_CLASSES = {
     "testbed_flow_dpo.yaml": DPOConfig,
     "ddpo_sd15.yaml": DDPOConfig,
     "testbed_ddpo.yaml": DDPOConfig,
+    "testbed_flow_grpo.yaml": DDPOConfig,
     "testbed_eval.yaml": EvalConfig,
     "testbed_judgebench.yaml": JudgeBenchConfig,
     "testbed_reward.yaml": RewardTrainConfig,

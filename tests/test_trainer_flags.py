@@ -25,7 +25,7 @@ def ddpo_config(tiny_model, prompt_file, out, **overrides) -> DDPOConfig:
     base = dict(model=tiny_model, reward="jpeg-compressibility", prompts=prompt_file, output_dir=str(out),
                 report_to="none", num_inference_steps=4, samples_per_epoch=4, sample_batch_size=2, train_batch_size=2,
                 gradient_accumulation_steps=2, timestep_fraction=0.5, num_epochs=1, checkpointing_epochs=1,
-                stat_buffer_size=4, stat_min_count=2, learning_rate=1e-3, clip_range=0.2, num_logged_images=0)
+                learning_rate=1e-3, clip_range=0.2)
     base.update(overrides)
     return DDPOConfig(**base)
 
@@ -60,14 +60,14 @@ def test_weight_decay_shrinks_the_lora_A_matrices_on_the_first_step(trainer, tin
     assert any(float(plain[k].abs().max()) > 0 for k in plain if k not in a_keys)  # B did move
 
 
-def test_ddpo_logs_samples_every_sample_log_epochs_and_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):
-    run = ddpo.train(ddpo_config(tiny_model, prompt_file, tmp_path / "run", num_epochs=3, gradient_accumulation_steps=1,
-                                 num_logged_images=3, sample_log_epochs=2, checkpoints_total_limit=2))
-    # The first epoch (a baseline), every second one, and the last.
+def test_ddpo_logs_samples_at_checkpoint_epochs_and_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):
+    run = ddpo.train(ddpo_config(tiny_model, prompt_file, tmp_path / "run", num_epochs=5, gradient_accumulation_steps=1,
+                                 checkpointing_epochs=2, checkpoints_total_limit=2))
+    # The first epoch (a baseline), every checkpoint epoch, and the last; this process's images, at most 8.
     assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["epoch_00001.png", "epoch_00002.png",
-                                                                         "epoch_00003.png"]
-    assert len(json.loads((run / "samples" / "epoch_00002.json").read_text())) == 3
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000002", "step_0000003"]
+                                                                         "epoch_00004.png", "epoch_00005.png"]
+    assert len(json.loads((run / "samples" / "epoch_00002.json").read_text())) == 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000004", "step_0000005"]
 
 
 def test_dpo_keeps_checkpoints_total_limit(tiny_model, prompt_file, tmp_path):

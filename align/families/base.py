@@ -42,6 +42,17 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
+def pretrained_pipeline(pipeline_class, model: str, dtype: torch.dtype, family_name: str, **components):
+    """``pipeline_class.from_pretrained`` whose failures (a missing folder, an unknown hub id, a truncated
+    or corrupt weights file) are one ModelLoadError line."""
+    from safetensors import SafetensorError  # a truncated weights file raises this, not an OSError
+
+    try:
+        return pipeline_class.from_pretrained(model, **dtype_argument(dtype), **components)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as err:
+        raise ModelLoadError(f"cannot load a {family_name} pipeline from {model!r}: {one_line(err)}") from err
+
+
 def cat_conditioning(parts: list[Conditioning]) -> Conditioning:
     """The batches of ``parts`` one after the other."""
     return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from align.families.base import LORA_WEIGHTS, ModelLoadError, one_line
+from align.families.base import LORA_WEIGHTS
 
 # The pipeline attribute that holds the T5 length the model was trained with (set at load).
 MAX_SEQUENCE_LENGTH_ATTRIBUTE = "align_max_sequence_length"
@@ -39,15 +39,6 @@ def trained_max_sequence_length(model: str) -> int | None:
         return None
     value = json.loads(path.read_text()).get("max_sequence_length")
     return int(value) if value is not None else None
-
-
-def from_pretrained(pipeline_class, model: str, dtype_kwargs: dict, family_name: str, **components):
-    from safetensors import SafetensorError  # a truncated text-encoder file raises this, not an OSError
-
-    try:
-        return pipeline_class.from_pretrained(model, **dtype_kwargs, **components)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as err:
-        raise ModelLoadError(f"cannot load a {family_name} pipeline from {model!r}: {one_line(err)}") from err
 
 
 def finish_loading(pipe, model: str, device, default_max_sequence_length: int):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelFamily, ModelLoadError, dtype_argument, one_line
+from align.families.base import Conditioning, ModelFamily, ModelLoadError, one_line, pretrained_pipeline
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__ / encode_prompt default
 TRAINING_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py --guidance_scale default (FLUX.1-dev is guidance-distilled)
@@ -76,7 +76,7 @@ class Flux(ModelFamily):
             flow_common.model_index(model)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
-        pipe = flow_common.from_pretrained(self.pipeline_class(), model, dtype_argument(dtype), "FLUX")
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "FLUX")
         return flow_common.finish_loading(pipe, model, device, DEFAULT_MAX_SEQUENCE_LENGTH)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:

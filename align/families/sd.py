@@ -10,9 +10,7 @@ from align.families.base import (
     LORA_WEIGHTS,
     Conditioning,
     ModelFamily,
-    ModelLoadError,
-    dtype_argument,
-    one_line,
+    pretrained_pipeline,
 )
 
 
@@ -38,12 +36,8 @@ class StableDiffusion(ModelFamily):
     def load_pipeline(self, model: str, dtype: torch.dtype, device):
         from diffusers import DDIMScheduler
 
-        try:
-            pipe = self.pipeline_class().from_pretrained(
-                model, **dtype_argument(dtype), safety_checker=None, requires_safety_checker=False
-            )
-        except (OSError, ValueError, KeyError, TypeError) as err:  # a truncated weights file names itself here
-            raise ModelLoadError(f"cannot load a Stable Diffusion pipeline from {model!r}: {one_line(err)}") from err
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion",
+                                   safety_checker=None, requires_safety_checker=False)
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(device)

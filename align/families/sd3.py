@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelFamily, ModelLoadError, dtype_argument, one_line
+from align.families.base import Conditioning, ModelFamily, ModelLoadError, one_line, pretrained_pipeline
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__ / encode_prompt default
 
@@ -48,7 +48,7 @@ class StableDiffusion3(ModelFamily):
         # diffusers refuses a null T5 entry unless it is passed as None (SD3 without T5, the flow testbed)
         no_t5 = {name: None for name in ("text_encoder_3", "tokenizer_3")
                  if flow_common.is_null_component(index.get(name))}
-        pipe = flow_common.from_pretrained(self.pipeline_class(), model, dtype_argument(dtype), "Stable Diffusion 3", **no_t5)
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion 3", **no_t5)
         return flow_common.finish_loading(pipe, model, device, DEFAULT_MAX_SEQUENCE_LENGTH)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:

@@ -29,10 +29,8 @@ import torch
 
 from align.families.base import (
     Conditioning,
-    ModelLoadError,
-    dtype_argument,
     expand_conditioning,
-    one_line,
+    pretrained_pipeline,
 )
 from align.families.sd import StableDiffusion
 
@@ -85,10 +83,7 @@ class StableDiffusionXL(StableDiffusion):
     def load_pipeline(self, model: str, dtype: torch.dtype, device):
         from diffusers import DDIMScheduler
 
-        try:
-            pipe = self.pipeline_class().from_pretrained(model, **dtype_argument(dtype))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ModelLoadError(f"cannot load a Stable Diffusion XL pipeline from {model!r}: {one_line(err)}") from err
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion XL")
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(device)
