@@ -26,6 +26,7 @@ CONFIG_CLASSES = {
     "sd35_grpo_lora_1gpu.yaml": DDPOConfig,
     "flux_grpo_lora_1gpu.yaml": DDPOConfig,
     "testbed_dpo.yaml": DPOConfig,
+    "testbed_flow_dpo.yaml": DPOConfig,
     "ddpo_sd15.yaml": DDPOConfig,
     "testbed_ddpo.yaml": DDPOConfig,
     "testbed_flow_grpo.yaml": DDPOConfig,
