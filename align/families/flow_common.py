@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from align.families.base import LORA_WEIGHTS
+from align.families.base import LORA_WEIGHTS, ModelFamily
 
 # The pipeline attribute that holds the T5 length the model was trained with (set at load).
 MAX_SEQUENCE_LENGTH_ATTRIBUTE = "align_max_sequence_length"
@@ -130,3 +130,37 @@ def load_transformer_lora(pipe, folder: str | Path) -> None:
     """Our LoRA files hold transformer weights only: loaded into the transformer alone (``pipe.load_lora_weights``
     gives the same outputs and warns once per text encoder that it has no LoRA keys; tested both ways)."""
     pipe.transformer.load_lora_adapter(str(folder), prefix="transformer", weight_name=LORA_WEIGHTS)
+
+
+class FlowMatchingFamily(ModelFamily):
+    """What SD3 and FLUX share: a transformer predicting the flow velocity, a T5 length remembered on the
+    pipeline, shifted VAE latents, LoRA on the transformer alone, the rectified-flow training pair."""
+
+    denoiser_name = "transformer"
+    is_flow = True
+    default_max_sequence_length = 256  # the pipeline's own default, overridden per family
+    weighting_scheme = "none"  # the family's training script's timestep density
+
+    def save_lora(self, denoiser, folder: str | Path) -> Path:
+        return save_transformer_lora(self.pipeline_class(), denoiser, folder)
+
+    def load_lora(self, pipe, folder: str | Path) -> None:
+        load_transformer_lora(pipe, folder)
+
+    def max_sequence_length(self, pipe) -> int:
+        return max_sequence_length(pipe, self.default_max_sequence_length)
+
+    def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
+        return encode_shifted(pipe.vae, pixels)
+
+    def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        return decode_shifted(pipe.vae, latents)
+
+    def generation_kwargs(self, pipe) -> dict:
+        return {"max_sequence_length": self.max_sequence_length(pipe)}
+
+    def draw_training_timesteps(self, scheduler, batch: int, generator: torch.Generator) -> torch.Tensor:
+        return draw_flow_timesteps(scheduler, batch, generator, self.weighting_scheme)
+
+    def noisy_and_target(self, scheduler, x0, noise, timesteps):
+        return rectified_flow_pair(scheduler, x0, noise, timesteps)

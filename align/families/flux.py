@@ -17,12 +17,10 @@ velocity target ε - x0, guidance 3.5 in training, LoRA targets). Deliberate dif
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelFamily, ModelLoadError, one_line, pretrained_pipeline
+from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__ / encode_prompt default
 TRAINING_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py --guidance_scale default (FLUX.1-dev is guidance-distilled)
@@ -54,11 +52,10 @@ def denoiser_config(denoiser):
     return getattr(denoiser, "module", denoiser).config
 
 
-class Flux(ModelFamily):
+class Flux(flow_common.FlowMatchingFamily):
     name = "flux"
     pipeline_class_names = ("FluxPipeline",)
-    denoiser_name = "transformer"
-    is_flow = True
+    default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
     # train_dreambooth_lora_flux.py's default --lora_layers: joint blocks' attention (both streams) and MLPs
     lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
                     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -77,33 +74,18 @@ class Flux(ModelFamily):
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
         pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "FLUX")
-        return flow_common.finish_loading(pipe, model, device, DEFAULT_MAX_SEQUENCE_LENGTH)
+        return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:
         return [pipe.vae, pipe.text_encoder, pipe.text_encoder_2]
 
-    def save_lora(self, denoiser, folder: str | Path) -> Path:
-        return flow_common.save_transformer_lora(self.pipeline_class(), denoiser, folder)
-
-    def load_lora(self, pipe, folder: str | Path) -> None:
-        flow_common.load_transformer_lora(pipe, folder)
-
     # --- conditioning and latents -------------------------------------------------------------
-    def max_sequence_length(self, pipe) -> int:
-        return flow_common.max_sequence_length(pipe, DEFAULT_MAX_SEQUENCE_LENGTH)
-
     @torch.no_grad()
     def encode_prompts(self, pipe, prompts: list[str], resolution: int | None = None) -> Conditioning:
         """``pipe.encode_prompt``: T5 tokens and the CLIP pooled embedding (``text_ids`` are zeros, rebuilt
         in ``predict``). ``[""]`` is what FluxPipeline encodes for ``negative_prompt=""``."""
         prompt_embeds, pooled, _ = pipe.encode_prompt(list(prompts), None, max_sequence_length=self.max_sequence_length(pipe))
         return {"prompt_embeds": prompt_embeds, "pooled_embeds": pooled}
-
-    def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
-        return flow_common.encode_shifted(pipe.vae, pixels)
-
-    def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
-        return flow_common.decode_shifted(pipe.vae, latents)
 
     def latent_side(self, pipe, resolution: int) -> int:
         # as FluxPipeline.prepare_latents: the VAE's downsampling, rounded down to whole 2x2 patches
@@ -152,12 +134,3 @@ class Flux(ModelFamily):
         mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                              config.get("base_shift", 0.5), config.get("max_shift", 1.15))
         return flow_common.set_timesteps_copy(pipe.scheduler, num_inference_steps, sigmas=sigmas, mu=mu)
-
-    def generation_kwargs(self, pipe) -> dict:
-        return {"max_sequence_length": self.max_sequence_length(pipe)}
-
-    def draw_training_timesteps(self, scheduler, batch: int, generator: torch.Generator) -> torch.Tensor:
-        return flow_common.draw_flow_timesteps(scheduler, batch, generator, self.weighting_scheme)
-
-    def noisy_and_target(self, scheduler, x0, noise, timesteps):
-        return flow_common.rectified_flow_pair(scheduler, x0, noise, timesteps)

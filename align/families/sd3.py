@@ -14,21 +14,18 @@ Deliberate differences from the script:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelFamily, ModelLoadError, one_line, pretrained_pipeline
+from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__ / encode_prompt default
 
 
-class StableDiffusion3(ModelFamily):
+class StableDiffusion3(flow_common.FlowMatchingFamily):
     name = "sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
-    denoiser_name = "transformer"
-    is_flow = True
+    default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
     # train_dreambooth_lora_sd3.py's default --lora_layers (joint blocks' attention, both streams)
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
@@ -49,22 +46,13 @@ class StableDiffusion3(ModelFamily):
         no_t5 = {name: None for name in ("text_encoder_3", "tokenizer_3")
                  if flow_common.is_null_component(index.get(name))}
         pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion 3", **no_t5)
-        return flow_common.finish_loading(pipe, model, device, DEFAULT_MAX_SEQUENCE_LENGTH)
+        return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:
         encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
         return [pipe.vae] + [encoder for encoder in encoders if encoder is not None]
 
-    def save_lora(self, denoiser, folder: str | Path) -> Path:
-        return flow_common.save_transformer_lora(self.pipeline_class(), denoiser, folder)
-
-    def load_lora(self, pipe, folder: str | Path) -> None:
-        flow_common.load_transformer_lora(pipe, folder)
-
     # --- conditioning and latents -------------------------------------------------------------
-    def max_sequence_length(self, pipe) -> int:
-        return flow_common.max_sequence_length(pipe, DEFAULT_MAX_SEQUENCE_LENGTH)
-
     @torch.no_grad()
     def encode_prompts(self, pipe, prompts: list[str], resolution: int | None = None) -> Conditioning:
         """``pipe.encode_prompt``'s positive outputs (CLIP-L/G penultimate states + T5 tokens, both pooled
@@ -74,12 +62,6 @@ class StableDiffusion3(ModelFamily):
             max_sequence_length=self.max_sequence_length(pipe),
         )
         return {"prompt_embeds": prompt_embeds, "pooled_embeds": pooled}
-
-    def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
-        return flow_common.encode_shifted(pipe.vae, pixels)
-
-    def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
-        return flow_common.decode_shifted(pipe.vae, latents)
 
     def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
         side = resolution // pipe.vae_scale_factor
@@ -106,12 +88,3 @@ class StableDiffusion3(ModelFamily):
                                            config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
                                            config.get("max_shift", 1.16))
         return flow_common.set_timesteps_copy(pipe.scheduler, num_inference_steps, **kwargs)
-
-    def generation_kwargs(self, pipe) -> dict:
-        return {"max_sequence_length": self.max_sequence_length(pipe)}
-
-    def draw_training_timesteps(self, scheduler, batch: int, generator: torch.Generator) -> torch.Tensor:
-        return flow_common.draw_flow_timesteps(scheduler, batch, generator, self.weighting_scheme)
-
-    def noisy_and_target(self, scheduler, x0, noise, timesteps):
-        return flow_common.rectified_flow_pair(scheduler, x0, noise, timesteps)
