@@ -131,7 +131,7 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
     from align.families import family_of_pipeline
-    from align.feedback import generate_feedback, pairwise_scheme
+    from align.feedback import generate_feedback, make_pipeline_generator, pairwise_scheme
     from align.pair_stream import open_pairs
 
     rounds = config.feedback_rounds
@@ -141,7 +141,7 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
         denoiser = family_of_pipeline(pipe).denoiser(pipe)
         was_training = denoiser.training
         denoiser.eval()
-        generate_images = healthy_images_only(pipeline_generator(pipe, steps, guidance))
+        generate_images = healthy_images_only(make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance))
         labelled = round_prompts(prompts, round_index, rounds)
         if is_pointwise(judge):
             asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
@@ -170,17 +170,6 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
     if accelerator.is_main_process:
         print(f"[data] {table.stats.summary()}", flush=True)
     return table
-
-
-def pipeline_generator(pipe, steps: int, guidance: float):
-    """``generate(prompts, seeds)`` through align.pipeline.generate_images (the family's generation keyword
-    arguments; image i depends on seed i only)."""
-    from align.pipeline import generate_images
-
-    def generate(prompts, seeds):
-        return generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance)
-
-    return generate
 
 
 def healthy_images_only(generate_images):
