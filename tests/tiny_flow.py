@@ -18,7 +18,7 @@ import string
 from pathlib import Path
 
 import torch
-from tiny_sd import write_char_tokenizer
+from tiny_sd import build_tiny_vae, write_char_tokenizer
 
 CLIP_MAX_LENGTH = 16  # short CLIP sequences keep the joint attention cheap
 T5_MAX_SEQUENCE_LENGTH = 8  # what tests pass as max_sequence_length (also written to flow_testbed.json)
@@ -70,14 +70,8 @@ def _clip_config(tokenizer, hidden: int = CLIP_HIDDEN):
 
 
 def _vae(latent_channels: int = 4):
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(8, 16),
-        latent_channels=latent_channels, layers_per_block=1, norm_num_groups=8, sample_size=32,
-        use_quant_conv=False, use_post_quant_conv=False, shift_factor=VAE_SHIFT, scaling_factor=VAE_SCALE,
-    )
+    return build_tiny_vae(32, latent_channels=latent_channels, use_quant_conv=False, use_post_quant_conv=False,
+                          shift_factor=VAE_SHIFT, scaling_factor=VAE_SCALE)
 
 
 def _save(pipe, folder: Path, settings: dict | None) -> Path:

@@ -47,25 +47,28 @@ def build_tiny_unet(sample_size: int = 8):
     )
 
 
+
+def build_tiny_vae(sample_size: int, **config):
+    """A two-block AutoencoderKL (8x downsampling would be too much for 16-32 px: this one halves once);
+    ``config`` overrides or adds config entries (latent channels, scaling and shift factors, ...)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(**{
+        "in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"), "block_out_channels": (8, 16),
+        "latent_channels": 4, "layers_per_block": 1, "norm_num_groups": 8, "sample_size": sample_size, **config,
+    })
+
+
 def build_tiny_pipeline(folder: str | Path, seed: int = 0, sample_size: int = 8):
     """Save a tiny random SD pipeline (16 px images, 4x8x8 latents) to ``folder`` and return the path."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     folder = Path(folder)
     torch.manual_seed(seed)
     unet = build_tiny_unet(sample_size)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=sample_size * 2,
-    )
+    vae = build_tiny_vae(sample_size * 2)
     text_encoder = CLIPTextModel(
         CLIPTextConfig(
             vocab_size=82,

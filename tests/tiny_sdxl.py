@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import torch
-from tiny_sd import write_char_tokenizer
+from tiny_sd import build_tiny_vae, write_char_tokenizer
 
 TEXT_WIDTHS = (16, 24)  # hidden sizes of text_encoder and text_encoder_2
 POOLED_DIM = 12  # text_encoder_2's projection_dim
@@ -68,25 +68,14 @@ def build_tiny_sdxl_unet():
 
 def build_tiny_sdxl_pipeline(folder: str | Path, seed: int = 0, force_zeros_for_empty_prompt: bool = True):
     """Save a tiny random SDXL pipeline (32 px images, 4x16x16 latents) under ``folder``; return its path."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     folder = Path(folder)
     torch.manual_seed(seed)
     unet = build_tiny_sdxl_unet()
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=IMAGE_SIDE,
-        scaling_factor=0.13025,  # SDXL's, not SD's 0.18215: the family must read it from the config
-        force_upcast=True,
-    )
+    vae = build_tiny_vae(IMAGE_SIDE, scaling_factor=0.13025,  # SDXL's, not SD's 0.18215: the family must read it
+                         force_upcast=True)
     text_encoder = CLIPTextModel(_text_config(TEXT_WIDTHS[0], pad_token_id=81))
     text_encoder_2 = CLIPTextModelWithProjection(_text_config(TEXT_WIDTHS[1], pad_token_id=82, projection_dim=POOLED_DIM))
     write_char_tokenizer(folder / "_tok")
