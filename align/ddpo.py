@@ -531,12 +531,6 @@ def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen
     return torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, :k]
 
 
-def as_conditioning(value) -> Conditioning:
-    """A family's conditioning dict; a bare tensor is SD 1.x/2.x's prompt embeddings (benchmarks and tests
-    that build samples by hand pass those)."""
-    return value if isinstance(value, dict) else {"prompt_embeds": value}
-
-
 def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
                       samples, negative, gen, stats, disabled_adapter, family: ModelFamily | None = None,
                       schedule=None) -> int:
@@ -545,8 +539,7 @@ def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimize
     ``schedule``: (sample order, each sample's trained steps) as the trainer draws them (ddpo_order.py); else drawn
     from ``gen``.
 
-    ``samples["cond"]`` (or ``samples["embeds"]``, SD's bare prompt embeddings) holds each sample's
-    conditioning, ``negative`` the one-row unconditional side; ``family`` is the denoiser's (None: SD 1.x/2.x)."""
+    ``samples["cond"]`` holds each sample's conditioning, ``negative`` the one-row unconditional side; ``family`` is the denoiser's (None: SD 1.x/2.x)."""
     family = family or StableDiffusion()
     if config.eta is None or config.num_inference_steps is None:  # built by hand (tests, benchmarks), not by train()
         config = dataclasses.replace(config)
@@ -623,8 +616,7 @@ def train_micro_batch(config, accelerator, train_unet, unet, reference, schedule
     family = family or StableDiffusion()
     k = time_order.shape[1]
     rows = idx[:, None]  # each sample's row, against its k chosen steps
-    sample_cond = select_conditioning(as_conditioning(samples["cond"] if "cond" in samples else samples["embeds"]), idx)
-    negative = as_conditioning(negative)
+    sample_cond = select_conditioning(samples["cond"], idx)
     chosen = time_order[idx]
     latents, next_latents = step_pairs(samples, rows, chosen)  # [b, k, C, H, W]
     timesteps = samples["timesteps"][rows, chosen]

@@ -532,12 +532,13 @@ def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, 
                                              latents=noise, generator=gen)
             models.vae.decode(trajectory.final_latents / models.vae.config.scaling_factor)  # the images a judge scores
         unet.train()
-        batch = {"embeds": embeds, "all_latents": trajectory.all_latents, "timesteps": trajectory.timesteps,
+        batch = {"cond": {"prompt_embeds": embeds}, "all_latents": trajectory.all_latents, "timesteps": trajectory.timesteps,
                  "log_probs": trajectory.log_probs, "advantages": torch.randn(samples, generator=gen).to(embeds.device)}
         order = torch.stack([torch.randperm(inference_steps, generator=gen) for _ in range(samples)])
         stats: dict = {}
         for i in range(samples):  # one sample per micro-batch, every timestep: the paper's update
-            train_micro_batch(config, accelerator, train_unet, unet, None, models.scheduler, batch, negative, stats,
+            train_micro_batch(config, accelerator, train_unet, unet, None, models.scheduler, batch,
+                              {"prompt_embeds": negative}, stats,
                               disabled_adapter, torch.tensor([i]), order, per_update=samples,
                               last_of_update=i == samples - 1)
         accelerator.clip_grad_norm_(params, 1.0)

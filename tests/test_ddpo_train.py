@@ -411,13 +411,13 @@ def _lora_unet_and_samples(tiny_model):
     scheduler.set_timesteps(4)
     n, steps = 4, 4
     samples = {
-        "embeds": torch.randn(n, 6, 16),
+        "cond": {"prompt_embeds": torch.randn(n, 6, 16)},
         "all_latents": torch.randn(n, steps + 1, 4, 8, 8),
         "timesteps": scheduler.timesteps.repeat(n, 1),
         "log_probs": torch.randn(n, steps) * 0.01 - 1.5,
         "advantages": torch.tensor([1.0, -0.5, 2.0, -1.0]),
     }
-    negative = torch.randn(1, 6, 16)
+    negative = {"prompt_embeds": torch.randn(1, 6, 16)}
     return unet, params, scheduler, samples, negative
 
 
@@ -456,8 +456,8 @@ def _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range):
     lat = samples["all_latents"][:, :steps].flatten(0, 1)
     nxt = samples["all_latents"][:, 1:].flatten(0, 1)
     ts = samples["timesteps"].flatten()
-    cond = samples["embeds"].repeat_interleave(steps, dim=0)
-    pred = guided_noise_prediction(unet, lat, ts, cond, negative.expand(len(lat), -1, -1), 3.0)
+    cond = samples["cond"]["prompt_embeds"].repeat_interleave(steps, dim=0)
+    pred = guided_noise_prediction(unet, lat, ts, cond, negative["prompt_embeds"].expand(len(lat), -1, -1), 3.0)
     mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, 1.0)
     loss, _ = ddpo_clipped_loss(gaussian_log_prob(nxt, mean, std), samples["log_probs"].flatten(),
                                 samples["advantages"].repeat_interleave(steps), clip_range)
@@ -473,7 +473,8 @@ def _chosen_terms_gradient(unet, params, scheduler, samples, negative, step_of_s
     lat = samples["all_latents"][rows, step_of_sample]
     nxt = samples["all_latents"][rows, step_of_sample + 1]
     ts = samples["timesteps"][rows, step_of_sample]
-    pred = guided_noise_prediction(unet, lat, ts, samples["embeds"], negative.expand(len(lat), -1, -1), 3.0)
+    pred = guided_noise_prediction(unet, lat, ts, samples["cond"]["prompt_embeds"],
+                                   negative["prompt_embeds"].expand(len(lat), -1, -1), 3.0)
     mean, std = ddim_step_mean_std(scheduler, pred, ts, lat, 1.0)
     loss, _ = ddpo_clipped_loss(gaussian_log_prob(nxt, mean, std), samples["log_probs"][rows, step_of_sample],
                                 samples["advantages"], clip_range)
