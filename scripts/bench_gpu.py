@@ -250,8 +250,21 @@ def build_denoiser(arch: Arch, tiny: bool, device):
     return model
 
 
+def family_of_arch(arch: Arch, model):
+    """The model family (align.families) whose ``predict`` calls this denoiser."""
+    from align.families.flux import Flux
+    from align.families.sd import StableDiffusion
+    from align.families.sd3 import StableDiffusion3
+    from align.families.sdxl import StableDiffusionXL
+
+    if arch.kind == "unet":
+        return StableDiffusionXL() if model.config.addition_embed_type == "text_time" else StableDiffusion()
+    return StableDiffusion3() if arch.kind == "sd3" else Flux()
+
+
 def random_conditioning(arch: Arch, model, batch: int, side: int, tiny: bool, device, gen: torch.Generator | None = None) -> dict:
-    """Text conditioning of the right shapes (random values: the text encoders run once per prompt, not per step)."""
+    """Text conditioning of the right shapes in the family's format (random values: the text encoders run once
+    per prompt, not per step)."""
     config = model.config
     tokens = arch.tiny_text_tokens if tiny else arch.text_tokens
 
@@ -259,34 +272,23 @@ def random_conditioning(arch: Arch, model, batch: int, side: int, tiny: bool, de
         return torch.randn(shape, generator=gen).to(device) if device != "meta" else torch.zeros(shape, device="meta")
 
     if arch.kind == "unet":
-        cond = {"encoder_hidden_states": draw(batch, tokens, config.cross_attention_dim)}
+        cond = {"prompt_embeds": draw(batch, tokens, config.cross_attention_dim)}
         if config.addition_embed_type == "text_time":  # SDXL: pooled text + (original size, crop, target size)
             pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
             pixels = side * 8
             time_ids = torch.tensor([pixels, pixels, 0, 0, pixels, pixels], dtype=torch.float32, device=device)
-            cond["added_cond_kwargs"] = {"text_embeds": draw(batch, pooled), "time_ids": time_ids.expand(batch, 6)}
+            cond.update(pooled_embeds=draw(batch, pooled), time_ids=time_ids.expand(batch, 6))
         return cond
-    cond = {"encoder_hidden_states": draw(batch, tokens, config.joint_attention_dim),
-            "pooled_projections": draw(batch, config.pooled_projection_dim)}
+    cond = {"prompt_embeds": draw(batch, tokens, config.joint_attention_dim),
+            "pooled_embeds": draw(batch, config.pooled_projection_dim)}
     if arch.kind == "flux":
-        half = side // 2
-        rows, cols = torch.meshgrid(torch.arange(half), torch.arange(half), indexing="ij")
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
-        cond.update(txt_ids=torch.zeros(tokens, 3, device=device), img_ids=img_ids.to(device),
-                    guidance=torch.full((batch,), 3.5, device=device))
+        cond["guidance"] = torch.full((batch,), 3.5, device=device)
     return cond
 
 
 def predict(arch: Arch, model, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict) -> torch.Tensor:
-    """The denoiser's output on [B, C, H, W] latents: noise (UNet) or velocity (SD3, FLUX; FLUX packs 2x2 patches)."""
-    if arch.kind == "unet":
-        return model(latents, timesteps, **cond).sample
-    if arch.kind == "sd3":
-        return model(hidden_states=latents, timestep=timesteps, **cond).sample
-    b, c, h, w = latents.shape  # FLUX: 2x2 patches as 4c-channel tokens (pipeline_flux._pack_latents), timestep = sigma
-    packed = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
-    out = model(hidden_states=packed, timestep=timesteps / 1000, **cond).sample
-    return out.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+    """The denoiser's output on [B, C, H, W] latents, through its family: noise (UNet) or velocity (SD3, FLUX)."""
+    return family_of_arch(arch, model).predict(model, latents, timesteps, cond)
 
 
 def forward_gflop_on_meta(arch_name: str, resolution: int | None = None) -> float:
@@ -313,6 +315,7 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
     align.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
     from diffusers import DDIMScheduler
 
+    from align.families.base import cat_conditioning
     from align.losses import diffusion_dpo_loss, per_sample_mse
     from align.pipeline import add_lora, disabled_adapter
 
@@ -329,8 +332,7 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
     side = latent_side(arch, tiny, resolution)
     x0 = torch.randn((2 * pairs, model.config.in_channels, side, side), generator=gen).to(device)  # winners, losers
     cond = random_conditioning(arch, model, pairs, side, tiny, device, gen)
-    cond = {k: ({kk: vv.repeat(2, 1) for kk, vv in v.items()} if isinstance(v, dict) else v.repeat(2, *([1] * (v.ndim - 1))))
-            for k, v in cond.items()}
+    cond = cat_conditioning([cond, cond])  # winners then losers
     ddpm = DDIMScheduler(**SD15_SCHEDULER)
 
     def step():
@@ -363,6 +365,7 @@ def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_
     clipped ratio (align.losses.ddpo_clipped_loss) and the KL to the adapter-off reference (beta 0.04)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
+    from align.families.base import expand_conditioning, select_conditioning
     from align.flow_sampling import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
     from align.losses import ddpo_clipped_loss
     from align.pipeline import add_lora, disabled_adapter
@@ -388,10 +391,10 @@ def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_
     guidance, noise_level, kl_coef = 4.5, 0.7, 0.04
 
     def cond_rows(rows):
-        return {k: v[rows] for k, v in cond.items()}
+        return select_conditioning(cond, rows)
 
     def uncond_rows(n):
-        return {k: v.expand(n, *v.shape[1:]) for k, v in uncond.items()}
+        return expand_conditioning(uncond, n)
 
     def guided(net, x, t, rows, grad: bool):
         with torch.no_grad():  # the unconditional branch carries no gradient (the authors' train_sd3.py)
