@@ -1,15 +1,27 @@
-"""Is a reward learnable by DDPO at a given batch size? Agreement of independent policy-gradient estimates.
+"""Is a reward learnable by DDPO / Flow-GRPO at a given batch size? Agreement of independent policy-gradient estimates.
 
-    python experiments/ddpo_gradient_snr.py                       # testbed + shapes-oracle, 64 samples per estimate
+    python experiments/ddpo_gradient_snr.py                                  # SD testbed + shapes-oracle, 64 samples
     python experiments/ddpo_gradient_snr.py --samples 256 --eta 0.5 --reward jpeg-compressibility
+    python experiments/ddpo_gradient_snr.py --model testbed-flow --steps 10 --rows all:10 first:5 window:2
 
-Each estimate is the gradient of DDPO's first-minibatch objective, -mean(A · log p(x_{t-1} | x_t)),
-with group-relative advantages, on its own fresh batch of prompts and samples, all from the same
-model. The mean pairwise cosine between estimates measures signal against noise: if g_i = μ + ε_i,
-then E[cos(g_i, g_j)] ≈ |μ|² / (|μ|² + E|ε|²), so a cosine near 0 means an optimiser step of that
-batch size is mostly noise (more samples per step, not more steps, is what helps), and the cosine
-grows roughly linearly with the batch size while it is small. Rows: timestep selection (random
-half of the chain, or the noisiest half) × starting noise (independent, or shared within a group).
+Each estimate is the gradient of the trainer's first-minibatch objective, -mean(A · log p(x_next | x)),
+with group-relative advantages, on its own fresh batch of prompts and samples, all from the same model,
+computed with the trainer's own sampler, step Gaussian and guided prediction (``align.ddpo``), for the
+weights the trainer trains (a fresh LoRA: only its B matrices have a gradient at the start; ``--full``:
+every weight of the denoiser). The mean
+pairwise cosine between estimates measures signal against noise: if g_i = μ + ε_i, then
+E[cos(g_i, g_j)] ≈ |μ|² / (|μ|² + E|ε|²), so a cosine near 0 means an optimiser step of that batch size
+is mostly noise (more samples per step, not more steps, is what helps), and the cosine grows roughly
+linearly with the batch size while it is small.
+
+Rows (``--rows``), each ``selection:k`` with k trained steps of the chain:
+    all:k     every step stochastic, k of them drawn per sample (DDPO; Flow-GRPO at k = steps)
+    first:k   only the k noisiest steps stochastic and trained, deterministic after (--deterministic_tail,
+              --timestep_selection high_noise)
+    window:k  flow only: a k-step stochastic window drawn per batch in the first half (Flow-GRPO-Fast)
+``--shared-noise`` gives a caption's images one starting noise (DanceGRPO), so that they differ only by the
+sampler's noise. ``--both-cfg-halves`` also differentiates the unconditional half of guidance on flow models (the
+trainer, as Flow-GRPO, detaches it).
 """
 
 from __future__ import annotations
@@ -33,57 +45,76 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=64, help="samples per gradient estimate")
     p.add_argument("--images-per-prompt", type=int, default=8)
     p.add_argument("--estimates", type=int, default=4, help="independent estimates per row (pairs compared: n(n-1)/2)")
-    p.add_argument("--steps", type=int, default=None, help="DDIM steps (default: the testbed's own, else 50)")
+    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the testbed's own, else 50)")
     p.add_argument("--guidance", type=float, default=None)
-    p.add_argument("--eta", type=float, default=1.0)
-    p.add_argument("--timestep-fraction", type=float, default=0.5)
+    p.add_argument("--eta", type=float, default=0.7, help="DDIM eta, or the flow SDE's noise level")
+    p.add_argument("--rows", nargs="+", default=["all:10", "first:10"], help="selection:k rows (see above)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--targets", nargs="+", default=None, help="LoRA target modules (default: the family's)")
+    p.add_argument("--full", action="store_true", help="the gradient of every denoiser weight instead of a LoRA's")
+    p.add_argument("--both-cfg-halves", action="store_true", help="flow: differentiate the unconditional half too")
+    p.add_argument("--shared-noise", action="store_true",
+                   help="one starting noise per group of a caption's images (DanceGRPO; not a trainer option)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     return p.parse_args(argv)
 
 
-def gradient_estimate(pipe, judge, prompts, negative, args, steps, guidance, seed, shared_noise, selection):
-    """One flattened gradient of the PPO objective at ratio 1 (i.e. the policy gradient), and the mean reward."""
+def row_config(args, steps: int, guidance: float, row: str):
+    """The trainer's config for one row ``selection:k``."""
+    from align.ddpo import DDPOConfig
+
+    selection, _, k = row.partition(":")
+    if selection not in ("all", "first", "window") or not k.isdigit() or not 1 <= int(k) <= steps:
+        sys.exit(f"--rows: {row!r} is not all:k, first:k or window:k with 1 <= k <= {steps} steps")
+    return DDPOConfig(prompts="-", sample_batch_size=args.samples, images_per_prompt=args.images_per_prompt,
+                        num_inference_steps=steps, guidance_scale=guidance, eta=args.eta,
+                        timestep_fraction=int(k) / steps, deterministic_tail=selection != "all",
+                        timestep_selection="high_noise" if selection == "first" else "random")
+
+
+def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, resolution, config, seed, both_halves, params,
+                      shared_noise=False):
+    """One flattened policy gradient (the PPO objective at ratio 1) and the batch's mean reward."""
     from align.advantages import group_advantages
-    from align.ddpo import DDPOConfig, draw_prompts, train_timestep_indices
-    from align.pipeline import decode_latents, encode_prompts
-    from align.sampling import (
-        ddim_step_mean_std,
-        gaussian_log_prob,
-        guided_noise_prediction,
-        sample_with_logprob,
-    )
+    from align.ddpo import draw_prompts, policy_step, sample_steps, train_timestep_indices, trained_prediction
+    from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
+    from align.pipeline import decode_latents
 
-    unet, g = pipe.unet, torch.Generator().manual_seed(seed)
-    # The trainer's own draws: one sampling batch of the whole estimate
-    sampling = DDPOConfig(prompts="-", sample_batch_size=args.samples, images_per_prompt=args.images_per_prompt)
-    batch = draw_prompts(prompts, sampling, g)
-    shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
-    if shared_noise:  # one starting noise per group of a prompt's images (DanceGRPO; not a trainer option)
-        x_T = torch.randn((len(batch) // args.images_per_prompt, *shape), generator=g)
-        x_T = x_T.repeat_interleave(args.images_per_prompt, dim=0)
+    g = torch.Generator().manual_seed(seed)
+    batch = draw_prompts(prompts, config, g)
+    n = len(batch)
+    cond = family.encode_prompts(pipe, batch, resolution)
+    shape = family.latent_shape(pipe, resolution)
+    if shared_noise:  # draw_prompts puts a caption's images next to each other
+        noise = torch.randn((n // config.images_per_prompt, *shape), generator=g).repeat_interleave(config.images_per_prompt, 0)
     else:
-        x_T = torch.randn((len(batch), *shape), generator=g)
-    embeds = encode_prompts(pipe, batch)
+        noise = torch.randn((n, *shape), generator=g)
+    uncond = expand_conditioning(negative, n)
     with torch.no_grad():
-        chain = sample_with_logprob(unet, pipe.scheduler, embeds, negative.expand(len(batch), -1, -1),
-                                    num_inference_steps=steps, guidance_scale=guidance, eta=args.eta, latents=x_T, generator=g)
-        rewards = judge.score(batch, decode_latents(pipe, chain.final_latents)).double().numpy()
+        final, steps = sample_steps(pipe, family, denoiser, config, cond, uncond, noise, g, sigmas)
+        rewards = judge.score(batch, decode_latents(pipe, final)).double().numpy()
     advantages = torch.as_tensor(group_advantages(batch, rewards), dtype=torch.float32)
-
-    k = max(1, int(steps * args.timestep_fraction))
-    chosen = train_timestep_indices(len(batch), steps, k, selection, g)
-    rows = torch.arange(len(batch))[:, None]
-    latents = chain.all_latents[rows, chosen].flatten(0, 1)
-    next_latents = chain.all_latents[rows, chosen + 1].flatten(0, 1)
-    timesteps = chain.timesteps[rows, chosen].flatten()
-    unet.zero_grad(set_to_none=True)
-    pred = guided_noise_prediction(unet, latents, timesteps, embeds.repeat_interleave(k, dim=0),
-                                   negative.expand(len(latents), -1, -1), guidance)
-    mean, std = ddim_step_mean_std(pipe.scheduler, pred, timesteps, latents, args.eta)
-    loss = -(advantages.repeat_interleave(k) * gaussian_log_prob(next_latents, mean, std)).mean()
+    steps_total = steps["timesteps"].shape[1]
+    k = min(config.num_train_timesteps, steps_total)
+    chosen = train_timestep_indices(n, steps_total, k, "high_noise" if config.deterministic_tail else "random", g)
+    rows = torch.arange(n)[:, None]
+    if "all_latents" in steps:
+        latents, next_latents = steps["all_latents"][rows, chosen], steps["all_latents"][rows, chosen + 1]
+    else:
+        latents, next_latents = steps["latents"][rows, chosen], steps["next_latents"][rows, chosen]
+    samples = {**steps, "sigmas": sigmas}
+    latents, next_latents = latents.flatten(0, 1), next_latents.flatten(0, 1)
+    timesteps = steps["timesteps"][rows, chosen].flatten()
+    step_indices = steps["step_indices"][rows, chosen].flatten() if family.is_flow else None
+    denoiser.zero_grad(set_to_none=True)
+    predict = guided_prediction if both_halves else trained_prediction
+    pred = predict(family, denoiser, latents, timesteps, repeat_conditioning(cond, k),
+                   expand_conditioning(negative, len(latents)), config.guidance_scale)
+    mean, std, log_density, _ = policy_step(family, pipe.scheduler, config, samples, pred, timesteps, latents, step_indices)
+    loss = -(advantages.repeat_interleave(k) * log_density(next_latents, mean, std)).mean()
     loss.backward()
-    grad = torch.cat([p.grad.flatten() for p in unet.parameters() if p.grad is not None])
+    grad = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
     return grad, float(rewards.mean())
 
 
@@ -92,33 +123,52 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     import rewards
-    from align.pipeline import encode_prompts, load_pipeline, testbed_settings
+    from align.ddpo import native_resolution
+    from align.families import family_of_pipeline
+    from align.pipeline import add_lora, load_pipeline, testbed_settings
     from align.training import load_prompt_list
 
     if args.samples % args.images_per_prompt or args.images_per_prompt < 2:
         sys.exit("--samples must be a multiple of --images-per-prompt (>= 2: advantages are group-relative)")
     pipe = load_pipeline(args.model)
     pipe.set_progress_bar_config(disable=True)
-    pipe.unet.requires_grad_(True)
+    family = family_of_pipeline(pipe)
+    denoiser = family.denoiser(pipe)
+    for module in family.frozen_modules(pipe):
+        module.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    if args.full:
+        denoiser.requires_grad_(True)
+    else:
+        add_lora(denoiser, rank=args.lora_rank, target_modules=args.targets or family.lora_targets)
+    params = [p for p in denoiser.parameters() if p.requires_grad]
     defaults = testbed_settings(args.model)
     steps = args.steps or defaults.get("num_inference_steps", 50)
     guidance = args.guidance if args.guidance is not None else defaults.get("guidance_scale", 5.0)
     judge = rewards.load(args.reward)
     prompts = load_prompt_list(args.prompts)
-    negative = encode_prompts(pipe, [""])
-    print(f"model {args.model} | reward {args.reward} | {args.samples} samples per estimate "
+    resolution = native_resolution(pipe, denoiser)
+    negative = family.unconditional(pipe, 1, resolution)
+    sigmas = family.flow_sigmas(pipe, steps, resolution) if family.is_flow else None
+    print(f"model {args.model} ({family.name}) | reward {args.reward} | {args.samples} samples per estimate "
           f"({args.images_per_prompt} per prompt) | {steps} steps, eta {args.eta}, guidance {guidance} | "
-          f"{args.estimates} estimates per row")
-    print(f"{'timesteps':<11} {'x_T':<12} {'cos(g_i, g_j)':>14} {'± s.e.':>8} {'mean reward':>12}")
-    for selection, shared in itertools.product(("random", "high_noise"), (False, True)):
-        estimates = [gradient_estimate(pipe, judge, prompts, negative, args, steps, guidance, args.seed * 1000 + i, shared, selection)
+          f"{args.estimates} estimates per row | " + ("every denoiser weight" if args.full else f"LoRA r{args.lora_rank}")
+          + (" | both CFG halves differentiated" if args.both_cfg_halves else "")
+          + (" | one starting noise per group" if args.shared_noise else ""))
+    print(f"{'row':<11} {'cos(g_i, g_j)':>14} {'± s.e.':>8} {'mean reward':>12}")
+    for row in args.rows:
+        config = row_config(args, steps, guidance, row)
+        if config.deterministic_tail and not family.is_flow and config.timestep_selection != "high_noise":
+            sys.exit(f"--rows {row}: windows are for flow models")
+        estimates = [gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas,
+                                       resolution, config, args.seed * 1000 + i, args.both_cfg_halves, params,
+                                       args.shared_noise)
                      for i in range(args.estimates)]
         cos = torch.tensor([torch.nn.functional.cosine_similarity(a, b, dim=0).item()
                             for (a, _), (b, _) in itertools.combinations(estimates, 2)])
         se = float(cos.std() / len(cos) ** 0.5) if len(cos) > 1 else float("nan")
         reward = sum(r for _, r in estimates) / len(estimates)
-        print(f"{selection:<11} {'shared' if shared else 'independent':<12} {float(cos.mean()):>+14.4f} {se:>8.4f} {reward:>12.3f}",
-              flush=True)
+        print(f"{row:<11} {float(cos.mean()):>+14.4f} {se:>8.4f} {reward:>12.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -507,9 +507,30 @@ def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file,
     ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")
     ddpo_gradient_snr.main(["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", prompt_file,
                             "--samples", "4", "--images-per-prompt", "2", "--estimates", "2", "--steps", "4",
-                            "--guidance", "2.0"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("random", "high_noise"))]
-    assert [(r[0], r[1]) for r in rows] == [("random", "independent"), ("random", "shared"),
-                                            ("high_noise", "independent"), ("high_noise", "shared")]
+                            "--guidance", "2.0", "--rows", "all:2", "first:2", "--shared-noise"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("all:", "first:"))]
+    assert [r[0] for r in rows] == ["all:2", "first:2"]
     for row in rows:
-        assert -1.0 <= float(row[2]) <= 1.0  # a cosine between two real gradients
+        assert -1.0 <= float(row[1]) <= 1.0  # a cosine between two real gradients
+        assert float(row[1]) != 0.0  # the LoRA's B matrices have a gradient from the first step
+
+
+def test_gradient_snr_script_runs_flow_grpo_windows(tmp_path, prompt_file, capsys):
+    from tiny_flow import build_tiny_sd3
+
+    folder = build_tiny_sd3(tmp_path / "sd3")
+    ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")
+    ddpo_gradient_snr.main(["--model", str(folder), "--reward", "jpeg-compressibility", "--prompts", prompt_file,
+                            "--samples", "4", "--images-per-prompt", "2", "--estimates", "2", "--steps", "4",
+                            "--guidance", "2.0", "--rows", "all:4", "first:1", "window:2"])
+    out = capsys.readouterr().out
+    assert "(sd3)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("all:", "first:", "window:"))]
+    assert [r[0] for r in rows] == ["all:4", "first:1", "window:2"]
+    assert all(-1.0 <= float(r[1]) <= 1.0 and float(r[1]) != 0.0 for r in rows)
+
+
+def test_gradient_snr_script_refuses_a_row_longer_than_the_chain(tiny_model, prompt_file):
+    ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")
+    with pytest.raises(SystemExit, match="first:9"):
+        ddpo_gradient_snr.main(["--model", tiny_model, "--prompts", prompt_file, "--steps", "4", "--rows", "first:9"])
