@@ -8,10 +8,9 @@ Each estimate is the gradient of the trainer's first-minibatch objective, -mean(
 with group-relative advantages, on its own fresh batch of prompts and samples, all from the same model,
 computed with the trainer's own sampler, step Gaussian and guided prediction (``align.ddpo``), for the
 weights the trainer trains (a fresh LoRA: only its B matrices have a gradient at the start; ``--full``:
-every weight of the denoiser). The mean
-pairwise cosine between estimates measures signal against noise: if g_i = μ + ε_i, then
-E[cos(g_i, g_j)] ≈ |μ|² / (|μ|² + E|ε|²), so a cosine near 0 means an optimiser step of that batch size
-is mostly noise (more samples per step, not more steps, is what helps), and the cosine grows roughly
+every weight of the denoiser). The mean pairwise cosine between estimates measures signal against
+noise: if g_i = μ + ε_i, then E[cos(g_i, g_j)] ≈ |μ|² / (|μ|² + E|ε|²), so a cosine near 0 means an
+optimiser step of that batch size is mostly noise (more samples per step, not more steps, is what helps), and the cosine grows roughly
 linearly with the batch size while it is small.
 
 Rows (``--rows``), each ``selection:k`` with k trained steps of the chain:
@@ -68,16 +67,23 @@ def row_config(args, steps: int, guidance: float, row: str):
     if selection not in ("all", "first", "window") or not k.isdigit() or not 1 <= int(k) <= steps:
         sys.exit(f"--rows: {row!r} is not all:k, first:k or window:k with 1 <= k <= {steps} steps")
     return DDPOConfig(prompts="-", sample_batch_size=args.samples, images_per_prompt=args.images_per_prompt,
-                        num_inference_steps=steps, guidance_scale=guidance, eta=args.eta,
-                        timestep_fraction=int(k) / steps, deterministic_tail=selection != "all",
-                        timestep_selection="high_noise" if selection == "first" else "random")
+                      num_inference_steps=steps, guidance_scale=guidance, eta=args.eta,
+                      timestep_fraction=int(k) / steps, deterministic_tail=selection != "all",
+                      timestep_selection="high_noise" if selection == "first" else "random")
 
 
 def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, resolution, config, seed, both_halves, params,
                       shared_noise=False):
     """One flattened policy gradient (the PPO objective at ratio 1) and the batch's mean reward."""
     from align.advantages import group_advantages
-    from align.ddpo import draw_prompts, policy_step, sample_steps, train_timestep_indices, trained_prediction
+    from align.ddpo import (
+        draw_prompts,
+        policy_step,
+        sample_steps,
+        step_pairs,
+        train_timestep_indices,
+        trained_prediction,
+    )
     from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
     from align.pipeline import decode_latents
 
@@ -99,19 +105,14 @@ def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, 
     k = min(config.num_train_timesteps, steps_total)
     chosen = train_timestep_indices(n, steps_total, k, "high_noise" if config.deterministic_tail else "random", g)
     rows = torch.arange(n)[:, None]
-    if "all_latents" in steps:
-        latents, next_latents = steps["all_latents"][rows, chosen], steps["all_latents"][rows, chosen + 1]
-    else:
-        latents, next_latents = steps["latents"][rows, chosen], steps["next_latents"][rows, chosen]
-    samples = {**steps, "sigmas": sigmas}
-    latents, next_latents = latents.flatten(0, 1), next_latents.flatten(0, 1)
+    latents, next_latents = (x.flatten(0, 1) for x in step_pairs(steps, rows, chosen))
     timesteps = steps["timesteps"][rows, chosen].flatten()
     step_indices = steps["step_indices"][rows, chosen].flatten() if family.is_flow else None
     denoiser.zero_grad(set_to_none=True)
     predict = guided_prediction if both_halves else trained_prediction
     pred = predict(family, denoiser, latents, timesteps, repeat_conditioning(cond, k),
                    expand_conditioning(negative, len(latents)), config.guidance_scale)
-    mean, std, log_density, _ = policy_step(family, pipe.scheduler, config, samples, pred, timesteps, latents, step_indices)
+    mean, std, log_density, _ = policy_step(family, pipe.scheduler, config, {"sigmas": sigmas}, pred, timesteps, latents, step_indices)
     loss = -(advantages.repeat_interleave(k) * log_density(next_latents, mean, std)).mean()
     loss.backward()
     grad = torch.cat([p.grad.flatten() for p in params if p.grad is not None])

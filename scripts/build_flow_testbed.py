@@ -64,8 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--ema-decay", type=float, default=0.999)
     p.add_argument("--caption-dropout", type=float, default=0.1)
-    p.add_argument("--sigma-density", choices=["logit-normal", "uniform"], default="logit-normal",
-                   help="training σ density: SD3's logit-normal(0, 1), or uniform (trains the noisiest steps more)")
     p.add_argument("--caption-noise", type=float, default=0.25, help="share of scenes under another scene's caption")
     p.add_argument("--num-inference-steps", type=int, default=20)
     p.add_argument("--guidance-scale", type=float, default=3.0)
@@ -121,13 +119,10 @@ def encode_latents(vae, images: torch.Tensor, batch_size: int = 256) -> tuple[to
     return (torch.cat(means) - shift) * scale, torch.cat(stds) * scale
 
 
-def rectified_flow_loss(transformer, z0, prompt_embeds, pooled, generator, sigma_density: str = "logit-normal") -> torch.Tensor:
-    """SD3's objective: x_σ = (1-σ)·z0 + σ·ε with σ ~ logit-normal(0, 1) (or uniform); regress the velocity ε - z0."""
+def rectified_flow_loss(transformer, z0, prompt_embeds, pooled, generator) -> torch.Tensor:
+    """SD3's objective: x_σ = (1-σ)·z0 + σ·ε with σ ~ logit-normal(0, 1); regress the velocity ε - z0."""
     noise = torch.randn(z0.shape, generator=generator)
-    if sigma_density == "uniform":
-        sigma = torch.rand(len(z0), generator=generator).reshape(-1, 1, 1, 1)
-    else:
-        sigma = torch.sigmoid(torch.randn(len(z0), generator=generator)).reshape(-1, 1, 1, 1)
+    sigma = torch.sigmoid(torch.randn(len(z0), generator=generator)).reshape(-1, 1, 1, 1)
     noisy = (1 - sigma) * z0 + sigma * noise
     velocity = transformer(
         hidden_states=noisy,
@@ -180,7 +175,7 @@ def train(pipe, latent_mean, latent_std, captions, args, generator) -> tuple[EMA
         prompt_embeds, _, pooled, _ = pipe.encode_prompt(
             prompts, None, None, do_classifier_free_guidance=False, max_sequence_length=flow_models.MAX_SEQUENCE_LENGTH
         )
-        loss = rectified_flow_loss(pipe.transformer, z0, prompt_embeds, pooled, generator, args.sigma_density)
+        loss = rectified_flow_loss(pipe.transformer, z0, prompt_embeds, pooled, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -294,7 +289,7 @@ def main(argv=None) -> dict:
         "scheduler": "FlowMatchEulerDiscreteScheduler",
         "build": {
             "script": "scripts/build_flow_testbed.py", "size": args.size, "seed": args.seed, "threads": args.threads,
-            "num_scenes": args.num_scenes, "batch_size": args.batch_size, "lr": args.lr, "steps": steps, "sigma_density": args.sigma_density,
+            "num_scenes": args.num_scenes, "batch_size": args.batch_size, "lr": args.lr, "steps": steps,
             "train_minutes": round(seconds / 60, 2), "caption_dropout": args.caption_dropout,
             "caption_noise": args.caption_noise, "init_text_encoder": args.init_text_encoder,
         },
