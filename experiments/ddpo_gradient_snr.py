@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--both-cfg-halves", action="store_true", help="flow: differentiate the unconditional half too")
     p.add_argument("--shared-noise", action="store_true",
                    help="one starting noise per group of a caption's images (DanceGRPO; not a trainer option)")
+    p.add_argument("--shift", type=float, default=None, help="flow: sample with this static σ shift (SD3.5: 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     return p.parse_args(argv)
@@ -134,6 +135,10 @@ def main(argv=None):
     pipe = load_pipeline(args.model)
     pipe.set_progress_bar_config(disable=True)
     family = family_of_pipeline(pipe)
+    if args.shift is not None:
+        if not family.is_flow:
+            sys.exit("--shift is for flow-matching models")
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, shift=args.shift)
     denoiser = family.denoiser(pipe)
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
@@ -155,7 +160,8 @@ def main(argv=None):
           f"({args.images_per_prompt} per prompt) | {steps} steps, eta {args.eta}, guidance {guidance} | "
           f"{args.estimates} estimates per row | " + ("every denoiser weight" if args.full else f"LoRA r{args.lora_rank}")
           + (" | both CFG halves differentiated" if args.both_cfg_halves else "")
-          + (" | one starting noise per group" if args.shared_noise else ""))
+          + (" | one starting noise per group" if args.shared_noise else "")
+          + (f" | σ shift {args.shift}" if args.shift is not None else ""))
     print(f"{'row':<11} {'cos(g_i, g_j)':>14} {'± s.e.':>8} {'mean reward':>12}")
     for row in args.rows:
         config = row_config(args, steps, guidance, row)

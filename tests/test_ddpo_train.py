@@ -522,9 +522,9 @@ def test_gradient_snr_script_runs_flow_grpo_windows(tmp_path, prompt_file, capsy
     ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")
     ddpo_gradient_snr.main(["--model", str(folder), "--reward", "jpeg-compressibility", "--prompts", prompt_file,
                             "--samples", "4", "--images-per-prompt", "2", "--estimates", "2", "--steps", "4",
-                            "--guidance", "2.0", "--rows", "all:4", "first:1", "window:2"])
+                            "--guidance", "2.0", "--rows", "all:4", "first:1", "window:2", "--shift", "1.0"])
     out = capsys.readouterr().out
-    assert "(sd3)" in out
+    assert "(sd3)" in out and "σ shift 1.0" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("all:", "first:", "window:"))]
     assert [r[0] for r in rows] == ["all:4", "first:1", "window:2"]
     assert all(-1.0 <= float(r[1]) <= 1.0 and float(r[1]) != 0.0 for r in rows)

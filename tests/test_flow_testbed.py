@@ -190,3 +190,14 @@ def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_setting
                              guidance_scale=settings["guidance_scale"])
     assert images.shape == (2, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
     assert (images[0] - images[1]).abs().mean() > 0.01  # the same seed, another caption: another image
+
+
+def test_unet_flow_probe_trains_velocity_scores_and_measures_the_gradient(capsys):
+    probe = load_experiment("unet_flow_probe")
+    probe.main(["--minutes", "0.02", "--num-scenes", "64", "--eval-captions", "4", "--estimates", "2", "--samples", "16"])
+    out = capsys.readouterr().out
+    assert "64 scenes encoded to (4, 8, 8) latents" in out
+    held_out = next(line for line in out.splitlines() if "held-out oracle" in line)
+    assert 0.0 <= float(held_out.split("oracle ")[1].split()[0]) <= 1.0
+    cosine = next(line for line in out.splitlines() if "gradient cosine" in line)
+    assert -1.0 <= float(cosine.split(": ")[1].split()[0]) <= 1.0
