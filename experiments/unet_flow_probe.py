@@ -18,6 +18,13 @@ takes the SD testbed's UNet and changes only the objective:
 
 A cosine near the SD testbed's says the flow objective and Flow-GRPO's sampler carry the signal and the SD3
 transformer does not; near zero says the flow parametrisation itself loses it.
+
+    python experiments/unet_flow_probe.py --epsilon --ddim-grid [--step ddim] [--both-cfg-halves]
+
+``--epsilon`` skips steps 1-2 and samples the SD testbed's ε-UNet as it is, its prediction converted to a
+velocity; ``--ddim-grid`` puts the steps on the σ of DDIM's 20 timesteps (the first 10 stochastic) and
+``--step ddim`` makes them DDIM's η = 0.7 step written in flow coordinates instead of Flow-GRPO's SDE: the
+SD testbed's own chain, seen through the flow code.
 """
 
 from __future__ import annotations
@@ -45,6 +52,14 @@ def parse_args(argv=None):
     p.add_argument("--eval-captions", type=int, default=200)
     p.add_argument("--estimates", type=int, default=4)
     p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--epsilon", action="store_true",
+                   help="skip the fine-tuning: the SD testbed's ε-UNet as it is, its prediction converted to velocity")
+    p.add_argument("--ddim-grid", action="store_true",
+                   help="Flow-GRPO's SDE on the σ of DDIM's 20 timesteps (999, 949, ..., 49; σ = √(1-ᾱ) / (√ᾱ + √(1-ᾱ))), "
+                        "the first 10 stochastic and trained, instead of 10 uniform σ from 1")
+    p.add_argument("--step", choices=["sde", "ddim"], default="sde",
+                   help="the stochastic step: Flow-GRPO's SDE, or DDIM's (η 0.7) written in flow coordinates")
+    p.add_argument("--both-cfg-halves", action="store_true", help="differentiate the unconditional half of guidance too")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -58,39 +73,62 @@ def load_build_script():
     return module
 
 
-def velocity(unet, latents, sigma, embeds, negative, guidance, detach_uncond=False):
-    """Classifier-free guided velocity of the UNet at σ (timestep σ·1000)."""
-    t = (torch.as_tensor(sigma, dtype=torch.float32) * 1000).reshape(-1).expand(len(latents))
-    out = unet(torch.cat([latents, latents]), torch.cat([t, t]),
-               encoder_hidden_states=torch.cat([negative.expand(len(latents), -1, -1), embeds])).sample.float()
+def epsilon_as_velocity(unet, alphas_cumprod, latents, sigma, embeds):
+    """An ε-prediction UNet (DDPM) seen as a flow model: x_flow = (1-σ)·x0 + σ·ε is the DDPM latent x_t / (√ᾱ + √(1-ᾱ))
+    with ᾱ = (1-σ)² / ((1-σ)² + σ²); t is read off the schedule (continuous, clamped to its last step, ᾱ ≈ 0.0047,
+    where σ = 1 has no DDPM counterpart); the velocity is ε̂ - x̂0."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1, 1, 1, 1)
+    alpha_bar = ((1 - sigma) ** 2 / ((1 - sigma) ** 2 + sigma**2)).clamp(min=float(alphas_cumprod[-1]))
+    # alphas_cumprod falls with t: interpolate t at alpha_bar
+    table = alphas_cumprod.flip(0)
+    position = torch.searchsorted(table, alpha_bar.flatten()).clamp(1, len(table) - 1)
+    low, high = table[position - 1], table[position]
+    t = (len(table) - 1) - (position - 1 + (alpha_bar.flatten() - low) / (high - low))
+    alpha_bar = alpha_bar.expand(len(latents), 1, 1, 1) if alpha_bar.shape[0] == 1 else alpha_bar
+    x_t = latents * (alpha_bar.sqrt() + (1 - alpha_bar).sqrt())
+    eps = unet(x_t, t.expand(len(latents)) if t.numel() == 1 else t, encoder_hidden_states=embeds).sample.float()
+    x0 = (x_t - (1 - alpha_bar).sqrt() * eps) / alpha_bar.sqrt()
+    return eps - x0
+
+
+def ddim_flow_step(x, v, sigma, sigma_next, eta: float):
+    """DDIM's stochastic step (η) in flow coordinates: x_t = (√ᾱ + √(1-ᾱ))·x_flow turns DDIM's
+    √ᾱ'·x̂0 + √(1-ᾱ'-σ_t²)·ε̂ + σ_t·z into (1-σ')·x̂0 + √(σ'² - s²)·ε̂ + s·z with s = σ_t / (√ᾱ' + √(1-ᾱ'))."""
+    from align.flow_sampling import FlowStep
+
+    def alpha_bar(s):
+        return (1 - s) ** 2 / ((1 - s) ** 2 + s**2)
+
+    a, a_next = alpha_bar(torch.as_tensor(sigma).float()), alpha_bar(torch.as_tensor(sigma_next).float())
+    ddim_std = eta * ((1 - a_next) / (1 - a) * (1 - a / a_next)).sqrt()
+    std = ddim_std / (a_next.sqrt() + (1 - a_next).sqrt())
+    x, v = x.float(), v.float()
+    x0, eps = x - sigma * v, x + (1 - sigma) * v
+    mean = (1 - sigma_next) * x0 + (sigma_next**2 - std**2).clamp(min=0).sqrt() * eps
+    return FlowStep(mean=mean, std=std.reshape(1, 1, 1, 1), sde_sigma=std)
+
+
+def velocity(unet, latents, sigma, embeds, negative, guidance, detach_uncond=False, alphas_cumprod=None):
+    """Classifier-free guided velocity of the UNet at σ (timestep σ·1000; an ε-UNet through ``alphas_cumprod``)."""
+    both, conditioning = torch.cat([latents, latents]), torch.cat([negative.expand(len(latents), -1, -1), embeds])
+    if alphas_cumprod is not None:
+        out = epsilon_as_velocity(unet, alphas_cumprod, both, sigma, conditioning)
+    else:
+        t = (torch.as_tensor(sigma, dtype=torch.float32) * 1000).reshape(-1).expand(len(both))
+        out = unet(both, t, encoder_hidden_states=conditioning).sample.float()
     uncond, cond = out.chunk(2)
     if detach_uncond:
         uncond = uncond.detach()
     return uncond + guidance * (cond - uncond)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
-    import rewards
-    from align.advantages import group_advantages
-    from align.ddpo import DDPOConfig, draw_prompts
-    from align.flow_sampling import gaussian_log_prob, sample_flow_with_logprob, sde_step
-    from align.pipeline import add_lora, decode_latents, encode_prompts, load_pipeline
+def teach_velocity(pipe, build, eval_captions, args, g) -> None:
+    """Steps 1-2: render and encode the flow build's scenes, fine-tune the UNet on the velocity objective."""
+    from align.pipeline import encode_prompts
     from align.testbed.scene import sample_captions
-    from align.training import load_prompt_list
 
-    build = load_build_script()
-    g = torch.Generator().manual_seed(args.seed)
-    pipe = load_pipeline("testbed")
     unet, vae = pipe.unet, pipe.vae
-    pipe.text_encoder.requires_grad_(False)
-    vae.requires_grad_(False)
-
     # 1. data, as the flow testbed's build
-    eval_captions = sample_captions(args.eval_captions, seed=build.EVAL_CAPTION_SEED + args.seed)
     held_out = set(eval_captions)
     captions = [c for c in sample_captions(2 * args.num_scenes, seed=args.seed) if c not in held_out][: args.num_scenes]
     images = build.render_scenes(captions, seed=args.seed)
@@ -124,14 +162,57 @@ def main(argv=None):
         step += 1
         if step % 200 == 0:
             print(f"[probe] step {step} loss {loss.item():.4f} ({time.time() - start:.0f} s)", flush=True)
+    print(f"[probe] {step} velocity steps in {(time.time() - start) / 60:.1f} min", flush=True)
+
+
+@torch.no_grad()
+def sample_with_step(step_fn, unet, embeds, negative, alphas_cumprod, sigmas, window, noise, generator):
+    """(final latents, window inputs, window outputs): ``step_fn`` on the first ``window`` steps, Euler after."""
+    x, inputs, outputs = noise.float(), [], []
+    for j in range(len(sigmas) - 1):
+        v = velocity(unet, x, sigmas[j], embeds, negative, 3.0, alphas_cumprod=alphas_cumprod)
+        if j < window:
+            step = step_fn(x, v, sigmas[j], sigmas[j + 1], 0.7)
+            x_next = step.mean + step.std * torch.randn(x.shape, generator=generator)
+            inputs.append(x)
+            outputs.append(x_next)
+        else:
+            x_next = x + v * (sigmas[j + 1] - sigmas[j])
+        x = x_next
+    return x, torch.stack(inputs, 1), torch.stack(outputs, 1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    import rewards
+    from align.advantages import group_advantages
+    from align.ddpo import DDPOConfig, draw_prompts
+    from align.flow_sampling import gaussian_log_prob, sample_flow_with_logprob, sde_step
+    from align.pipeline import add_lora, decode_latents, encode_prompts, load_pipeline
+    from align.testbed.scene import sample_captions
+    from align.training import load_prompt_list
+
+    build = load_build_script()
+    g = torch.Generator().manual_seed(args.seed)
+    pipe = load_pipeline("testbed")
+    unet, vae = pipe.unet, pipe.vae
+    pipe.text_encoder.requires_grad_(False)
+    vae.requires_grad_(False)
+
+    eval_captions = sample_captions(args.eval_captions, seed=build.EVAL_CAPTION_SEED + args.seed)
+    alphas_cumprod = pipe.scheduler.alphas_cumprod.float() if args.epsilon else None
+    if not args.epsilon:
+        teach_velocity(pipe, build, eval_captions, args, g)
     unet.eval()
     unet.requires_grad_(False)
-    print(f"[probe] {step} velocity steps in {(time.time() - start) / 60:.1f} min", flush=True)
 
     # 3. held-out score with the flow testbed's sampler
     judge = rewards.load("shapes-oracle")
     negative = encode_prompts(pipe, [""])
-    shape = tuple(latent_mean.shape[1:])
+    shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
     scores = []
     with torch.no_grad():
         for i in range(0, len(eval_captions), 50):
@@ -140,9 +221,9 @@ def main(argv=None):
             embeds = encode_prompts(pipe, chunk)
             sigmas = torch.linspace(1, 0, 21)
             for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-                x = x + velocity(unet, x, s, embeds, negative, 3.0) * (s_next - s)
+                x = x + velocity(unet, x, s, embeds, negative, 3.0, alphas_cumprod=alphas_cumprod) * (s_next - s)
             scores.append(judge.score(chunk, decode_latents(pipe, x)))
-    scores = torch.cat(scores).double()
+    scores = torch.cat(scores).double() if scores else torch.full((1,), float("nan"))
     print(f"[probe] held-out oracle {scores.mean():.4f} ± {scores.std() / len(scores) ** 0.5:.4f} "
           f"({len(scores)} captions, 20 Euler steps, guidance 3)", flush=True)
 
@@ -152,30 +233,47 @@ def main(argv=None):
     prompts = load_prompt_list("testbed:256")
     config = DDPOConfig(prompts="-", sample_batch_size=args.samples, images_per_prompt=8)
     sigmas, window = torch.linspace(1, 0, 11), 5
+    if args.ddim_grid:
+        alpha_bar = pipe.scheduler.alphas_cumprod.float()[torch.arange(999, 0, -50)]
+        sigmas = torch.cat([(1 - alpha_bar).sqrt() / (alpha_bar.sqrt() + (1 - alpha_bar).sqrt()), torch.zeros(1)])
+        window = 10
+    print(f"[probe] {'DDIM' if args.step == 'ddim' else 'Flow-GRPO SDE'} steps on σ {', '.join(f'{v:.3f}' for v in sigmas[: window + 1])}, ... (the first {window} "
+          "stochastic and trained)", flush=True)
     estimates = []
     for e in range(args.estimates):
         ge = torch.Generator().manual_seed(args.seed * 1000 + e)
         batch = draw_prompts(prompts, config, ge)
         embeds = encode_prompts(pipe, batch)
+        noise = torch.randn((len(batch), *shape), generator=ge)
+        if args.step == "ddim":  # the trainer's sampler draws Flow-GRPO's SDE steps, so this one is sampled here
+            final, inputs, outputs = sample_with_step(ddim_flow_step, unet, embeds, negative, alphas_cumprod, sigmas,
+                                                      window, noise, ge)
+        else:
+            with torch.no_grad():
+                trajectory = sample_flow_with_logprob(
+                    lambda x, t, e=embeds: velocity(unet, x, t[0] / 1000, e, negative, 3.0, alphas_cumprod=alphas_cumprod),
+                    noise, sigmas, (0, window), 0.7, generator=ge)
+            final, inputs, outputs = trajectory.final_latents, trajectory.latents, trajectory.next_latents
         with torch.no_grad():
-            trajectory = sample_flow_with_logprob(lambda x, t, e=embeds: velocity(unet, x, t[0] / 1000, e, negative, 3.0),
-                                                  torch.randn((len(batch), *shape), generator=ge), sigmas, (0, window),
-                                                  0.7, generator=ge)
-            rewards_ = judge.score(batch, decode_latents(pipe, trajectory.final_latents)).double().numpy()
+            rewards_ = judge.score(batch, decode_latents(pipe, final)).double().numpy()
         advantages = torch.as_tensor(group_advantages(batch, rewards_), dtype=torch.float32)
         unet.zero_grad(set_to_none=True)
         loss = 0
+        step_fn = ddim_flow_step if args.step == "ddim" else (
+            lambda x, v, s, s_next, eta: sde_step(x, v, s, s_next, float(sigmas[1]), eta))
         for j in range(window):
-            x, x_next = trajectory.latents[:, j], trajectory.next_latents[:, j]
-            v = velocity(unet, x, sigmas[j], embeds, negative, 3.0, detach_uncond=True)
-            step_ = sde_step(x, v, sigmas[j], sigmas[j + 1], float(sigmas[1]), 0.7)
+            x, x_next = inputs[:, j], outputs[:, j]
+            v = velocity(unet, x, sigmas[j], embeds, negative, 3.0, detach_uncond=not args.both_cfg_halves,
+                         alphas_cumprod=alphas_cumprod)
+            step_ = step_fn(x, v, sigmas[j], sigmas[j + 1], 0.7)
             loss = loss - (advantages * gaussian_log_prob(x_next, step_.mean, step_.std)).mean() / window
         loss.backward()
         estimates.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
         print(f"[probe] estimate {e}: mean reward {rewards_.mean():.3f}", flush=True)
     cos = torch.tensor([F.cosine_similarity(a, b, dim=0).item() for a, b in itertools.combinations(estimates, 2)])
     se = float(cos.std() / len(cos) ** 0.5) if len(cos) > 1 else float("nan")
-    print(f"[probe] Flow-GRPO gradient cosine, first 5 of 10 steps: {cos.mean():+.4f} ± {se:.4f}", flush=True)
+    print(f"[probe] policy-gradient cosine, first {window} of {len(sigmas) - 1} steps: {cos.mean():+.4f} ± {se:.4f}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -201,3 +201,14 @@ def test_unet_flow_probe_trains_velocity_scores_and_measures_the_gradient(capsys
     assert 0.0 <= float(held_out.split("oracle ")[1].split()[0]) <= 1.0
     cosine = next(line for line in out.splitlines() if "gradient cosine" in line)
     assert -1.0 <= float(cosine.split(": ")[1].split()[0]) <= 1.0
+
+
+def test_unet_flow_probe_samples_the_epsilon_unet_with_ddim_steps_in_flow_coordinates(capsys):
+    probe = load_experiment("unet_flow_probe")
+    probe.main(["--epsilon", "--ddim-grid", "--step", "ddim", "--eval-captions", "4", "--estimates", "2", "--samples", "16"])
+    out = capsys.readouterr().out
+    assert "scenes encoded" not in out  # --epsilon: the UNet as it is, no fine-tuning
+    assert "DDIM steps on σ 0.936" in out  # DDIM's first timestep (999) in flow coordinates
+    held_out = next(line for line in out.splitlines() if "held-out oracle" in line)
+    assert float(held_out.split("oracle ")[1].split()[0]) > 0.25  # the converted sampler draws the shapes world
+    assert "first 10 of 20 steps" in out
