@@ -167,16 +167,10 @@ def candidate_seed(seed: int, prompt_index: int, k: int) -> int:
     return derive_seed(seed, prompt_index, k)
 
 
-def native_resolution(pipe) -> int:
-    """The image side the pipeline generates when not told: its ``default_sample_size`` (SDXL, SD3, FLUX: 128,
-    i.e. 1024 px) or, for SD 1.x/2.x, which has none, its UNet's sample size, in latent pixels."""
-    side = getattr(pipe, "default_sample_size", None) or family_of_pipeline(pipe).denoiser(pipe).config.sample_size
-    return side * pipe.vae_scale_factor
-
-
 def latent_shape(pipe, resolution: int | None) -> tuple[int, int, int]:
     """(C, h, w) of the starting noise, as the family's latents (FLUX: before packing into tokens)."""
-    return family_of_pipeline(pipe).latent_shape(pipe, resolution or native_resolution(pipe))
+    family = family_of_pipeline(pipe)
+    return family.latent_shape(pipe, resolution or family.native_resolution(pipe))
 
 
 def pipeline_latents(pipe, noise: torch.Tensor) -> torch.Tensor:

@@ -333,7 +333,7 @@ def train(config: DDPOConfig) -> Path:
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
     unet = family.denoiser(pipe)  # the UNet (or transformer) that trains
-    resolution = config.resolution or native_resolution(pipe, unet)
+    resolution = config.resolution or family.native_resolution(pipe)
     latent_shape = family.latent_shape(pipe, resolution)
 
     if not family.is_flow:  # SD3/FLUX keep their joint-attention processors
@@ -492,12 +492,6 @@ def train(config: DDPOConfig) -> Path:
     del train_unet, optimizer
     end_training(accelerator)
     return run.path
-
-
-def native_resolution(pipe, denoiser) -> int:
-    """The side in pixels the pipeline generates by default (its ``default_sample_size`` where it has one)."""
-    sample_size = getattr(pipe, "default_sample_size", None) or denoiser.config.sample_size
-    return int(sample_size) * pipe.vae_scale_factor
 
 
 def stop_on_nonfinite_images(accelerator, batches, epoch: int, last_good) -> None:

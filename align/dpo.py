@@ -261,13 +261,6 @@ def batch_latents_and_conditioning(family, pipe, batch: dict, resolution: int):
     return latents_w, latents_l, {key: value.float().cpu() for key, value in cond.items()}
 
 
-def native_resolution_of(pipe, family) -> int:
-    """The pipeline's default image side, as its ``__call__`` computes it: ``default_sample_size`` (SDXL, SD3,
-    FLUX) or the UNet's sample size (SD 1.x/2.x), times the VAE's downsampling."""
-    sample_size = getattr(pipe, "default_sample_size", None) or family.denoiser(pipe).config.sample_size
-    return int(sample_size) * pipe.vae_scale_factor
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 
@@ -330,7 +323,7 @@ def train(config: DPOConfig) -> Path:
     defaults = testbed_settings(config.model)
     steps = config.num_inference_steps or defaults.get("num_inference_steps", 50)
     guidance = config.guidance_scale if config.guidance_scale is not None else defaults.get("guidance_scale", 7.5)
-    resolution = config.resolution or native_resolution_of(pipe, family)
+    resolution = config.resolution or family.native_resolution(pipe)
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
 

@@ -151,6 +151,7 @@ def sample_flow_with_logprob(
     noise_level: float,
     generator: torch.Generator | None = None,
     num_train_timesteps: int = 1000,
+    step_fn: Callable[..., FlowStep] = sde_step,
 ) -> FlowTrajectory:
     """Denoise ``latents`` along ``sigmas``; SDE steps inside ``window``, Euler (ODE) steps elsewhere.
 
@@ -159,6 +160,7 @@ def sample_flow_with_logprob(
     sigmas after ``set_timesteps`` (N + 1 values, the last 0). ``window = (start, end)`` makes steps
     start..end-1 stochastic (Flow-GRPO-Fast / MixGRPO); ``None`` makes all N stochastic (Flow-GRPO).
     The generator is only drawn from inside the window, so everything outside it is deterministic.
+    ``step_fn`` is the window's Gaussian step, with ``sde_step``'s arguments (another discretisation, for experiments).
     """
     sigmas = torch.as_tensor(sigmas, dtype=torch.float32, device=latents.device)
     num_steps = sigmas.numel() - 1
@@ -177,7 +179,7 @@ def sample_flow_with_logprob(
         t = (sigma * num_train_timesteps).expand(batch)
         velocity = transformer_fn(x, t)
         if start <= i < end:
-            step = sde_step(x, velocity, sigma, sigma_next, sigma_max, noise_level)
+            step = step_fn(x, velocity, sigma, sigma_next, sigma_max, noise_level)
             # drawn on the generator's device (a CPU generator serves a GPU run), then moved
             z = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
             x_next = step.mean + step.std * z

@@ -125,7 +125,6 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     import rewards
-    from align.ddpo import native_resolution
     from align.families import family_of_pipeline
     from align.pipeline import add_lora, load_pipeline, testbed_settings
     from align.training import load_prompt_list
@@ -153,7 +152,7 @@ def main(argv=None):
     guidance = args.guidance if args.guidance is not None else defaults.get("guidance_scale", 5.0)
     judge = rewards.load(args.reward)
     prompts = load_prompt_list(args.prompts)
-    resolution = native_resolution(pipe, denoiser)
+    resolution = family.native_resolution(pipe)
     negative = family.unconditional(pipe, 1, resolution)
     sigmas = family.flow_sigmas(pipe, steps, resolution) if family.is_flow else None
     print(f"model {args.model} ({family.name}) | reward {args.reward} | {args.samples} samples per estimate "

@@ -46,7 +46,7 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    from align.ddpo import DDPOConfig, native_resolution, policy_step
+    from align.ddpo import DDPOConfig, policy_step
     from align.families import family_of_pipeline
     from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
     from align.flow_sampling import sample_flow_with_logprob
@@ -66,7 +66,7 @@ def main(argv=None):
         if "lora_B" in name:
             p.data.normal_(0, 0.01)
     params = [p for p in denoiser.parameters() if p.requires_grad]
-    resolution = native_resolution(pipe, denoiser)
+    resolution = family.native_resolution(pipe)
     negative = family.unconditional(pipe, 1, resolution)
     sigmas = family.flow_sigmas(pipe, args.steps, resolution)
     shape = family.latent_shape(pipe, resolution)

@@ -39,8 +39,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+REPO = Path(__file__).resolve().parents[1]
+for folder in (REPO, REPO / "scripts"):  # the package, and build_flow_testbed's scene rendering and encoding
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from build_flow_testbed import EVAL_CAPTION_SEED, encode_latents, render_scenes, swap_captions  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -64,15 +68,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_build_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("build_flow_testbed", ROOT / "scripts" / "build_flow_testbed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def epsilon_as_velocity(unet, alphas_cumprod, latents, sigma, embeds):
     """An ε-prediction UNet (DDPM) seen as a flow model: x_flow = (1-σ)·x0 + σ·ε is the DDPM latent x_t / (√ᾱ + √(1-ᾱ))
     with ᾱ = (1-σ)² / ((1-σ)² + σ²); t is read off the schedule (continuous, clamped to its last step, ᾱ ≈ 0.0047,
@@ -91,9 +86,10 @@ def epsilon_as_velocity(unet, alphas_cumprod, latents, sigma, embeds):
     return eps - x0
 
 
-def ddim_flow_step(x, v, sigma, sigma_next, eta: float):
+def ddim_flow_step(x, v, sigma, sigma_next, sigma_max, eta: float):
     """DDIM's stochastic step (η) in flow coordinates: x_t = (√ᾱ + √(1-ᾱ))·x_flow turns DDIM's
-    √ᾱ'·x̂0 + √(1-ᾱ'-σ_t²)·ε̂ + σ_t·z into (1-σ')·x̂0 + √(σ'² - s²)·ε̂ + s·z with s = σ_t / (√ᾱ' + √(1-ᾱ'))."""
+    √ᾱ'·x̂0 + √(1-ᾱ'-σ_t²)·ε̂ + σ_t·z into (1-σ')·x̂0 + √(σ'² - s²)·ε̂ + s·z with s = σ_t / (√ᾱ' + √(1-ᾱ')).
+    ``sde_step``'s arguments (``sigma_max`` unused), so that the trainer's sampler takes it."""
     from align.flow_sampling import FlowStep
 
     def alpha_bar(s):
@@ -122,7 +118,7 @@ def velocity(unet, latents, sigma, embeds, negative, guidance, detach_uncond=Fal
     return uncond + guidance * (cond - uncond)
 
 
-def teach_velocity(pipe, build, eval_captions, args, g) -> None:
+def teach_velocity(pipe, eval_captions, args, g) -> None:
     """Steps 1-2: render and encode the flow build's scenes, fine-tune the UNet on the velocity objective."""
     from align.pipeline import encode_prompts
     from align.testbed.scene import sample_captions
@@ -131,13 +127,9 @@ def teach_velocity(pipe, build, eval_captions, args, g) -> None:
     # 1. data, as the flow testbed's build
     held_out = set(eval_captions)
     captions = [c for c in sample_captions(2 * args.num_scenes, seed=args.seed) if c not in held_out][: args.num_scenes]
-    images = build.render_scenes(captions, seed=args.seed)
-    captions = build.swap_captions(captions, 0.25, g)
-    with torch.no_grad():
-        posterior = [vae.encode(images[i : i + 256]).latent_dist for i in range(0, len(images), 256)]
-    scale = vae.config.scaling_factor
-    latent_mean = torch.cat([p.mean for p in posterior]) * scale
-    latent_std = torch.cat([p.std for p in posterior]) * scale
+    images = render_scenes(captions, seed=args.seed)
+    captions = swap_captions(captions, 0.25, g)
+    latent_mean, latent_std = encode_latents(vae, images)
     print(f"[probe] {len(captions)} scenes encoded to {tuple(latent_mean.shape[1:])} latents", flush=True)
 
     # 2. the UNet taught velocity
@@ -165,23 +157,6 @@ def teach_velocity(pipe, build, eval_captions, args, g) -> None:
     print(f"[probe] {step} velocity steps in {(time.time() - start) / 60:.1f} min", flush=True)
 
 
-@torch.no_grad()
-def sample_with_step(step_fn, unet, embeds, negative, alphas_cumprod, sigmas, window, noise, generator):
-    """(final latents, window inputs, window outputs): ``step_fn`` on the first ``window`` steps, Euler after."""
-    x, inputs, outputs = noise.float(), [], []
-    for j in range(len(sigmas) - 1):
-        v = velocity(unet, x, sigmas[j], embeds, negative, 3.0, alphas_cumprod=alphas_cumprod)
-        if j < window:
-            step = step_fn(x, v, sigmas[j], sigmas[j + 1], 0.7)
-            x_next = step.mean + step.std * torch.randn(x.shape, generator=generator)
-            inputs.append(x)
-            outputs.append(x_next)
-        else:
-            x_next = x + v * (sigmas[j + 1] - sigmas[j])
-        x = x_next
-    return x, torch.stack(inputs, 1), torch.stack(outputs, 1)
-
-
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,17 +170,16 @@ def main(argv=None):
     from align.testbed.scene import sample_captions
     from align.training import load_prompt_list
 
-    build = load_build_script()
     g = torch.Generator().manual_seed(args.seed)
     pipe = load_pipeline("testbed")
     unet, vae = pipe.unet, pipe.vae
     pipe.text_encoder.requires_grad_(False)
     vae.requires_grad_(False)
 
-    eval_captions = sample_captions(args.eval_captions, seed=build.EVAL_CAPTION_SEED + args.seed)
+    eval_captions = sample_captions(args.eval_captions, seed=EVAL_CAPTION_SEED + args.seed)
     alphas_cumprod = pipe.scheduler.alphas_cumprod.float() if args.epsilon else None
     if not args.epsilon:
-        teach_velocity(pipe, build, eval_captions, args, g)
+        teach_velocity(pipe, eval_captions, args, g)
     unet.eval()
     unet.requires_grad_(False)
 
@@ -239,33 +213,26 @@ def main(argv=None):
         window = 10
     print(f"[probe] {'DDIM' if args.step == 'ddim' else 'Flow-GRPO SDE'} steps on σ {', '.join(f'{v:.3f}' for v in sigmas[: window + 1])}, ... (the first {window} "
           "stochastic and trained)", flush=True)
+    step_fn = ddim_flow_step if args.step == "ddim" else sde_step
     estimates = []
     for e in range(args.estimates):
         ge = torch.Generator().manual_seed(args.seed * 1000 + e)
         batch = draw_prompts(prompts, config, ge)
         embeds = encode_prompts(pipe, batch)
         noise = torch.randn((len(batch), *shape), generator=ge)
-        if args.step == "ddim":  # the trainer's sampler draws Flow-GRPO's SDE steps, so this one is sampled here
-            final, inputs, outputs = sample_with_step(ddim_flow_step, unet, embeds, negative, alphas_cumprod, sigmas,
-                                                      window, noise, ge)
-        else:
-            with torch.no_grad():
-                trajectory = sample_flow_with_logprob(
-                    lambda x, t, e=embeds: velocity(unet, x, t[0] / 1000, e, negative, 3.0, alphas_cumprod=alphas_cumprod),
-                    noise, sigmas, (0, window), 0.7, generator=ge)
-            final, inputs, outputs = trajectory.final_latents, trajectory.latents, trajectory.next_latents
         with torch.no_grad():
-            rewards_ = judge.score(batch, decode_latents(pipe, final)).double().numpy()
+            trajectory = sample_flow_with_logprob(
+                lambda x, t, e=embeds: velocity(unet, x, t[0] / 1000, e, negative, 3.0, alphas_cumprod=alphas_cumprod),
+                noise, sigmas, (0, window), 0.7, generator=ge, step_fn=step_fn)
+            rewards_ = judge.score(batch, decode_latents(pipe, trajectory.final_latents)).double().numpy()
         advantages = torch.as_tensor(group_advantages(batch, rewards_), dtype=torch.float32)
         unet.zero_grad(set_to_none=True)
         loss = 0
-        step_fn = ddim_flow_step if args.step == "ddim" else (
-            lambda x, v, s, s_next, eta: sde_step(x, v, s, s_next, float(sigmas[1]), eta))
         for j in range(window):
-            x, x_next = inputs[:, j], outputs[:, j]
+            x, x_next = trajectory.latents[:, j], trajectory.next_latents[:, j]
             v = velocity(unet, x, sigmas[j], embeds, negative, 3.0, detach_uncond=not args.both_cfg_halves,
                          alphas_cumprod=alphas_cumprod)
-            step_ = step_fn(x, v, sigmas[j], sigmas[j + 1], 0.7)
+            step_ = step_fn(x, v, sigmas[j], sigmas[j + 1], float(sigmas[1]), 0.7)
             loss = loss - (advantages * gaussian_log_prob(x_next, step_.mean, step_.std)).mean() / window
         loss.backward()
         estimates.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))

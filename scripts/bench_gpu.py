@@ -308,12 +308,29 @@ def sd15_forward_gflop_on_meta(resolution: int = 512) -> float:
     return forward_gflop_on_meta("sd15", resolution)
 
 
+def prepare_training(accelerator, model, checkpointing: bool, lr: float):
+    """(trainable parameters, the prepared model, its prepared AdamW) of a denoiser whose trainable weights are set,
+    with gradient checkpointing as asked: the trainers' setup."""
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    params = [p for p in model.parameters() if p.requires_grad]
+    train_model, optimizer = accelerator.prepare(model, torch.optim.AdamW(params, lr=lr))
+    return params, train_model, optimizer
+
+
+def optimiser_step(accelerator, params, optimizer) -> None:
+    """Clip the gradient norm to 1 (the trainers' default), step, clear the gradients."""
+    accelerator.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpointing: bool, lora_rank: int,
                      resolution: int | None):
     """One Diffusion-DPO LoRA step on ``pairs`` cached-latent pairs of an SDXL / SD3-architecture denoiser: the policy's
     error on winner and loser at the same noise and time, the reference's (adapter off) under the same autocast, and
     align.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
-    from diffusers import DDIMScheduler
+    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
     from align.families.base import cat_conditioning
     from align.losses import diffusion_dpo_loss, per_sample_mse
@@ -322,37 +339,27 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
     add_lora(model, rank=lora_rank, target_modules=arch.lora_targets)
-    if checkpointing:
-        model.enable_gradient_checkpointing()
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6)
-    train_model, optimizer = accelerator.prepare(model, optimizer)
+    params, train_model, optimizer = prepare_training(accelerator, model, checkpointing, lr=1e-6)
     gen = torch.Generator().manual_seed(1)
     side = latent_side(arch, tiny, resolution)
     x0 = torch.randn((2 * pairs, model.config.in_channels, side, side), generator=gen).to(device)  # winners, losers
     cond = random_conditioning(arch, model, pairs, side, tiny, device, gen)
     cond = cat_conditioning([cond, cond])  # winners then losers
-    ddpm = DDIMScheduler(**SD15_SCHEDULER)
+    family = family_of_arch(arch, model)
+    scheduler = DDIMScheduler(**SD15_SCHEDULER) if arch.kind == "unet" else FlowMatchEulerDiscreteScheduler(shift=3.0)
 
     def step():
         noise = torch.randn(x0[:pairs].shape, generator=gen).to(device).repeat(2, 1, 1, 1)
-        if arch.kind == "unet":
-            t = torch.randint(0, 1000, (pairs,), generator=gen).to(device).repeat(2)
-            noisy, target = ddpm.add_noise(x0, noise, t), noise
-        else:  # SD3's logit-normal sigma density, x = (1 - s) x0 + s eps, velocity target eps - x0
-            sigma = torch.sigmoid(torch.randn(pairs, generator=gen)).to(device).repeat(2)
-            t = sigma * 1000
-            s4 = sigma.view(-1, 1, 1, 1)
-            noisy, target = (1 - s4) * x0 + s4 * noise, noise - x0
+        # the family's training draw and target, as align/dpo.py (SD3: logit-normal σ, velocity ε - x0)
+        t = family.draw_training_timesteps(scheduler, pairs, gen).to(device).repeat(2)
+        noisy, target = family.noisy_and_target(scheduler, x0, noise, t)
         model_err = per_sample_mse(predict(arch, train_model, noisy, t, cond), target)
         with torch.no_grad(), accelerator.autocast(), disabled_adapter(accelerator.unwrap_model(train_model)) as ref:
             ref_err = per_sample_mse(predict(arch, ref, noisy, t, cond), target)
         loss, _ = diffusion_dpo_loss(*model_err.chunk(2), *ref_err.chunk(2), beta=5000.0 if arch.kind == "unet" else 100.0)
         accelerator.backward(loss)
-        accelerator.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimiser_step(accelerator, params, optimizer)
 
     return step, train_model, optimizer
 
@@ -373,11 +380,7 @@ def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
     add_lora(model, rank=lora_rank, alpha=2 * lora_rank, target_modules=arch.lora_targets)  # the authors: r 32, alpha 64
-    if checkpointing:
-        model.enable_gradient_checkpointing()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=3e-4)
-    train_model, optimizer = accelerator.prepare(model, optimizer)
+    params, train_model, optimizer = prepare_training(accelerator, model, checkpointing, lr=3e-4)
     with torch.device(device):
         vae = AutoencoderKL(**(TINY_SD3_VAE if tiny else SD3_VAE)).eval().requires_grad_(False)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -431,9 +434,7 @@ def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_
                                             noise_level).mean
                     loss = loss + kl_coef * flow_grpo_kl(sde.mean, ref_mean, sde.sde_sigma).mean()
                     accelerator.backward(loss / (samples * trained))
-        accelerator.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimiser_step(accelerator, params, optimizer)
 
     return step, train_model, optimizer, vae
 
@@ -472,12 +473,8 @@ def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpoint
     else:
         unet.requires_grad_(True)
         reference = frozen_copy(unet)
-    if checkpointing:
-        unet.enable_gradient_checkpointing()
     unet.train()
-    params = [p for p in unet.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6)
-    unet, optimizer = accelerator.prepare(unet, optimizer)
+    params, unet, optimizer = prepare_training(accelerator, unet, checkpointing, lr=1e-6)
     gen = torch.Generator().manual_seed(1)
     x0 = models.latents(2 * pairs, gen)  # winners then losers, cached as the trainer caches them
     text = models.text_embeddings(pairs, gen).repeat(2, 1, 1)
@@ -497,9 +494,7 @@ def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpoint
         ref_err = per_sample_mse(ref_pred, noise)
         loss, _ = diffusion_dpo_loss(*model_err.chunk(2), *ref_err.chunk(2), beta=5000.0)
         accelerator.backward(loss)
-        accelerator.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimiser_step(accelerator, params, optimizer)
 
     return step, unet, optimizer
 
@@ -515,11 +510,7 @@ def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, 
 
     unet = models.fresh_unet()
     add_lora(unet, rank=lora_rank)
-    if checkpointing:
-        unet.enable_gradient_checkpointing()
-    params = [p for p in unet.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=3e-4)
-    train_unet, optimizer = accelerator.prepare(unet, optimizer)
+    params, train_unet, optimizer = prepare_training(accelerator, unet, checkpointing, lr=3e-4)
     config = SimpleNamespace(timestep_batch=1, guidance_scale=5.0, eta=1.0, clip_range=1e-4, adv_clip_max=5.0, kl_coef=0.0)
     gen = torch.Generator().manual_seed(2)
     embeds = models.text_embeddings(samples, gen)
@@ -544,9 +535,7 @@ def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, 
                               {"prompt_embeds": negative}, stats,
                               disabled_adapter, torch.tensor([i]), order, per_update=samples,
                               last_of_update=i == samples - 1)
-        accelerator.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimiser_step(accelerator, params, optimizer)
 
     return step, train_unet, optimizer
 

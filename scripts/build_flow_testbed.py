@@ -115,7 +115,7 @@ def encode_latents(vae, images: torch.Tensor, batch_size: int = 256) -> tuple[to
         posterior = vae.encode(images[i : i + batch_size]).latent_dist
         means.append(posterior.mean)
         stds.append(posterior.std)
-    scale, shift = vae.config.scaling_factor, vae.config.shift_factor
+    scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0  # SD VAEs have no shift (None)
     return (torch.cat(means) - shift) * scale, torch.cat(stds) * scale
 
 

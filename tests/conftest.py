@@ -29,3 +29,21 @@ def tiny_sdxl_model(tmp_path_factory):
     from tiny_sdxl import build_tiny_sdxl_pipeline
 
     return str(build_tiny_sdxl_pipeline(tmp_path_factory.mktemp("tiny_sdxl")))
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    """``family_models(name)``: the tiny pipeline folder of family "sdxl", "sd3" or "flux" (tests/tiny_sdxl.py,
+    tests/tiny_flow.py), built on first use, once per test module."""
+    from tiny_flow import build_tiny_flux, build_tiny_sd3
+    from tiny_sdxl import build_tiny_sdxl_pipeline
+
+    builders = {"sdxl": build_tiny_sdxl_pipeline, "sd3": build_tiny_sd3, "flux": build_tiny_flux}
+    built: dict[str, str] = {}
+
+    def model(name: str) -> str:
+        if name not in built:
+            built[name] = str(builders[name](tmp_path_factory.mktemp(name)))
+        return built[name]
+
+    return model

@@ -13,27 +13,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from script_loader import load_experiment
-from tiny_flow import build_tiny_flux, build_tiny_sd3
-from tiny_sdxl import build_tiny_sdxl_pipeline
 
 from align import ddpo
 from align.ddpo_config import DDPOConfig
 from align.flow_sampling import draw_window
-
-BUILDERS = {"sdxl": build_tiny_sdxl_pipeline, "sd3": build_tiny_sd3, "flux": build_tiny_flux}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Each tiny pipeline folder, built on first use."""
-    built = {}
-
-    def get(kind: str) -> str:
-        if kind not in built:
-            built[kind] = str(BUILDERS[kind](tmp_path_factory.mktemp(kind)))
-        return built[kind]
-
-    return get
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +60,8 @@ def diffusers_images(model: str, lora: Path | None) -> torch.Tensor:
     ("sd3", dict(kl_coef=0.1)),  # Flow-GRPO: every step stochastic, half of them trained
     ("flux", dict(deterministic_tail=True)),  # Flow-GRPO-Fast: a window of 2 of 4 steps, drawn per batch
 ])
-def test_lora_run_on_each_family_loads_in_diffusers_and_changes_its_images(models, prompt_file, tmp_path, kind, overrides):
-    model = models(kind)
+def test_lora_run_on_each_family_loads_in_diffusers_and_changes_its_images(family_models, prompt_file, tmp_path, kind, overrides):
+    model = family_models(kind)
     run = ddpo.train(config(model, prompt_file, tmp_path / kind, **overrides))
     records = epochs(run)
     assert len(records) == 2
@@ -92,11 +75,11 @@ def test_lora_run_on_each_family_loads_in_diffusers_and_changes_its_images(model
     assert base.shape == tuned.shape and (base - tuned).abs().max() > 1e-4
 
 
-def test_flow_defaults_follow_flow_grpo_and_ddim_ones_the_ddpo_paper(models, prompt_file, tmp_path, monkeypatch):
+def test_flow_defaults_follow_flow_grpo_and_ddim_ones_the_ddpo_paper(family_models, prompt_file, tmp_path, monkeypatch):
     steps = []
     real = ddpo.evaluate_model
     monkeypatch.setattr(ddpo, "evaluate_model", lambda pipe, judge, cfg, n, *a: steps.append(n) or real(pipe, judge, cfg, n, *a))
-    cfg = config(models("sd3"), prompt_file, tmp_path / "run", num_inference_steps=None, num_epochs=1,
+    cfg = config(family_models("sd3"), prompt_file, tmp_path / "run", num_inference_steps=None, num_epochs=1,
                  eval_prompts=prompt_file, eval_inference_steps=3)
     run = ddpo.train(cfg)
     recorded = yaml.safe_load((run / "config.yaml").read_text())
@@ -120,7 +103,7 @@ def test_fast_window_sits_at_the_start_or_is_drawn_per_batch_in_the_first_half()
     assert ddpo.flow_window(cfg, 10, torch.Generator()) is None  # Flow-GRPO: every step stochastic
 
 
-def test_fast_run_stores_and_trains_only_the_window(models, prompt_file, tmp_path, monkeypatch):
+def test_fast_run_stores_and_trains_only_the_window(family_models, prompt_file, tmp_path, monkeypatch):
     seen = []
     real = ddpo.train_inner_epoch
 
@@ -129,7 +112,7 @@ def test_fast_run_stores_and_trains_only_the_window(models, prompt_file, tmp_pat
         return real(cfg, accelerator, train_unet, unet, reference, optimizer, params, scheduler, samples, *args, **kwargs)
 
     monkeypatch.setattr(ddpo, "train_inner_epoch", spy)
-    ddpo.train(config(models("sd3"), prompt_file, tmp_path / "fast", num_inference_steps=6, timestep_fraction=0.34,
+    ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "fast", num_inference_steps=6, timestep_fraction=0.34,
                       deterministic_tail=True, timestep_selection="high_noise", num_epochs=1))
     (record,) = seen
     assert record["step_indices"].tolist() == [[0, 1]] * 4  # 2 of 6 steps, at the start, nothing else stored
@@ -137,8 +120,8 @@ def test_fast_run_stores_and_trains_only_the_window(models, prompt_file, tmp_pat
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_bf16_flow_rounds_start_exactly_on_policy(models, prompt_file, tmp_path, kind):
-    run = ddpo.train(config(models(kind), prompt_file, tmp_path / kind, mixed_precision="bf16", num_epochs=3,
+def test_bf16_flow_rounds_start_exactly_on_policy(family_models, prompt_file, tmp_path, kind):
+    run = ddpo.train(config(family_models(kind), prompt_file, tmp_path / kind, mixed_precision="bf16", num_epochs=3,
                             checkpointing_epochs=3, clip_range=1e-4, kl_coef=0.1))
     records = epochs(run)
     # rounds 2 and 3 sample from a trained LoRA under autocast, as the update re-scores them
@@ -147,10 +130,10 @@ def test_bf16_flow_rounds_start_exactly_on_policy(models, prompt_file, tmp_path,
     assert records[-1]["kl_to_reference"] > 0  # and it trained
 
 
-def test_full_fine_tuning_of_a_flow_model_with_the_kl_to_a_frozen_copy(models, prompt_file, tmp_path):
+def test_full_fine_tuning_of_a_flow_model_with_the_kl_to_a_frozen_copy(family_models, prompt_file, tmp_path):
     from diffusers import SD3Transformer2DModel
 
-    model = models("sd3")
+    model = family_models("sd3")
     run = ddpo.train(config(model, prompt_file, tmp_path / "full", finetune="full", kl_coef=0.5, learning_rate=1e-3,
                             deterministic_tail=True))
     records = epochs(run)
@@ -160,12 +143,12 @@ def test_full_fine_tuning_of_a_flow_model_with_the_kl_to_a_frozen_copy(models, p
     assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), base.state_dict().values()))
 
 
-def test_flow_run_resumes_exactly(models, prompt_file, tmp_path, monkeypatch):
+def test_flow_run_resumes_exactly(family_models, prompt_file, tmp_path, monkeypatch):
     class Crash(Exception):
         pass
 
     settings = dict(num_epochs=2, kl_coef=0.1, deterministic_tail=True)
-    straight = ddpo.train(config(models("sd3"), prompt_file, tmp_path / "a", **settings))
+    straight = ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "a", **settings))
     save = ddpo.save_ddpo_checkpoint
 
     def save_then_crash(*args, **kwargs):
@@ -174,32 +157,32 @@ def test_flow_run_resumes_exactly(models, prompt_file, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ddpo, "save_ddpo_checkpoint", save_then_crash)
     with pytest.raises(Crash):
-        ddpo.train(config(models("sd3"), prompt_file, tmp_path / "b", **settings))
+        ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "b", **settings))
     monkeypatch.setattr(ddpo, "save_ddpo_checkpoint", save)
-    resumed = ddpo.train(config(models("sd3"), prompt_file, tmp_path / "b", resume="latest", **settings))
+    resumed = ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "b", resume="latest", **settings))
     a, b = (load_file(run / "final" / "pytorch_lora_weights.safetensors") for run in (straight, resumed))
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.equal(a[key], b[key]) for key in a)
     assert epochs(straight)[1]["reward_mean"] == epochs(resumed)[1]["reward_mean"]
 
 
-def test_deterministic_tail_with_random_steps_is_refused_for_ddim_families(models, prompt_file, tmp_path, capsys):
+def test_deterministic_tail_with_random_steps_is_refused_for_ddim_families(family_models, prompt_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        ddpo.main(["--model", models("sdxl"), "--prompts", prompt_file, "--output_dir", str(tmp_path / "x"),
+        ddpo.main(["--model", family_models("sdxl"), "--prompts", prompt_file, "--output_dir", str(tmp_path / "x"),
                    "--reward", "jpeg-compressibility", "--deterministic_tail", "true"])
     assert exit_.value.code == 2
     assert "--deterministic_tail needs --timestep_selection high_noise" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
-def test_flow_update_differentiates_the_conditional_half_only(models):
+def test_flow_update_differentiates_the_conditional_half_only(family_models):
     # Flow-GRPO's compute_log_prob detaches the unconditional half of classifier-free guidance: the same value,
     # and the gradient of guidance x the conditional prediction alone.
     from align.families import family_of_pipeline
     from align.families.base import guided_prediction
     from align.pipeline import add_lora, load_pipeline
 
-    pipe = load_pipeline(models("sd3"))
+    pipe = load_pipeline(family_models("sd3"))
     family = family_of_pipeline(pipe)
     transformer = add_lora(pipe.transformer, rank=2, target_modules=family.lora_targets)
     torch.manual_seed(0)
@@ -239,12 +222,12 @@ def test_flow_grpo_fast_table_reports_gains_per_cpu_minute_with_paired_errors(tm
         table.main([str(tmp_path / "missing")])
 
 
-def test_flow_grpo_score_function_gradient_points_along_the_exact_gradient(models, prompt_file, capsys):
+def test_flow_grpo_score_function_gradient_points_along_the_exact_gradient(family_models, prompt_file, capsys):
     # experiments/flow_grpo_gradient_check.py: the trainer's estimate mean(A · ∇ log p) over 1,024 samples against
     # the reparameterised gradient of a differentiable reward through the same chain. An estimator with a wrong sign,
     # step or weighting lands near 0 or below; this one reaches ~0.8 here (the run is seeded).
     check = load_experiment("flow_grpo_gradient_check")
-    check.main(["--model", models("sd3"), "--prompts", prompt_file, "--samples", "1024", "--steps", "4", "--window", "1"])
+    check.main(["--model", family_models("sd3"), "--prompts", prompt_file, "--samples", "1024", "--steps", "4", "--window", "1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "samples: cos" in line]
     assert len(lines) == 1024 // 32
     assert float(lines[-1].split("=")[1]) > 0.5

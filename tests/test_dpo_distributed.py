@@ -3,17 +3,14 @@ noise and timesteps in the same order, the same weights within float tolerance, 
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
+from noise_pairs import write_noise_pairs
 from safetensors.torch import load_file
 
 from align import dpo
@@ -27,20 +24,10 @@ SETTINGS = dict(finetune="lora", lora_rank=4, resolution=16, train_batch_size=1,
                 report_to="none")
 
 
-def _png(seed: int) -> bytes:
-    pixels = (torch.rand(16, 16, 3, generator=torch.Generator().manual_seed(seed)) * 255).to(torch.uint8).numpy()
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    rows = [{"caption": f"shape {i}", "jpg_0": _png(i), "jpg_1": _png(50 + i), "label_0": float(i % 2), "label_1": float(1 - i % 2)}
-            for i in range(5)]  # 5 pairs, 2 per step: the second epoch starts inside step 3
-    path = tmp_path_factory.mktemp("pairs") / "pairs.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return str(path)
+    # 5 pairs, 2 per step: the second epoch starts inside step 3
+    return write_noise_pairs(tmp_path_factory.mktemp("pairs"), 5, loser_seed_offset=50, alternate_labels=True)
 
 
 def metrics(run: Path) -> list[dict]:

@@ -20,25 +20,9 @@ from align.pipeline import generate_images, load_pipeline, load_trained
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_dpo import _png, small_config  # noqa: E402
-from tiny_flow import build_tiny_flux, build_tiny_sd3  # noqa: E402
-from tiny_sdxl import build_tiny_sdxl_pipeline  # noqa: E402
 
-BUILDERS = {"sdxl": build_tiny_sdxl_pipeline, "sd3": build_tiny_sd3, "flux": build_tiny_flux}
 PIPELINE_CLASSES = {"sdxl": "StableDiffusionXLPipeline", "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
 RESOLUTION = 32  # every tiny pipeline's 4 x 16 x 16 latents (FLUX's own default would be 256 px)
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    """Each family's tiny pipeline folder, built on first use."""
-    built: dict[str, str] = {}
-
-    def model(name: str) -> str:
-        if name not in built:
-            built[name] = str(BUILDERS[name](tmp_path_factory.mktemp(name)))
-        return built[name]
-
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,12 @@ autocast in float16, which torch runs on a CPU, and a torch.amp.GradScaler) with
 
 from __future__ import annotations
 
-import io
 import json
 import math
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
+from noise_pairs import write_noise_pairs
 
 from align import ddpo, dpo
 from align.ddpo import DDPOConfig
@@ -72,20 +69,9 @@ def fp16_as_on_a_gpu(monkeypatch):
     return scalers
 
 
-def _png(seed: int) -> bytes:
-    pixels = (torch.rand(16, 16, 3, generator=torch.Generator().manual_seed(seed)) * 255).to(torch.uint8).numpy()
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    rows = [{"caption": f"shape {i}", "jpg_0": _png(i), "jpg_1": _png(100 + i), "label_0": 1.0, "label_1": 0.0}
-            for i in range(4)]
-    path = tmp_path_factory.mktemp("pairs") / "pairs.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return str(path)
+    return write_noise_pairs(tmp_path_factory.mktemp("pairs"), 4)
 
 
 def expected_events(micro_batches_per_step: int, steps: int) -> list[str]:

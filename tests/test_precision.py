@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from PIL import Image
+from noise_pairs import write_noise_pairs
 
 from align import ddpo, dpo
 from align.cli import ConfigError
@@ -21,20 +18,9 @@ from align.dpo import DPOConfig
 from align.training import refuse_unsupported_distribution, refuse_unsupported_launch, resolve_mixed_precision
 
 
-def _noise_png(seed: int, size: int = 16) -> bytes:
-    pixels = (torch.rand(size, size, 3, generator=torch.Generator().manual_seed(seed)) * 255).to(torch.uint8).numpy()
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    rows = [{"caption": f"shape {i}", "jpg_0": _noise_png(i), "jpg_1": _noise_png(100 + i), "label_0": 1.0, "label_1": 0.0}
-            for i in range(8)]
-    path = tmp_path_factory.mktemp("pairs") / "pairs.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return str(path)
+    return write_noise_pairs(tmp_path_factory.mktemp("pairs"), 8)
 
 
 def first_step(run: Path) -> dict:

@@ -134,6 +134,13 @@ class ModelFamily:
         """(C, H, W) of the latents of a square image of side ``resolution``."""
         raise NotImplementedError
 
+    def native_resolution(self, pipe) -> int:
+        """The image side in pixels the pipeline generates when not told, as its ``__call__`` computes it:
+        ``default_sample_size`` (SDXL, SD3, FLUX) or the denoiser's sample size (SD 1.x/2.x), times the VAE's
+        downsampling."""
+        sample_size = getattr(pipe, "default_sample_size", None) or self.denoiser(pipe).config.sample_size
+        return int(sample_size) * pipe.vae_scale_factor
+
     # --- the denoiser and its training target -------------------------------------------------
     def uses_guidance_embedding(self, denoiser) -> bool:
         """True where the denoiser takes the guidance scale as an input (FLUX.1-dev) instead of
