@@ -212,3 +212,26 @@ def test_unet_flow_probe_samples_the_epsilon_unet_with_ddim_steps_in_flow_coordi
     held_out = next(line for line in out.splitlines() if "held-out oracle" in line)
     assert float(held_out.split("oracle ")[1].split()[0]) > 0.25  # the converted sampler draws the shapes world
     assert "first 10 of 20 steps" in out
+
+
+# --- experiments/paired_heldout.py: the large held-out comparison that resolves a +0.02 gain
+
+
+def test_paired_heldout_gain_reads_captions_consecutively_and_counts_better_and_worse_images():
+    paired = load_experiment("paired_heldout")
+    # 2 captions x 2 seeds laid out caption by caption: (c0 s0, c0 s1, c1 s0, c1 s1)
+    gain = paired.paired_gain([0.0, 1.0, 0.5, 0.5], [1.0, 1.0, 0.5, 1.0], images_per_prompt=2)
+    assert gain["gain"] == pytest.approx(0.375)  # differences 1, 0, 0, 0.5
+    assert gain["paired_sem_captions"] == pytest.approx(float(torch.tensor([0.5, 0.25]).std()) / 2 ** 0.5)
+    assert (gain["better"], gain["worse"]) == (2, 0)
+    with pytest.raises(ValueError, match="2 per prompt"):
+        paired.paired_gain([0.0, 1.0, 0.5], [1.0, 1.0, 0.5], images_per_prompt=2)
+
+
+def test_paired_heldout_gives_every_image_its_own_noise_and_a_model_no_gain_over_itself(tmp_path, capsys):
+    paired = load_experiment("paired_heldout")
+    paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",
+                 "--first-seed", "7", "--out", str(tmp_path)])
+    scores = json.loads((tmp_path / "testbed.json").read_text())
+    assert scores["seeds"] == [7, 8, 9, 10] and len(scores["scores"]) == 4
+    assert "gain +0.0000 ± 0.0000 per image" in capsys.readouterr().out
