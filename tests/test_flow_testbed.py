@@ -224,14 +224,28 @@ def test_paired_heldout_gain_reads_captions_consecutively_and_counts_better_and_
     assert gain["gain"] == pytest.approx(0.375)  # differences 1, 0, 0, 0.5
     assert gain["paired_sem_captions"] == pytest.approx(float(torch.tensor([0.5, 0.25]).std()) / 2 ** 0.5)
     assert (gain["better"], gain["worse"]) == (2, 0)
+    # the same images in the trainers' layout (c0 s0, c1 s0, c0 s1, c1 s1): the same per-caption means
+    trainers = paired.paired_gain([0.0, 0.5, 1.0, 0.5], [1.0, 0.5, 1.0, 1.0], images_per_prompt=2, trainers_layout=True)
+    assert trainers == gain
     with pytest.raises(ValueError, match="2 per prompt"):
         paired.paired_gain([0.0, 1.0, 0.5], [1.0, 1.0, 0.5], images_per_prompt=2)
 
 
 def test_paired_heldout_gives_every_image_its_own_noise_and_a_model_no_gain_over_itself(tmp_path, capsys):
+    from align.training import load_prompt_list
+
     paired = load_experiment("paired_heldout")
     paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",
                  "--first-seed", "7", "--out", str(tmp_path)])
     scores = json.loads((tmp_path / "testbed.json").read_text())
-    assert scores["seeds"] == [7, 8, 9, 10] and len(scores["scores"]) == 4
+    first, second = load_prompt_list("testbed:2:5")
+    assert scores["captions"] == [first, first, second, second] and scores["seeds"] == [7, 8, 9, 10]
+    assert len(scores["scores"]) == 4
+    assert json.loads((tmp_path / "base.json").read_text())["scores"] == scores["scores"]
     assert "gain +0.0000 ± 0.0000 per image" in capsys.readouterr().out
+    paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",
+                 "--trainers-layout", "--out", str(tmp_path / "trainers")])
+    scores = json.loads((tmp_path / "trainers" / "testbed.json").read_text())
+    assert scores["captions"] == [first, second, first, second] and scores["seeds"] == [50000, 50001, 50002, 50003]
+    with pytest.raises(SystemExit, match="no such run folder"):
+        paired.main([str(tmp_path / "missing"), "--base", "testbed"])
