@@ -13,6 +13,9 @@ Diffusion-DPO, and for DDPO align.sampling.sample_with_logprob (the sampling pha
 train_micro_batch (the PPO update) on those samples. Diffusion-DPO's step reads cached latents and text embeddings
 (as the trainer does after its first pass, or from the precomputed store), so its VAE and text encoder run once.
 
+SDXL, SD3.5 Medium and FLUX.1-dev steps (DPO LoRA; Flow-GRPO on the flow models) run the same way from their real
+configs: docs/scale.md ("GPU benchmark") lists them.
+
 MFU = counted FLOPs per step x steps per second / the GPU's peak dense bf16 FLOP/s. The FLOP counter counts
 matmuls and convolutions (and attention) forward and backward, including gradient checkpointing's recomputation:
 it is the work the GPU did, so recomputation raises MFU without making training faster (said in the output).
@@ -100,11 +103,12 @@ SD3_VAE = dict(
     sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
 )
 # FLUX.1-dev (black-forest-labs/FLUX.1-dev/transformer/config.json): 16-channel latents packed 2x2 into 64-channel
-# tokens, T5 512 tokens, CLIP-L pooled 768, a guidance embedding. Only counted here (--count_forward), not trained.
+# tokens, T5 512 tokens, CLIP-L pooled 768, a guidance embedding. Its VAE is SD3's architecture with its own scaling.
 FLUX_DEV_TRANSFORMER = dict(
     patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
     joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
 )
+FLUX_VAE = {**SD3_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 TINY_SDXL_UNET = dict(
     sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -291,14 +295,18 @@ def predict(arch: Arch, model, latents: torch.Tensor, timesteps: torch.Tensor, c
     return family_of_arch(arch, model).predict(model, latents, timesteps, cond)
 
 
+def latent_channels(arch: Arch, model) -> int:
+    """Channels of the [B, C, H, W] latents the family's ``predict`` takes (FLUX packs 2x2 of them into a token)."""
+    return model.config.in_channels // 4 if arch.kind == "flux" else model.config.in_channels
+
+
 def forward_gflop_on_meta(arch_name: str, resolution: int | None = None) -> float:
     """Counted GFLOP of one denoiser forward on one image at ``resolution`` (default: the model's native size), on
     the meta device: no weights, no compute, any machine (what the one-GPU recipes' time estimates start from)."""
     arch = ARCHS[arch_name]
     model = build_denoiser(arch, False, "meta")
     side = latent_side(arch, False, resolution)
-    channels = model.config.in_channels if arch.kind != "flux" else model.config.in_channels // 4
-    latents = torch.zeros((1, channels, side, side), device="meta")
+    latents = torch.zeros((1, latent_channels(arch, model), side, side), device="meta")
     cond = random_conditioning(arch, model, 1, side, False, "meta")
     with torch.no_grad():
         return count_flops(lambda: predict(arch, model, latents, torch.full((1,), 500.0, device="meta"), cond)) / 1e9
@@ -364,12 +372,21 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
     return step, train_model, optimizer
 
 
-def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_steps: int, checkpointing: bool,
-                   lora_rank: int, resolution: int | None):
-    """One Flow-GRPO step as the authors' SD3 recipe: sample ``samples`` images with the SDE sampler
-    (align.flow_sampling, noise level 0.7, CFG 4.5, shift 3), decode them, then train every SDE step but the last
-    (timestep_fraction 0.99): the policy's step log-probability (CFG, unconditional branch without gradient), the
-    clipped ratio (align.losses.ddpo_clipped_loss) and the KL to the adapter-off reference (beta 0.04)."""
+# The authors' Flow-GRPO recipes (flow_grpo's SD3.5 and FLUX.1-dev configs): SD3 samples with classifier-free
+# guidance 4.5 and trains with a KL to the reference; FLUX.1-dev embeds guidance 3.5 (one forward a step) and has no KL.
+FLOW_GRPO_RECIPES = {
+    "sd3": dict(guidance=4.5, noise_level=0.7, kl_coef=0.04, lora_rank=32, vae=SD3_VAE),
+    "flux": dict(guidance=3.5, noise_level=0.9, kl_coef=0.0, lora_rank=64, vae=FLUX_VAE),
+}
+
+
+def flow_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_steps: int, checkpointing: bool,
+                    resolution: int | None):
+    """One Flow-GRPO step as the authors' SD3 / FLUX recipe (FLOW_GRPO_RECIPES): sample ``samples`` images with the
+    SDE sampler (align.flow_sampling, σ shift 3), decode them, then train every SDE step but the last
+    (timestep_fraction 0.99): the policy's step log-probability (SD3: CFG with the unconditional branch without
+    gradient; FLUX: the guidance embedding), the clipped ratio (align.losses.ddpo_clipped_loss) and, for SD3, the
+    KL to the adapter-off reference. LoRA on the family's targets (align.families), rank 4 when tiny."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
     from align.families.base import expand_conditioning, select_conditioning
@@ -377,40 +394,41 @@ def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_
     from align.losses import ddpo_clipped_loss
     from align.pipeline import add_lora, disabled_adapter
 
+    recipe = FLOW_GRPO_RECIPES[arch.kind]
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
-    add_lora(model, rank=lora_rank, alpha=2 * lora_rank, target_modules=arch.lora_targets)  # the authors: r 32, alpha 64
+    rank = 4 if tiny else recipe["lora_rank"]
+    add_lora(model, rank=rank, alpha=2 * rank, target_modules=family_of_arch(arch, model).lora_targets)  # alpha 2r
     params, train_model, optimizer = prepare_training(accelerator, model, checkpointing, lr=3e-4)
     with torch.device(device):
-        vae = AutoencoderKL(**(TINY_SD3_VAE if tiny else SD3_VAE)).eval().requires_grad_(False)
+        vae = AutoencoderKL(**(TINY_SD3_VAE if tiny else recipe["vae"])).eval().requires_grad_(False)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     scheduler.set_timesteps(inference_steps)
     sigmas = scheduler.sigmas.to(device)
     gen = torch.Generator().manual_seed(2)
     side = latent_side(arch, tiny, resolution)
     cond = random_conditioning(arch, model, samples, side, tiny, device, gen)
+    if arch.kind == "flux":
+        cond["guidance"] = torch.full((samples,), recipe["guidance"], device=device)
     uncond = random_conditioning(arch, model, 1, side, tiny, device, gen)
     trained = max(1, int(inference_steps * 0.99))
-    guidance, noise_level, kl_coef = 4.5, 0.7, 0.04
-
-    def cond_rows(rows):
-        return select_conditioning(cond, rows)
-
-    def uncond_rows(n):
-        return expand_conditioning(uncond, n)
+    noise_level, kl_coef = recipe["noise_level"], recipe["kl_coef"]
 
     def guided(net, x, t, rows, grad: bool):
+        if arch.kind == "flux":  # guidance-distilled: one conditional forward
+            with torch.set_grad_enabled(grad):
+                return predict(arch, net, x, t, select_conditioning(cond, rows)).float()
         with torch.no_grad():  # the unconditional branch carries no gradient (the authors' train_sd3.py)
-            v_u = predict(arch, net, x, t, uncond_rows(len(x)))
+            v_u = predict(arch, net, x, t, expand_conditioning(uncond, len(x)))
         with torch.set_grad_enabled(grad):
-            v_c = predict(arch, net, x, t, cond_rows(rows))
-        return v_u.float() + guidance * (v_c.float() - v_u.float())
+            v_c = predict(arch, net, x, t, select_conditioning(cond, rows))
+        return v_u.float() + recipe["guidance"] * (v_c.float() - v_u.float())
 
     def step():
         model.eval()
         with torch.no_grad(), accelerator.autocast():
             all_rows = torch.arange(samples)
-            noise = torch.randn((samples, model.config.in_channels, side, side), generator=gen).to(device)
+            noise = torch.randn((samples, latent_channels(arch, model), side, side), generator=gen).to(device)
             trajectory = sample_flow_with_logprob(lambda x, t: guided(model, x, t, all_rows, False), noise, sigmas,
                                                   window=None, noise_level=noise_level, generator=None)
             latents = trajectory.final_latents / vae.config.scaling_factor + vae.config.shift_factor
@@ -429,10 +447,11 @@ def sd3_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_
                     sde = sde_step(x, velocity, sigmas[j], sigmas[j + 1], float(sigmas[1]), noise_level)
                     log_prob = gaussian_log_prob(x_next, sde.mean, sde.std)
                     loss, _ = ddpo_clipped_loss(log_prob, trajectory.log_probs[i : i + 1, j], advantages[i : i + 1], 1e-4)
-                    with torch.no_grad(), accelerator.autocast(), disabled_adapter(model) as ref:
-                        ref_mean = sde_step(x, guided(ref, x, t, rows, False), sigmas[j], sigmas[j + 1], float(sigmas[1]),
-                                            noise_level).mean
-                    loss = loss + kl_coef * flow_grpo_kl(sde.mean, ref_mean, sde.sde_sigma).mean()
+                    if kl_coef:
+                        with torch.no_grad(), accelerator.autocast(), disabled_adapter(model) as ref:
+                            ref_mean = sde_step(x, guided(ref, x, t, rows, False), sigmas[j], sigmas[j + 1],
+                                                float(sigmas[1]), noise_level).mean
+                        loss = loss + kl_coef * flow_grpo_kl(sde.mean, ref_mean, sde.sde_sigma).mean()
                     accelerator.backward(loss / (samples * trained))
         optimiser_step(accelerator, params, optimizer)
 
@@ -540,7 +559,7 @@ def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, 
     return step, train_unet, optimizer
 
 
-BENCHES = ("dpo_lora", "dpo_full", "ddpo_lora", "sdxl_dpo_lora", "sd35m_dpo_lora", "sd35m_grpo_lora")
+BENCHES = ("dpo_lora", "dpo_full", "ddpo_lora", "sdxl_dpo_lora", "sd35m_dpo_lora", "sd35m_grpo_lora", "flux_grpo_lora")
 # The forwards the one-GPU recipes' estimates use (configs/*_1gpu.yaml, configs/sdxl_*, sd35_*, flux_*).
 RECIPE_FORWARDS = "sd15:512,sdxl:1024,sd35m:512,sd35m:1024,sd35l:1024,flux-dev:512,flux-dev:1024"
 
@@ -573,7 +592,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s (else the table)")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated benchmarks to run, of {', '.join(BENCHES)}")
     parser.add_argument("--resolution", type=int, default=None,
-                        help="pixels for the SDXL / SD3.5 benchmarks (default: 1024 for DPO, 512 for Flow-GRPO as the "
+                        help="pixels for the SDXL / SD3.5 / FLUX benchmarks (default: 1024 for DPO, 512 for Flow-GRPO as the "
                              "authors' recipe; SD v1.5's benchmarks stay at 512)")
     parser.add_argument("--grpo_samples", type=int, default=4, help="Flow-GRPO images sampled and trained per step")
     parser.add_argument("--grpo_inference_steps", type=int, default=10, help="SDE steps per Flow-GRPO sample (authors: 10)")
@@ -613,14 +632,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             side = latent_side(arch, args.tiny, args.resolution)
             work = (f"{args.pairs} pairs at {side}x{side} latents (policy fwd+bwd and reference fwd on {2 * args.pairs} "
                     "images, cached latents)")
-        elif bench == "sd35m_grpo_lora":
-            arch = ARCHS["sd35m"]
-            step, *held = sd3_grpo_bench(arch, accelerator, args.tiny, args.grpo_samples, args.grpo_inference_steps,
-                                         checkpointing, 32 if not args.tiny else 4, args.resolution or 512)
+        elif bench in ("sd35m_grpo_lora", "flux_grpo_lora"):
+            arch = ARCHS["sd35m" if bench == "sd35m_grpo_lora" else "flux-dev"]
+            step, *held = flow_grpo_bench(arch, accelerator, args.tiny, args.grpo_samples, args.grpo_inference_steps,
+                                          checkpointing, args.resolution or 512)
             side = latent_side(arch, args.tiny, args.resolution or 512)
+            how = ("with CFG", "policy with CFG + adapter-off reference for the KL") if arch.kind == "sd3" else \
+                  ("with the guidance embedding", "policy only: no CFG, no KL")
             work = (f"{args.grpo_samples} images x {args.grpo_inference_steps} SDE steps at {side}x{side} latents sampled "
-                    f"with CFG, decoded, then trained on {max(1, int(args.grpo_inference_steps * 0.99))} steps each "
-                    "(policy with CFG + adapter-off reference for the KL)")
+                    f"{how[0]}, decoded, then trained on {max(1, int(args.grpo_inference_steps * 0.99))} steps each "
+                    f"({how[1]})")
         elif bench in ("dpo_lora", "dpo_full"):
             step, *held = dpo_bench(models, accelerator, bench.split("_")[1], args.pairs, checkpointing, args.lora_rank)
             work = f"{args.pairs} pairs (policy fwd+bwd and reference fwd on {2 * args.pairs} images)"

@@ -18,7 +18,7 @@ def test_tiny_benchmark_runs_and_counts_the_work_of_each_step(tmp_path, capsys):
                               "--json", str(out)])
     printed = capsys.readouterr().out
     assert [r["bench"] for r in results] == ["dpo_lora", "dpo_full", "ddpo_lora", "sdxl_dpo_lora", "sd35m_dpo_lora",
-                                             "sd35m_grpo_lora"]
+                                             "sd35m_grpo_lora", "flux_grpo_lora"]
     assert json.loads(out.read_text())["results"] == results
     assert "32 px | precision bf16" in printed and "| MFU" not in printed  # no peak FLOP/s known for a CPU
     for r in results:
@@ -49,6 +49,11 @@ def test_tiny_benchmark_runs_and_counts_the_work_of_each_step(tmp_path, capsys):
         decode = bench_gpu.count_flops(lambda: vae.decode(torch.zeros(2, 16, bench_gpu.TINY_LATENT, bench_gpu.TINY_LATENT)))
     training = by_name["sd35m_grpo_lora"] - 2 * 3 * 2 * one_image - decode
     assert 2 * 2 * 5 * one_image < training < 2 * 2 * 8 * one_image
+    # FLUX.1-dev's recipe: the guidance embedding instead of CFG (one forward a sampling step) and no KL, so a trained
+    # step is the conditional forward, its recomputation and its backward: 2.5 to 5 forwards (measured: 3.6).
+    one_image = tiny_forward_flops("flux-dev", 1)
+    training = by_name["flux_grpo_lora"] - 2 * 3 * one_image - decode
+    assert 2 * 2 * 2.5 * one_image < training < 2 * 2 * 5 * one_image
 
 
 def tiny_forward_flops(arch_name: str, batch: int) -> float:
@@ -56,7 +61,7 @@ def tiny_forward_flops(arch_name: str, batch: int) -> float:
     arch = bench_gpu.ARCHS[arch_name]
     model = bench_gpu.build_denoiser(arch, True, "cpu")
     side = bench_gpu.TINY_LATENT
-    latents = torch.zeros((batch, model.config.in_channels, side, side))
+    latents = torch.zeros((batch, bench_gpu.latent_channels(arch, model), side, side))
     cond = bench_gpu.random_conditioning(arch, model, batch, side, True, "cpu")
     with torch.no_grad():
         return bench_gpu.count_flops(lambda: bench_gpu.predict(arch, model, latents, torch.full((batch,), 500.0), cond))
