@@ -73,6 +73,13 @@ def row_config(args, steps: int, guidance: float, row: str):
                       timestep_selection="high_noise" if selection == "first" else "random")
 
 
+def pairwise_cosine(estimates: list[torch.Tensor]) -> tuple[float, float]:
+    """Mean cosine between every pair of flattened gradient estimates, ± the standard error of those pairs' mean."""
+    cos = torch.tensor([torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+                        for a, b in itertools.combinations(estimates, 2)])
+    return float(cos.mean()), float(cos.std() / len(cos) ** 0.5) if len(cos) > 1 else float("nan")
+
+
 def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, resolution, config, seed, both_halves, params,
                       shared_noise=False):
     """One flattened policy gradient (the PPO objective at ratio 1) and the batch's mean reward."""
@@ -170,11 +177,9 @@ def main(argv=None):
                                        resolution, config, args.seed * 1000 + i, args.both_cfg_halves, params,
                                        args.shared_noise)
                      for i in range(args.estimates)]
-        cos = torch.tensor([torch.nn.functional.cosine_similarity(a, b, dim=0).item()
-                            for (a, _), (b, _) in itertools.combinations(estimates, 2)])
-        se = float(cos.std() / len(cos) ** 0.5) if len(cos) > 1 else float("nan")
+        cosine, se = pairwise_cosine([grad for grad, _ in estimates])
         reward = sum(r for _, r in estimates) / len(estimates)
-        print(f"{row:<11} {float(cos.mean()):>+14.4f} {se:>8.4f} {reward:>12.3f}", flush=True)
+        print(f"{row:<11} {cosine:>+14.4f} {se:>8.4f} {reward:>12.3f}", flush=True)
 
 
 if __name__ == "__main__":

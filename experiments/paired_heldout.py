@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for folder in (REPO, REPO / "experiments"):  # the package, and flow_ceiling's paired_gain
+for folder in (REPO, REPO / "experiments"):  # the package, and flow_ceiling's layout and paired_gain
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
@@ -79,6 +79,8 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
+    from flow_ceiling import held_out_set
+
     import rewards
     from align.training import load_prompt_list
 
@@ -90,10 +92,10 @@ def main(argv=None):
         sys.exit(f"--out: the models' folder names must differ and not be 'base' (the score files are <name>.json), got {names}")
     k = args.images_per_prompt
     if args.trainers_layout:
-        captions = load_prompt_list(args.prompts) * k
+        captions, seeds = held_out_set(args.prompts, k, args.first_seed)
     else:
         captions = [c for c in load_prompt_list(args.prompts) for _ in range(k)]
-    seeds = [args.first_seed + i for i in range(len(captions))]
+        seeds = [args.first_seed + i for i in range(len(captions))]
     judge = rewards.load(args.judge)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

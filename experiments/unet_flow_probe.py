@@ -30,7 +30,6 @@ SD testbed's own chain, seen through the flow code.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import time
@@ -40,11 +39,12 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-for folder in (REPO, REPO / "scripts"):  # the package, and build_flow_testbed's scene rendering and encoding
+for folder in (REPO, REPO / "scripts", REPO / "experiments"):  # the package, build_flow_testbed, ddpo_gradient_snr
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
 from build_flow_testbed import EVAL_CAPTION_SEED, encode_latents, render_scenes, swap_captions  # noqa: E402
+from ddpo_gradient_snr import pairwise_cosine  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -237,9 +237,8 @@ def main(argv=None):
         loss.backward()
         estimates.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
         print(f"[probe] estimate {e}: mean reward {rewards_.mean():.3f}", flush=True)
-    cos = torch.tensor([F.cosine_similarity(a, b, dim=0).item() for a, b in itertools.combinations(estimates, 2)])
-    se = float(cos.std() / len(cos) ** 0.5) if len(cos) > 1 else float("nan")
-    print(f"[probe] policy-gradient cosine, first {window} of {len(sigmas) - 1} steps: {cos.mean():+.4f} ± {se:.4f}",
+    cosine, se = pairwise_cosine(estimates)
+    print(f"[probe] policy-gradient cosine, first {window} of {len(sigmas) - 1} steps: {cosine:+.4f} ± {se:.4f}",
           flush=True)
 
 
