@@ -79,7 +79,7 @@ def evaluation_rounds(every: int, total: int, before: bool = True) -> int:
 def dpo_api_plan(config, judge, eval_judge, feedback_prompts: int, eval_prompts: int) -> list[JudgeCalls]:
     """Diffusion-DPO with AI feedback: each prompt's K images scored (pointwise judge) or its adjacent pairs
     compared (pairwise judge), in every round; plus the held-out evaluation's images."""
-    from align.feedback import pairwise_scheme  # pyarrow: not on every command's import path
+    from align.data.feedback import pairwise_scheme  # pyarrow: not on every command's import path
 
     plans = []
     if judge is not None:
@@ -114,7 +114,7 @@ def ddpo_api_plan(config, reward_members, eval_members, eval_prompts: int) -> li
 
 
 def evaluate_api_plan(judges: dict, num_models: int, samples: int) -> list[JudgeCalls]:
-    """align.evaluate: a pointwise judge scores every model's samples; a pairwise one compares every two models on
+    """align.eval.evaluate: a pointwise judge scores every model's samples; a pairwise one compares every two models on
     every sample (win rates), both orders where the judge asks both."""
     plans = []
     for judge in judges.values():
@@ -127,7 +127,7 @@ def evaluate_api_plan(judges: dict, num_models: int, samples: int) -> list[Judge
 
 
 def best_of_n_api_plan(selector, others: dict, num_prompts: int, n: int, curve_points: int, zero_order: bool) -> list[JudgeCalls]:
-    """align.best_of_n: the selector scores all N candidates per prompt (a pairwise selector runs a knockout, N - 1
+    """align.eval.best_of_n: the selector scores all N candidates per prompt (a pairwise selector runs a knockout, N - 1
     comparisons), zero-order search scores up to N more; the other judges score every candidate, or (pairwise)
     compare each curve point's pick with the N = 1 pick."""
     candidates = num_prompts * n

@@ -14,7 +14,7 @@ from align.families import UnknownFamilyError, family_of, family_of_pipeline
 from align.families.base import LORA_WEIGHTS, ModelLoadError, dtype_argument, one_line
 from align.families.sd import StableDiffusion
 from align.progress import progress_bar
-from align.runs import CONFIG_FILE
+from align.run_folder import CONFIG_FILE
 from align.testbed.weights import (
     FLOW_TESTBED_SETTINGS_FILE,
     TESTBED_SETTINGS_FILE,

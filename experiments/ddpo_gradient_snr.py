@@ -6,7 +6,7 @@
 
 Each estimate is the gradient of the trainer's first-minibatch objective, -mean(A · log p(x_next | x)),
 with group-relative advantages, on its own fresh batch of prompts and samples, all from the same model,
-computed with the trainer's own sampler, step Gaussian and guided prediction (``align.ddpo``), for the
+computed with the trainer's own sampler, step Gaussian and guided prediction (``align.train.ddpo``), for the
 weights the trainer trains (a fresh LoRA: only its B matrices have a gradient at the start; ``--full``:
 every weight of the denoiser). The mean pairwise cosine between estimates measures signal against
 noise: if g_i = μ + ε_i, then E[cos(g_i, g_j)] ≈ |μ|² / (|μ|² + E|ε|²), so a cosine near 0 means an
@@ -62,7 +62,7 @@ def parse_args(argv=None):
 
 def row_config(args, steps: int, guidance: float, row: str):
     """The trainer's config for one row ``selection:k``."""
-    from align.ddpo import DDPOConfig
+    from align.train.ddpo import DDPOConfig
 
     selection, _, k = row.partition(":")
     if selection not in ("all", "first", "window") or not k.isdigit() or not 1 <= int(k) <= steps:
@@ -83,8 +83,10 @@ def pairwise_cosine(estimates: list[torch.Tensor]) -> tuple[float, float]:
 def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, resolution, config, seed, both_halves, params,
                       shared_noise=False):
     """One flattened policy gradient (the PPO objective at ratio 1) and the batch's mean reward."""
-    from align.advantages import group_advantages
-    from align.ddpo import (
+    from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
+    from align.pipeline import decode_latents
+    from align.train.advantages import group_advantages
+    from align.train.ddpo import (
         draw_prompts,
         policy_step,
         sample_steps,
@@ -92,8 +94,6 @@ def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, 
         train_timestep_indices,
         trained_prediction,
     )
-    from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
-    from align.pipeline import decode_latents
 
     g = torch.Generator().manual_seed(seed)
     batch = draw_prompts(prompts, config, g)
@@ -132,9 +132,9 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     import rewards
+    from align.data.prompt_sets import load_prompt_list
     from align.families import family_of_pipeline
     from align.pipeline import add_lora, load_pipeline, testbed_settings
-    from align.training import load_prompt_list
 
     if args.samples % args.images_per_prompt or args.images_per_prompt < 2:
         sys.exit("--samples must be a multiple of --images-per-prompt (>= 2: advantages are group-relative)")

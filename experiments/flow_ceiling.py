@@ -93,7 +93,7 @@ def paired_gain(before: list[float], after: list[float], images_per_prompt: int)
 
 def held_out_set(spec: str, repeats: int, first_seed: int) -> tuple[list[str], list[int]]:
     """The trainers' layout: the prompt list repeated ``repeats`` times, image i seeded ``first_seed + i``."""
-    from align.training import load_prompt_list
+    from align.data.prompt_sets import load_prompt_list
 
     prompts = load_prompt_list(spec) * repeats
     return prompts, [first_seed + i for i in range(len(prompts))]
@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     import rewards
     from align.pipeline import add_lora, generate_images, load_pipeline, merged_adapter, testbed_settings
-    from align.runs import atomic_write_text
+    from align.run_folder import atomic_write_text
 
     settings = testbed_settings(args.model)
     if "max_sequence_length" not in settings:

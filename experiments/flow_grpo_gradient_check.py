@@ -46,12 +46,12 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    from align.ddpo import DDPOConfig, policy_step
+    from align.data.prompt_sets import load_prompt_list
     from align.families import family_of_pipeline
     from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
-    from align.flow_sampling import sample_flow_with_logprob
     from align.pipeline import add_lora, load_pipeline
-    from align.training import load_prompt_list
+    from align.sampling.flow import sample_flow_with_logprob
+    from align.train.ddpo import DDPOConfig, policy_step
 
     pipe = load_pipeline(args.model)
     family = family_of_pipeline(pipe)

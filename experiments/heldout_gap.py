@@ -46,7 +46,7 @@ def gap_parts(scores, images_per_prompt: int, best: float = 1.0) -> dict[str, fl
 
 def eval_files(run: Path) -> list[tuple[str, Path]]:
     """The run's held-out evaluations in training order."""
-    from align.runs import eval_step, held_out_evals
+    from align.run_folder import eval_step, held_out_evals
 
     files = [("before", run / "eval_before.json")]
     files += [(f"step {eval_step(p)}", p) for p in held_out_evals(run)]
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("runs", nargs="+", type=Path, help="run folders of align/dpo.py or align/ddpo.py")
     p.add_argument("--best", type=float, default=1.0, help="the judge's best score (the shapes oracle: 1)")
     args = p.parse_args(argv)
-    from align.runs import CONFIG_FILE
+    from align.run_folder import CONFIG_FILE
 
     for run in args.runs:
         config_file = run / CONFIG_FILE

@@ -59,8 +59,8 @@ def paired_gain(before: list[float], after: list[float], images_per_prompt: int,
 
 def score_model(model: str, captions: list[str], seeds: list[int], judge) -> list[float]:
     """The judge's score of every (caption, seed) image, sampled with the (base) model's testbed settings."""
-    from align.evaluate import EvalConfig
-    from align.generation import sampling_settings
+    from align.eval.evaluate import EvalConfig
+    from align.eval.generation import sampling_settings
     from align.pipeline import generate_images, load_trained
 
     pipe = load_trained(model)
@@ -82,7 +82,7 @@ def main(argv=None):
     from flow_ceiling import held_out_set
 
     import rewards
-    from align.training import load_prompt_list
+    from align.data.prompt_sets import load_prompt_list
 
     names = [Path(model).name for model in args.models]
     for model in [args.base, *args.models]:

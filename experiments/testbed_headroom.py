@@ -39,7 +39,7 @@ def stochastic_generations(pipe, captions, seeds, settings, eta: float, stochast
     """Images from DDPO's sampler: η on the first stochastic_steps steps, η = 0 after. The starting noise comes
     from each image's seed (as in generate_images); the steps' noise from one generator per batch."""
     from align.pipeline import decode_latents, encode_prompts
-    from align.sampling import sample_with_logprob
+    from align.sampling.ddim import sample_with_logprob
 
     negative = encode_prompts(pipe, [""])
     shape = (pipe.unet.config.in_channels, pipe.unet.config.sample_size, pipe.unet.config.sample_size)
@@ -70,11 +70,11 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
 
     import rewards
-    from align.evaluate import EvalConfig
-    from align.generation import sampling_settings
+    from align.data.prompt_sets import load_prompt_list
+    from align.eval.evaluate import EvalConfig
+    from align.eval.generation import sampling_settings
     from align.pipeline import decode_latents, encode_images, generate_images, load_trained
     from align.testbed.scene import render
-    from align.training import load_prompt_list
     from rewards.images import to_tensor
 
     pipe = load_trained(args.model)

@@ -78,9 +78,10 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     import rewards
-    from align.ddpo import DDPOConfig
+    from align.data.prompt_sets import load_prompt_list
     from align.pipeline import add_lora, encode_images, encode_prompts, load_pipeline, testbed_settings
-    from align.training import evaluate_model, load_prompt_list
+    from align.train.ddpo import DDPOConfig
+    from align.train.heldout import evaluate_model
 
     settings = testbed_settings("testbed")
     steps, guidance = settings["num_inference_steps"], settings["guidance_scale"]

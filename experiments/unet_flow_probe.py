@@ -90,7 +90,7 @@ def ddim_flow_step(x, v, sigma, sigma_next, sigma_max, eta: float):
     """DDIM's stochastic step (η) in flow coordinates: x_t = (√ᾱ + √(1-ᾱ))·x_flow turns DDIM's
     √ᾱ'·x̂0 + √(1-ᾱ'-σ_t²)·ε̂ + σ_t·z into (1-σ')·x̂0 + √(σ'² - s²)·ε̂ + s·z with s = σ_t / (√ᾱ' + √(1-ᾱ')).
     ``sde_step``'s arguments (``sigma_max`` unused), so that the trainer's sampler takes it."""
-    from align.flow_sampling import FlowStep
+    from align.sampling.flow import FlowStep
 
     def alpha_bar(s):
         return (1 - s) ** 2 / ((1 - s) ** 2 + s**2)
@@ -163,12 +163,12 @@ def main(argv=None):
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     import rewards
-    from align.advantages import group_advantages
-    from align.ddpo import DDPOConfig, draw_prompts
-    from align.flow_sampling import gaussian_log_prob, sample_flow_with_logprob, sde_step
+    from align.data.prompt_sets import load_prompt_list
     from align.pipeline import add_lora, decode_latents, encode_prompts, load_pipeline
+    from align.sampling.flow import gaussian_log_prob, sample_flow_with_logprob, sde_step
     from align.testbed.scene import sample_captions
-    from align.training import load_prompt_list
+    from align.train.advantages import group_advantages
+    from align.train.ddpo import DDPOConfig, draw_prompts
 
     g = torch.Generator().manual_seed(args.seed)
     pipe = load_pipeline("testbed")

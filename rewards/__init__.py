@@ -56,7 +56,7 @@ _PREFIXES: dict[str, str] = {
     "hf-vlm": "rewards.vlm:hf_vlm",
 }
 
-# A folder written by ``align.train_reward`` carries this file and loads by path.
+# A folder written by ``align.train.reward_model`` carries this file and loads by path.
 TRAINED_MARKER = "reward_model.json"
 
 

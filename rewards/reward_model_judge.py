@@ -1,5 +1,5 @@
 """A judge around a reward model: ``rewards(prompts, pil_images) -> tensor[N]`` scored and compared with the
-model's temperature. Shared by the folders ``align.train_reward`` writes (``rewards.trained``) and LLaVA-Reward
+model's temperature. Shared by the folders ``align.train.reward_model`` writes (``rewards.trained``) and LLaVA-Reward
 (``rewards.llava_reward``), in a module of its own so neither of those imports the other's judge.
 """
 

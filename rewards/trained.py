@@ -1,4 +1,4 @@
-"""Reward models trained by ``align.train_reward``, loaded by path: ``rewards.load("<folder>")``.
+"""Reward models trained by ``align.train.reward_model``, loaded by path: ``rewards.load("<folder>")``.
 
 A trained folder holds ``reward_model.json`` (the marker, written last) plus the weights:
 
@@ -204,7 +204,7 @@ def read_marker(path: str | Path) -> dict:
 
 def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float32, batch_size: int = 32,
                  calibrated: bool = True, tie_margin: float = 0.0, name: str | None = None, **options) -> TrainedRewardJudge:
-    """Load a folder written by ``align.train_reward`` as a judge (the registry calls this for a path)."""
+    """Load a folder written by ``align.train.reward_model`` as a judge (the registry calls this for a path)."""
     meta = read_marker(path)
     folder = Path(path).expanduser()
     device = resolve_device(device or "cpu")

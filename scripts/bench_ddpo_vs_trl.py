@@ -124,7 +124,7 @@ def prompts_for(n: int) -> list[str]:
 
 def run_ours(args) -> dict:
 
-    from align import ddpo
+    from align.train import ddpo
 
     work = Path(args.workdir)
     prompt_file = work / "prompts.txt"

@@ -54,8 +54,8 @@ def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.dev
 
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
-    from align.losses import diffusion_dpo_loss, per_sample_mse
     from align.pipeline import add_lora, disabled_adapter, frozen_copy
+    from align.train.losses import diffusion_dpo_loss, per_sample_mse
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**SD15_UNET).to(device)
@@ -99,7 +99,7 @@ def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.dev
 def make_pairs(path: Path, count: int, size: int) -> None:
     from PIL import Image
 
-    from align.data import write_pairs_parquet
+    from align.data.pairs import write_pairs_parquet
     from rewards.images import encode_png
 
     g = torch.Generator().manual_seed(0)
@@ -114,7 +114,7 @@ def make_pairs(path: Path, count: int, size: int) -> None:
 def run_tiny(cache: bool, steps: int) -> dict:
     from tiny_sd import build_tiny_pipeline
 
-    from align import dpo
+    from align.train import dpo
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_pipeline(Path(tmp) / "m")

@@ -8,8 +8,8 @@
     python scripts/bench_gpu.py --count_forward         # FLOPs of one SD v1.5 UNet forward at 512 px, no compute
 
 What runs is the project's own code: the trainers' Accelerator set-up (align.training.make_accelerator, bf16
-autocast on the prepared UNet), align.pipeline's LoRA / frozen reference / disabled adapter, align.losses for
-Diffusion-DPO, and for DDPO align.sampling.sample_with_logprob (the sampling phase) then align.ddpo's
+autocast on the prepared UNet), align.pipeline's LoRA / frozen reference / disabled adapter, align.train.losses for
+Diffusion-DPO, and for DDPO align.sampling.ddim.sample_with_logprob (the sampling phase) then align.train.ddpo's
 train_micro_batch (the PPO update) on those samples. Diffusion-DPO's step reads cached latents and text embeddings
 (as the trainer does after its first pass, or from the precomputed store), so its VAE and text encoder run once.
 
@@ -190,7 +190,7 @@ class Models:
 
     def fresh_unet(self, seed: int = 0):
         torch.manual_seed(seed)
-        from align.training import keep_default_attention
+        from align.train.accelerator import keep_default_attention
 
         unet = self._unet_class(**self.unet_config).to(self.device)
         keep_default_attention(unet)  # SDPA, as the trainers run it
@@ -248,7 +248,7 @@ def build_denoiser(arch: Arch, tiny: bool, device):
     with torch.device(device):
         model = model_class(**(arch.tiny_config if tiny else arch.config))
     if arch.kind == "unet":
-        from align.training import keep_default_attention
+        from align.train.accelerator import keep_default_attention
 
         keep_default_attention(model)  # SDPA, as the trainers run it
     return model
@@ -337,12 +337,12 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
                      resolution: int | None):
     """One Diffusion-DPO LoRA step on ``pairs`` cached-latent pairs of an SDXL / SD3-architecture denoiser: the policy's
     error on winner and loser at the same noise and time, the reference's (adapter off) under the same autocast, and
-    align.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
+    align.train.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
     from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
     from align.families.base import cat_conditioning
-    from align.losses import diffusion_dpo_loss, per_sample_mse
     from align.pipeline import add_lora, disabled_adapter
+    from align.train.losses import diffusion_dpo_loss, per_sample_mse
 
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
@@ -383,16 +383,16 @@ FLOW_GRPO_RECIPES = {
 def flow_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_steps: int, checkpointing: bool,
                     resolution: int | None):
     """One Flow-GRPO step as the authors' SD3 / FLUX recipe (FLOW_GRPO_RECIPES): sample ``samples`` images with the
-    SDE sampler (align.flow_sampling, σ shift 3), decode them, then train every SDE step but the last
+    SDE sampler (align.sampling.flow, σ shift 3), decode them, then train every SDE step but the last
     (timestep_fraction 0.99): the policy's step log-probability (SD3: CFG with the unconditional branch without
-    gradient; FLUX: the guidance embedding), the clipped ratio (align.losses.ddpo_clipped_loss) and, for SD3, the
+    gradient; FLUX: the guidance embedding), the clipped ratio (align.train.losses.ddpo_clipped_loss) and, for SD3, the
     KL to the adapter-off reference. LoRA on the family's targets (align.families), rank 4 when tiny."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
     from align.families.base import expand_conditioning, select_conditioning
-    from align.flow_sampling import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
-    from align.losses import ddpo_clipped_loss
     from align.pipeline import add_lora, disabled_adapter
+    from align.sampling.flow import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
+    from align.train.losses import ddpo_clipped_loss
 
     recipe = FLOW_GRPO_RECIPES[arch.kind]
     device = accelerator.device
@@ -482,8 +482,8 @@ def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak
 
 def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpointing: bool, lora_rank: int):
     """One Diffusion-DPO optimiser step on ``pairs`` pairs, as align/dpo.py's loop computes it."""
-    from align.losses import diffusion_dpo_loss, per_sample_mse
     from align.pipeline import add_lora, disabled_adapter, frozen_copy
+    from align.train.losses import diffusion_dpo_loss, per_sample_mse
 
     unet = models.fresh_unet()
     if finetune == "lora":
@@ -520,12 +520,12 @@ def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpoint
 
 def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, checkpointing: bool, lora_rank: int):
     """One DDPO step: sample ``samples`` images with per-step log-probabilities (CFG 5, eta 1, LoRA), decode them,
-    then one PPO update on every sampled timestep through align.ddpo.train_micro_batch."""
+    then one PPO update on every sampled timestep through align.train.ddpo.train_micro_batch."""
     from types import SimpleNamespace
 
-    from align.ddpo import train_micro_batch
     from align.pipeline import add_lora, disabled_adapter
-    from align.sampling import sample_with_logprob
+    from align.sampling.ddim import sample_with_logprob
+    from align.train.ddpo import train_micro_batch
 
     unet = models.fresh_unet()
     add_lora(unet, rank=lora_rank)
@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.count_forward:
         return count_forwards(args.count_forward)
 
-    from align.training import make_accelerator
+    from align.train.accelerator import make_accelerator
 
     if not args.tiny and not torch.cuda.is_available():
         print("error: no CUDA GPU here; run with --tiny for the CPU-sized check", file=sys.stderr)

@@ -211,7 +211,7 @@ def main() -> None:
         print(f"{row['judge']:<12} {row['tiny_images_per_s']:>10.1f} {real}")
     print("vpscore: same adapter as imagereward (throughput copied; size assumes ImageReward's layout, unverified)")
     if args.json:  # atomically: a reader never sees half a file
-        from align.runs import atomic_write_text
+        from align.run_folder import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(rows, indent=2))
 

@@ -7,15 +7,15 @@
 
 For every judge in --judges (same base, prompts, seeds and budget; only the judge differs):
   1. feedback: the judge labels the same base-model images (K per prompt, generated once for all
-     judges) through align.feedback, written as a Pick-a-Pic-schema parquet;
+     judges) through align.data.feedback, written as a Pick-a-Pic-schema parquet;
   2. its quality: agreement of those labels with --oracle's verdicts on the same pairs (pairs the
      oracle calls a tie are left out; a judge's tie or abstention counts 1/2);
   3. fine-tuning: Diffusion-DPO on that feedback (the trainer's YAML plus --max_steps); with
      --trainer ddpo the judge is the online reward instead.
 Then every resulting model and the base are evaluated by every judge, the oracle and FID
-(align.evaluate), and judge quality is set against downstream quality: the table, and the
+(align.eval.evaluate), and judge quality is set against downstream quality: the table, and the
 Spearman correlation between label accuracy and the oracle's score of each judge's model.
-Outputs in --output_dir: feedback/<judge>.parquet, runs/<judge>/, eval/ (align.evaluate's outputs),
+Outputs in --output_dir: feedback/<judge>.parquet, runs/<judge>/, eval/ (align.eval.evaluate's outputs),
 compare.json, compare.csv and report.html. Finished feedback and runs are reused on a re-run.
 """
 
@@ -60,7 +60,7 @@ class CompareConfig:
     seed: int = option(0, "seed of the base-model images and of every fine-tuning run", "optimisation")
     images_per_prompt: int = option(2, "K base-model images per feedback prompt (2: every judge labels the same "
                                     "pairs)", "data")
-    # --- downstream evaluation (align.evaluate)
+    # --- downstream evaluation (align.eval.evaluate)
     eval_prompts: str = option("testbed", "held-out prompt set of the downstream evaluation", "evaluation")
     eval_num_prompts: int = option(64, "held-out prompts evaluated", "evaluation")
     eval_prompt_seed: int = option(1000, "seed of the sampled held-out prompts (testbed)", "evaluation")
@@ -98,9 +98,9 @@ class CompareConfig:
 def shared_generator(config: CompareConfig):
     """generate_images(prompts, seeds) over the base model, memoised: every judge labels the same
     images (same prompts and seeds), so they are generated once for all judges."""
-    from align.evaluate import EvalConfig
-    from align.feedback import make_pipeline_generator
-    from align.generation import sampling_settings
+    from align.data.feedback import make_pipeline_generator
+    from align.eval.evaluate import EvalConfig
+    from align.eval.generation import sampling_settings
     from align.pipeline import load_pipeline
 
     settings = sampling_settings(EvalConfig(), config.model)  # no flags: the base model's own settings
@@ -136,12 +136,12 @@ def label_outcomes(path: Path) -> tuple[list[str], list, list, np.ndarray]:
 
 
 def feedback_for_all(config: CompareConfig, judges: list[str], out: Path) -> tuple[dict[str, Path], dict]:
-    """Each judge labels the same base-model images (align.feedback); its accuracy is the agreement of
+    """Each judge labels the same base-model images (align.data.feedback); its accuracy is the agreement of
     its labels with the oracle's verdicts on the very pairs it labelled (the data its model learns from)."""
-    from align.feedback import generate_feedback
+    from align.data.feedback import generate_feedback
+    from align.data.prompt_sets import load_prompt_set
     from align.judges import load_judge
     from align.metrics import outcomes_from_preferences, pairwise_accuracy
-    from align.prompt_sets import load_prompt_set
 
     prompts = load_prompt_set(config.train_prompts).prompts
     generate_images = None
@@ -259,10 +259,11 @@ def downstream_table(judges: list[str], runs: dict, accuracy: dict, results: dic
 
 
 def compare(config: CompareConfig) -> dict:
-    from align import metrics, report
-    from align.evaluate import EvalConfig, evaluate
+    from align import metrics
+    from align.eval import report
+    from align.eval.evaluate import EvalConfig, evaluate
     from align.judges import split_list
-    from align.runs import atomic_write_text
+    from align.run_folder import atomic_write_text
 
     config.validate()
     judges = split_list(config.judges)
@@ -315,7 +316,7 @@ def compare(config: CompareConfig) -> dict:
 
 
 def slug_name(spec: str) -> str:
-    from align.generation import slug
+    from align.eval.generation import slug
 
     return slug(spec.replace("shapes-oracle", "oracle"), 40)
 

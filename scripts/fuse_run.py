@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def fuse_run(run: str, out: Path, base: str | None = None) -> Path:
     """Save ``run``'s trained pipeline to ``out`` with any LoRA folded into the UNet weights."""
     from align.pipeline import base_of, load_trained, resolve_model
-    from align.runs import atomic_folder
+    from align.run_folder import atomic_folder
     from align.testbed.weights import TESTBED_SETTINGS_FILE
 
     if out.exists() and any(out.iterdir()):

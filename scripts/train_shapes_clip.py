@@ -222,7 +222,7 @@ def evaluate_near_misses(scorers, oracle, captions: list[str], seed: int) -> dic
 @torch.no_grad()
 def evaluate_generations(scorers, oracle, pipeline_dir: Path, captions: list[str], seed: int) -> dict:
     """Two base-model generations per held-out caption (default testbed settings)."""
-    from align.feedback import make_pipeline_generator
+    from align.data.feedback import make_pipeline_generator
     from align.pipeline import load_pipeline, testbed_settings
 
     settings = testbed_settings(str(pipeline_dir))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from align.advantages import (
+from align.train.advantages import (
     EPS,
     PerPromptStatTracker,
     batch_advantages,

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from align import ddpo, dpo
 from align.api_cost import JudgeCalls, guard_api_cost
 from align.cli import ConfigError
+from align.train import ddpo, dpo
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_api_trainers  # noqa: E402
@@ -93,7 +93,7 @@ def test_dpo_feedback_over_the_cap_is_refused_before_any_call(tiny_model, prompt
 
 
 def test_judgebench_counts_cached_answers_as_free(server, tmp_path, capsys):
-    from align import judgebench
+    from align.judgebench import benchmark as judgebench
 
     cache = tmp_path / "answers.sqlite"
     spec = f"gpt4o[model=fake-model,base_url={server.base_url},cache_path={cache}]"
@@ -117,7 +117,7 @@ def test_judgebench_counts_cached_answers_as_free(server, tmp_path, capsys):
 
 
 def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(tiny_model, server, tmp_path, capsys):
-    from align import best_of_n, evaluate
+    from align.eval import best_of_n, evaluate
 
     judge = gpt4o(server)
     with pytest.raises(SystemExit) as exit_:

@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from align import ddpo, dpo
-from align.runs import JUDGE_ANSWERS
+from align.run_folder import JUDGE_ANSWERS
+from align.train import ddpo, dpo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_judge_servers import FakeJudgeServer, brightness  # noqa: E402

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from align import best_of_n as bon
 from align.cli import ConfigError
+from align.eval import best_of_n as bon
 
 
 def test_curve_sizes():

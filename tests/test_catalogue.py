@@ -22,7 +22,10 @@ import pytest
 from PIL import Image
 
 import rewards.score
-from align import best_of_n, ddpo, dpo, evaluate, judgebench, train_reward
+from align.eval import best_of_n, evaluate
+from align.judgebench import benchmark as judgebench
+from align.train import ddpo, dpo
+from align.train import reward_model as train_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 PASTED_KEY = "sk-proj-Catalogue0KEY9never1echoed"
@@ -371,10 +374,10 @@ def test_bad_input_through_a_real_process(argv, says, tmp_path):
 
 def test_library_entry_points_raise_the_same_messages(tiny_model, tmp_path):
     """train(config) / evaluate(config) check exactly what the command line does, as ValueError/TypeError."""
-    from align.best_of_n import BestOfNConfig
-    from align.dpo_config import DPOConfig
-    from align.evaluate import EvalConfig
-    from align.train_reward import RewardTrainConfig
+    from align.eval.best_of_n import BestOfNConfig
+    from align.eval.evaluate import EvalConfig
+    from align.train.dpo_config import DPOConfig
+    from align.train.reward_model import RewardTrainConfig
 
     out = str(tmp_path / "out")
     with pytest.raises(ValueError, match="--learning_rate must be a finite number, got nan"):
@@ -416,7 +419,7 @@ def test_weights_never_load_through_pickle_code():
 
 def test_overwrite_leaves_no_compiled_code_in_the_run(tmp_path):
     """Older versions kept compiled sampling code in <run>/compiled/; it is never loaded, and --overwrite removes it."""
-    from align.runs import COMPILED, RunFolder
+    from align.run_folder import COMPILED, RunFolder
 
     run = tmp_path / "run"
     (run / COMPILED).mkdir(parents=True)

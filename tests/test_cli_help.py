@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from script_loader import load_script
 
-from align.best_of_n import BestOfNConfig
 from align.cli import GROUPS, first_paragraph, option, parse_config
-from align.ddpo_config import DDPOConfig
-from align.dpo_config import DPOConfig
-from align.evaluate import EvalConfig
-from align.judgebench import JudgeBenchConfig
-from align.train_reward import RewardTrainConfig
+from align.eval.best_of_n import BestOfNConfig
+from align.eval.evaluate import EvalConfig
+from align.judgebench.benchmark import JudgeBenchConfig
+from align.train.ddpo_config import DDPOConfig
+from align.train.dpo_config import DPOConfig
+from align.train.reward_model import RewardTrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CompareConfig = load_script("compare_judges").CompareConfig
@@ -143,8 +143,8 @@ def test_trainer_help_runs_as_a_script_and_explains_every_flag(script, config_cl
 
 
 @pytest.mark.parametrize("module_name, config_class", [
-    ("align.evaluate", EvalConfig), ("align.best_of_n", BestOfNConfig), ("align.judgebench", JudgeBenchConfig),
-    ("align.train_reward", RewardTrainConfig), ("align.dpo", DPOConfig), ("align.ddpo", DDPOConfig),
+    ("align.eval.evaluate", EvalConfig), ("align.eval.best_of_n", BestOfNConfig), ("align.judgebench.benchmark", JudgeBenchConfig),
+    ("align.train.reward_model", RewardTrainConfig), ("align.train.dpo", DPOConfig), ("align.train.ddpo", DDPOConfig),
 ])
 def test_each_entry_point_help_exits_0(module_name, config_class, capsys, monkeypatch):
     import importlib

@@ -1,4 +1,4 @@
-"""align.data: Pick-a-Pic-schema pairs, tie policy, winner-first swap, unreadable images, transforms,
+"""align.data.pairs: Pick-a-Pic-schema pairs, tie policy, winner-first swap, unreadable images, transforms,
 prompt sets."""
 
 import io
@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from align.data import (
+from align.data.pairs import (
     DataError,
     PairTransform,
     PreferencePair,
@@ -275,18 +275,18 @@ def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
     import sys
 
     code = (
-        "import sys, align.ddpo, align.data;"
+        "import sys, align.train.ddpo, align.data.pairs;"
         "from align.training import load_prompt_list; assert load_prompt_list('testbed:4');"
         "sys.exit('pyarrow' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
-# ------------------------------------------------------------------ streaming: align.pair_stream
+# ------------------------------------------------------------------ streaming: align.data.pair_stream
 
 
 def test_open_pairs_indexes_labels_only_and_reads_pairs_from_the_mapped_table(tmp_path):
-    from align.pair_stream import open_pairs
+    from align.data.pair_stream import open_pairs
 
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
     # Only the labels are read up front: the unreadable row is a pair until it is used.
@@ -309,7 +309,7 @@ def test_open_pairs_from_saved_dataset_and_parquet_folder_offline(tmp_path):
     goes through the same load_dataset call but cannot be tested offline)."""
     import datasets
 
-    from align.pair_stream import open_pairs
+    from align.data.pair_stream import open_pairs
 
     features = datasets.Features(caption=datasets.Value("string"), jpg_0=datasets.Image(), jpg_1=datasets.Image(),
                                  label_0=datasets.Value("float64"), label_1=datasets.Value("float64"),
@@ -330,7 +330,7 @@ def test_open_pairs_from_saved_dataset_and_parquet_folder_offline(tmp_path):
 def test_open_pairs_refuses_sources_without_the_pick_a_pic_columns(tmp_path):
     import datasets
 
-    from align.pair_stream import open_pairs
+    from align.data.pair_stream import open_pairs
 
     pq.write_table(pa.table({"caption": ["x"], "image": [RED]}), tmp_path / "cols.parquet")
     with pytest.raises(DataError, match=r"cols.parquet' lacks the Pick-a-Pic columns jpg_0, jpg_1, label_0, label_1"):
@@ -346,7 +346,7 @@ def test_open_pairs_refuses_sources_without_the_pick_a_pic_columns(tmp_path):
 
 
 def test_planned_batches_restart_at_any_step_and_workers_read_the_same_items(tmp_path):
-    from align.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
+    from align.data.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
 
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet", rows=[r for r in ROWS if r[0] != "broken"])),
                        cache_dir=str(tmp_path / "cache"))
@@ -365,7 +365,7 @@ def test_planned_batches_restart_at_any_step_and_workers_read_the_same_items(tmp
 
 
 def test_unreadable_image_reaches_the_trainer_as_one_line(tmp_path):
-    from align.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
+    from align.data.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
 
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
     loader = micro_batch_loader(PairPixels(table, 8), PlannedBatches(lambda s, m: [(0, False, False), (2, False, False)], 0, 1, 1), 1)

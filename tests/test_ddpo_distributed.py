@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from align import ddpo
-from align.ddpo import DDPOConfig
+from align.train import ddpo
+from align.train.ddpo import DDPOConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from two_processes import launch_two_cpu_processes  # noqa: E402

@@ -14,9 +14,9 @@ import yaml
 from safetensors.torch import load_file
 from script_loader import load_experiment
 
-from align import ddpo
-from align.ddpo_config import DDPOConfig
-from align.flow_sampling import draw_window
+from align.sampling.flow import draw_window
+from align.train import ddpo
+from align.train.ddpo_config import DDPOConfig
 
 
 @pytest.fixture(scope="module")

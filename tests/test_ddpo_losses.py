@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from align.losses import ddpo_clipped_loss, gaussian_mean_kl
+from align.train.losses import ddpo_clipped_loss, gaussian_mean_kl
 
 
 def test_ppo_clip_loss_hand_computed():

@@ -1,5 +1,5 @@
 """DDPO's sample and training order on N processes is the one of one process with N times the accumulation
-(align/ddpo_order.py); the end-to-end two-process run is tests/test_ddpo_distributed.py (slow)."""
+(align/train/ddpo_order.py); the end-to-end two-process run is tests/test_ddpo_distributed.py (slow)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import functools
 import numpy as np
 import pytest
 
-from align.advantages import PerPromptStatTracker, compute_advantages
-from align.ddpo import TRAIN, epoch_generator, train_timestep_indices
-from align.ddpo_order import gathered_slots, global_batch, in_global_order, stratified_order
+from align.train.advantages import PerPromptStatTracker, compute_advantages
+from align.train.ddpo import TRAIN, epoch_generator, train_timestep_indices
+from align.train.ddpo_order import gathered_slots, global_batch, in_global_order, stratified_order
 
 
 def epoch_schedule(processes: int, process: int, batches: int, batch_size: int, steps: int, k: int, epoch: int = 3):

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from script_loader import load_experiment
 
-from align import ddpo
-from align.ddpo import DDPOConfig
-from align.ddpo_rewards import MixedReward, RewardError, win_rates
 from align.pipeline import load_trained
+from align.train import ddpo
+from align.train.ddpo import DDPOConfig
+from align.train.ddpo_rewards import MixedReward, RewardError, win_rates
 from rewards.base import Judge, Preference, is_pointwise
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -362,12 +362,12 @@ def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
 
 
 def test_end_training_frees_the_prepared_model_before_the_process_group_goes():
-    # A DDP model that outlives its process group deadlocked 2-process gloo runs at exit (align/training.py).
+    # A DDP model that outlives its process group deadlocked 2-process gloo runs at exit (align/train/).
     import weakref
 
     from accelerate import Accelerator
 
-    from align.training import end_training
+    from align.train.accelerator import end_training
 
     accelerator = Accelerator()
     model = torch.nn.Linear(2, 2)
@@ -449,8 +449,8 @@ def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, k
 
 def _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range):
     """The formula directly: mean of the PPO terms of every sample at every timestep, zero advantages included."""
-    from align.losses import ddpo_clipped_loss
-    from align.sampling import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+    from align.sampling.ddim import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+    from align.train.losses import ddpo_clipped_loss
 
     n, steps = samples["timesteps"].shape
     lat = samples["all_latents"][:, :steps].flatten(0, 1)
@@ -466,8 +466,8 @@ def _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range):
 
 def _chosen_terms_gradient(unet, params, scheduler, samples, negative, step_of_sample, clip_range):
     """The formula for one trained step per sample: the mean PPO term over the samples at their steps."""
-    from align.losses import ddpo_clipped_loss
-    from align.sampling import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+    from align.sampling.ddim import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+    from align.train.losses import ddpo_clipped_loss
 
     rows = torch.arange(len(step_of_sample))
     lat = samples["all_latents"][rows, step_of_sample]

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from align import dpo
-from align.dpo import DPOConfig, TrainingStopped
 from align.pipeline import generate_images, load_pipeline
+from align.train import dpo
+from align.train.dpo import DPOConfig, TrainingStopped
 from rewards.images import decode_image, to_tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -117,7 +117,7 @@ def test_evaluation_batches_with_the_lora_merged_and_scores_as_unbatched_generat
     from types import SimpleNamespace
 
     from align.pipeline import add_lora, disabled_adapter
-    from align.training import evaluate_model
+    from align.train.heldout import evaluate_model
 
     class PixelProjection:
         """A fixed random projection of the pixels: any change to an image moves its score."""

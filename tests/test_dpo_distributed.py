@@ -13,8 +13,8 @@ import torch
 from noise_pairs import write_noise_pairs
 from safetensors.torch import load_file
 
-from align import dpo
-from align.dpo import DPOConfig
+from align.train import dpo
+from align.train.dpo import DPOConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from two_processes import launch_two_cpu_processes  # noqa: E402

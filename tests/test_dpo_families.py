@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from align import dpo
 from align.pipeline import generate_images, load_pipeline, load_trained
+from align.train import dpo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_dpo import _png, small_config  # noqa: E402

@@ -13,12 +13,18 @@ import torch
 import yaml
 from PIL import Image
 
-from align import best_of_n as bon
-from align import evaluate as ev
+from align.eval import best_of_n as bon
+from align.eval import evaluate as ev
+from align.eval.generation import (
+    GenerationCache,
+    ModelEntry,
+    model_fingerprint,
+    sample_seed,
+    sampling_settings,
+)
 from align.families import family_of, family_of_pipeline
-from align.generation import GenerationCache, ModelEntry, model_fingerprint, sample_seed, sampling_settings
 from align.pipeline import ModelLoadError, add_lora, generate_images, load_trained
-from align.runs import CONFIG_FILE
+from align.run_folder import CONFIG_FILE
 
 
 def build(family: str, folder):
@@ -183,7 +189,7 @@ def test_ai_feedback_pairs_from_a_flow_pipeline(tmp_path, flow_testbed_like):
     import pyarrow.parquet as pq
 
     import rewards
-    from align.feedback import derive_seed, generate_feedback, make_pipeline_generator
+    from align.data.feedback import derive_seed, generate_feedback, make_pipeline_generator
     from rewards.images import decode_image
 
     pipe = load_trained(str(flow_testbed_like))

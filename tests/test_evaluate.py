@@ -1,4 +1,4 @@
-"""align.evaluate end to end on two tiny models, plus prompt sets."""
+"""align.eval.evaluate end to end on two tiny models, plus prompt sets."""
 
 import json
 from html.parser import HTMLParser
@@ -9,13 +9,13 @@ import pytest
 import torch
 from script_loader import load_script
 
-from align import evaluate as ev
 from align import metrics
 from align.cli import ConfigError
-from align.generation import GenerationCache, ModelEntry, sample_seed
+from align.data.prompt_sets import PromptSetError, load_prompt_set
+from align.eval import evaluate as ev
+from align.eval.generation import GenerationCache, ModelEntry, sample_seed
+from align.eval.report import format_value
 from align.judges import split_list
-from align.prompt_sets import PromptSetError, load_prompt_set
-from align.report import format_value
 
 
 @pytest.fixture(scope="module")

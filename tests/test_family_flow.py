@@ -17,8 +17,8 @@ from align.families.base import (
     guided_prediction,
 )
 from align.families.flux import latent_image_ids, pack_latents, unpack_latents
-from align.flow_sampling import ode_step, sample_flow_with_logprob
 from align.pipeline import add_lora, generate_images, load_pipeline, load_trained, save_full_unet
+from align.sampling.flow import ode_step, sample_flow_with_logprob
 
 RES = 32
 PROMPTS = ["a red circle", "two blue squares"]

@@ -1,6 +1,6 @@
 """The SD 1.x/2.x family (align/families/sd.py) against StableDiffusionPipeline itself: prompt encoding, the
 unconditional side, VAE encode/decode, DDIM sampling through the family, and SD 2.x's v-prediction
-(training target and sampling through align/sampling.py)."""
+(training target and sampling through align/sampling/ddim.py)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from align.families import family_of_pipeline
 from align.families.base import guided_prediction
 from align.families.sd import StableDiffusion
 from align.pipeline import load_pipeline
-from align.sampling import ddim_step_with_logprob, sample_with_logprob
+from align.sampling.ddim import ddim_step_with_logprob, sample_with_logprob
 
 PROMPTS = ["a red circle", "two blue squares on the left"]
 
@@ -106,7 +106,7 @@ def test_sd2_v_prediction_trains_on_the_velocity(tiny_sd2_model):
 
 
 def test_sd2_stochastic_ddim_through_align_sampling_matches_the_pipeline(tiny_sd2_model):
-    """The DDPO sampler (align/sampling.py) on a v-prediction model: with η = 1 and the same generator, the
+    """The DDPO sampler (align/sampling/ddim.py) on a v-prediction model: with η = 1 and the same generator, the
     pipeline's own chain (its scheduler draws the step noise) and ours agree, step by step and whole."""
     pipe = load_pipeline(tiny_sd2_model)
     family = family_of_pipeline(pipe)

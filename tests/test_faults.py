@@ -15,18 +15,18 @@ import sys
 import time
 from pathlib import Path
 
+import align.training
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_ddpo_train import small_config as ddpo_small_config
 from test_dpo import small_config as dpo_small_config
 
-import align.feedback
+import align.data.feedback
 import align.pipeline
-import align.run_report
-import align.training
-from align import ddpo, dpo
-from align.runs import SET_ASIDE
+import align.train.report
+from align.run_folder import SET_ASIDE
+from align.train import ddpo, dpo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,7 +126,7 @@ def _count(n):
 
 
 def _labelling_fails_after_one_batch(monkeypatch):
-    real = align.feedback.generate_feedback
+    real = align.data.feedback.generate_feedback
 
     def generate_feedback(generate_images, *args, **kwargs):
         done = {"n": 0}
@@ -139,7 +139,7 @@ def _labelling_fails_after_one_batch(monkeypatch):
 
         return real(generate_then_fail, *args, **kwargs)
 
-    monkeypatch.setattr(align.feedback, "generate_feedback", generate_feedback)
+    monkeypatch.setattr(align.data.feedback, "generate_feedback", generate_feedback)
 
 
 def _half_written_lora(unet, folder, family=None):
@@ -189,8 +189,8 @@ DDPO_STAGES = {
         align.pipeline, "save_lora", lambda *a: True, partial=_half_written_lora)[1]),
     "after-evaluation": lambda mp: mp.setattr(ddpo, "evaluate_model", _fail_when(
         ddpo, "evaluate_model", lambda *a: a[-1] == "after")[1]),
-    "report": lambda mp: mp.setattr(align.run_report, "write_training_report", _fail_when(
-        align.run_report, "write_training_report", lambda *a, **k: True)[1]),
+    "report": lambda mp: mp.setattr(align.train.report, "write_training_report", _fail_when(
+        align.train.report, "write_training_report", lambda *a, **k: True)[1]),
 }
 
 

@@ -83,7 +83,7 @@ def _hashes(folder: Path, pattern: str) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob(pattern)) if p.is_file()}
 
 
-# ------------------------------------------------------------------ align.evaluate
+# ------------------------------------------------------------------ align.eval.evaluate
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def _eval_results(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def eval_straight(testbed_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "straight"
-    return out, _run("align.evaluate", _eval_argv(testbed_model, out), out)
+    return out, _run("align.eval.evaluate", _eval_argv(testbed_model, out), out)
 
 
 @pytest.mark.parametrize("fraction", _moments(0))
@@ -127,7 +127,7 @@ def test_evaluate_killed_at_a_random_moment_finishes_bit_identical(testbed_model
     straight, seconds = eval_straight
     out = tmp_path / "eval"
     argv = _eval_argv(testbed_model, out)
-    _killed_then_rerun("align.evaluate", argv, argv, out, seconds, fraction)
+    _killed_then_rerun("align.eval.evaluate", argv, argv, out, seconds, fraction)
     assert _eval_results(out) == _eval_results(straight)
     assert _hashes(out, "generations/*/*.png") == _hashes(straight, "generations/*/*.png")  # the cached images, bit for bit
     assert (out / "results.csv").read_text() == (straight / "results.csv").read_text()
@@ -135,7 +135,7 @@ def test_evaluate_killed_at_a_random_moment_finishes_bit_identical(testbed_model
     _no_leftovers(out)
 
 
-# ------------------------------------------------------------------ align.best_of_n
+# ------------------------------------------------------------------ align.eval.best_of_n
 
 
 def _bon_argv(model: str, out: Path) -> list[str]:
@@ -153,7 +153,7 @@ def _bon_results(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def bon_straight(testbed_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("bon") / "straight"
-    return out, _run("align.best_of_n", _bon_argv(testbed_model, out), out)
+    return out, _run("align.eval.best_of_n", _bon_argv(testbed_model, out), out)
 
 
 @pytest.mark.parametrize("fraction", _moments(1))
@@ -161,14 +161,14 @@ def test_best_of_n_killed_at_a_random_moment_finishes_bit_identical(testbed_mode
     straight, seconds = bon_straight
     out = tmp_path / "bon"
     argv = _bon_argv(testbed_model, out)
-    _killed_then_rerun("align.best_of_n", argv, argv, out, seconds, fraction)
+    _killed_then_rerun("align.eval.best_of_n", argv, argv, out, seconds, fraction)
     assert _bon_results(out) == _bon_results(straight)
     assert _hashes(out, "candidates/*/*.png") == _hashes(straight, "candidates/*/*.png")
     assert _hashes(out, "chosen/*.png") == _hashes(straight, "chosen/*.png")
     _no_leftovers(out)
 
 
-# ------------------------------------------------------------------ align.train_reward
+# ------------------------------------------------------------------ align.train.reward_model
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def _reward_argv(inputs, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def reward_straight(reward_inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("reward") / "straight"
-    return out, _run("align.train_reward", _reward_argv(reward_inputs, out), out / "config.yaml")
+    return out, _run("align.train.reward_model", _reward_argv(reward_inputs, out), out / "config.yaml")
 
 
 @pytest.mark.parametrize("fraction", _moments(2))
@@ -196,7 +196,7 @@ def test_train_reward_killed_at_a_random_moment_finishes_bit_identical_with_resu
     straight, seconds = reward_straight
     out = tmp_path / "reward"
     argv = _reward_argv(reward_inputs, out)
-    _killed_then_rerun("align.train_reward", argv, [*argv, "--resume", "latest"], out / "config.yaml", seconds, fraction)
+    _killed_then_rerun("align.train.reward_model", argv, [*argv, "--resume", "latest"], out / "config.yaml", seconds, fraction)
     weights = _hashes(out, "final/*.safetensors")
     assert weights and weights == _hashes(straight, "final/*.safetensors")  # the trained weights, bit for bit
     meta, expected = (json.loads((run / "final" / "reward_model.json").read_text()) for run in (out, straight))
@@ -207,7 +207,7 @@ def test_train_reward_killed_at_a_random_moment_finishes_bit_identical_with_resu
     _no_leftovers(out)
 
 
-# ------------------------------------------------------------------ align.judgebench
+# ------------------------------------------------------------------ align.judgebench.benchmark
 
 
 def _judgebench_argv(out: Path) -> list[str]:
@@ -230,7 +230,7 @@ def _judgebench_summary(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def judgebench_straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("judgebench") / "straight"
-    return out, _run("align.judgebench", _judgebench_argv(out), out)
+    return out, _run("align.judgebench.benchmark", _judgebench_argv(out), out)
 
 
 @pytest.mark.parametrize("fraction", _moments(3))
@@ -238,7 +238,7 @@ def test_judgebench_killed_at_a_random_moment_finishes_bit_identical_with_overwr
     straight, seconds = judgebench_straight
     out = tmp_path / "judgebench"
     argv = _judgebench_argv(out)
-    _killed_then_rerun("align.judgebench", argv, [*argv, "--overwrite", "true"], out, seconds, fraction)
+    _killed_then_rerun("align.judgebench.benchmark", argv, [*argv, "--overwrite", "true"], out, seconds, fraction)
     assert (out / "testbed_benchmark.parquet").read_bytes() == (straight / "testbed_benchmark.parquet").read_bytes()
     assert (out / "verdicts.jsonl").read_text() == (straight / "verdicts.jsonl").read_text()
     assert _judgebench_summary(out) == _judgebench_summary(straight)
@@ -251,8 +251,8 @@ def test_train_reward_killed_before_its_first_checkpoint_finishes_with_resume_la
     straight, _ = reward_straight
     out = tmp_path / "reward"
     argv = _reward_argv(reward_inputs, out)
-    assert _kill_after("align.train_reward", argv, out / "config.yaml", 0.0) == "killed"
+    assert _kill_after("align.train.reward_model", argv, out / "config.yaml", 0.0) == "killed"
     assert not list(out.glob("checkpoints/step_*"))  # the case under test: nothing to resume from
-    _run("align.train_reward", [*argv, "--resume", "latest"], out / "config.yaml")
+    _run("align.train.reward_model", [*argv, "--resume", "latest"], out / "config.yaml")
     assert _hashes(out, "final/*.safetensors") == _hashes(straight, "final/*.safetensors")
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))

@@ -1,4 +1,4 @@
-"""align.feedback: K images per prompt, judged, written as Pick-a-Pic pairs; resume and crash safety."""
+"""align.data.feedback: K images per prompt, judged, written as Pick-a-Pic pairs; resume and crash safety."""
 
 import json
 import math
@@ -10,14 +10,14 @@ import pytest
 from PIL import Image
 
 import rewards
-from align.data import DataError, load_pairs
-from align.feedback import (
+from align.data.feedback import (
     FEEDBACK_SCHEMA,
     derive_seed,
     generate_feedback,
     make_pipeline_generator,
     pairwise_scheme,
 )
+from align.data.pairs import DataError, load_pairs
 from rewards.images import decode_image
 from rewards.rules import jpeg_size_kb
 
@@ -235,7 +235,7 @@ def test_crash_mid_run_keeps_written_batches_and_rerun_completes(tmp_path):
 
 def test_killed_run_shards_are_merged_on_rerun(tmp_path, monkeypatch):
     """A hard kill (no finally) leaves shards in <out>.parts/; the next run folds them in."""
-    import align.feedback as feedback
+    import align.data.feedback as feedback
 
     out = tmp_path / "fb.parquet"
     judge = rewards.load("jpeg-compressibility")

@@ -1,4 +1,4 @@
-"""Flow-GRPO's SDE step, log-probability, KL and windowed sampler (align/flow_sampling.py)."""
+"""Flow-GRPO's SDE step, log-probability, KL and windowed sampler (align/sampling/flow.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from align import flow_sampling as fs
+from align.sampling import flow as fs
 
 
 def _scheduler(steps: int = 10, shift: float = 3.0) -> FlowMatchEulerDiscreteScheduler:

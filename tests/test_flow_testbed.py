@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from align import flow_sampling
+from align.sampling import flow as flow_sampling
 from align.testbed import flow_models
 from align.testbed.weights import TESTBED_PIPELINE_DIR
 from tests.script_loader import load_experiment, load_script
@@ -232,7 +232,7 @@ def test_paired_heldout_gain_reads_captions_consecutively_and_counts_better_and_
 
 
 def test_paired_heldout_gives_every_image_its_own_noise_and_a_model_no_gain_over_itself(tmp_path, capsys):
-    from align.training import load_prompt_list
+    from align.data.prompt_sets import load_prompt_list
 
     paired = load_experiment("paired_heldout")
     paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",

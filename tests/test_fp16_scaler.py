@@ -15,10 +15,10 @@ import pytest
 import torch
 from noise_pairs import write_noise_pairs
 
-from align import ddpo, dpo
-from align.ddpo import DDPOConfig
-from align.dpo import DPOConfig
-from align.training import make_accelerator
+from align.train import ddpo, dpo
+from align.train.accelerator import make_accelerator
+from align.train.ddpo import DDPOConfig
+from align.train.dpo import DPOConfig
 
 INIT_SCALE = 2.0**10
 

@@ -9,7 +9,7 @@ from script_loader import load_script
 from tiny_sd import build_tiny_pipeline
 
 from align.pipeline import add_lora, load_pipeline, load_trained, save_lora
-from align.runs import CONFIG_FILE
+from align.run_folder import CONFIG_FILE
 
 fuse_run = load_script("fuse_run")
 

@@ -11,10 +11,10 @@ import torch
 from test_ddpo_train import small_config as ddpo_config
 from test_dpo import pair_parquet, prompt_file, small_config  # noqa: F401  (fixtures)
 
-from align import ddpo, dpo
-from align import evaluate as ev
 from align.cli import ConfigError
-from align.training import TrainingStopped
+from align.eval import evaluate as ev
+from align.train import ddpo, dpo
+from align.train.command import TrainingStopped
 
 
 class _NanGradient(torch.autograd.Function):
@@ -135,12 +135,12 @@ def test_evaluation_refuses_a_diverged_base_in_one_line(tmp_path, three_models):
 def test_dpo_stops_before_judging_degenerate_feedback_images(tiny_model, prompt_file, tmp_path, monkeypatch):  # noqa: F811
     from PIL import Image
 
-    import align.feedback
+    import align.data.feedback
 
     def black_generator(pipe, **kwargs):  # a base model full of NaNs draws black images once they are PIL images
         return lambda prompts, seeds: [Image.new("RGB", (16, 16)) for _ in prompts]
 
-    monkeypatch.setattr(align.feedback, "make_pipeline_generator", black_generator)
+    monkeypatch.setattr(align.data.feedback, "make_pipeline_generator", black_generator)
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match=r"degenerate images while labelling feedback \(6 of 6 images are blank"):
         dpo.train(small_config(tiny_model, out, reward="jpeg-compressibility", prompts=prompt_file))

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from align import judgebench
-from align.judgebench_data import BenchDataError, load_bench, parse_source
+from align.judgebench import benchmark as judgebench
+from align.judgebench.data import BenchDataError, load_bench, parse_source
 from align.testbed import mjbench
 from rewards.base import Judge, Preference
 from rewards.images import encode_png

@@ -6,9 +6,9 @@ import json
 import pytest
 from fake_judge_servers import FakeJudgeServer
 
-from align import judgebench
-from align import judgebench_answers as A
-from align import judgebench_metrics as M
+from align.judgebench import answers as A
+from align.judgebench import benchmark as judgebench
+from align.judgebench import metrics as M
 from rewards.judge_prompts import CRITERIA, MJBENCH_CRITERIA, JudgeQuestion, render
 
 SECRET = "sk-TEST-answers-3f9a"

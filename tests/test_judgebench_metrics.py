@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from align import judgebench_metrics as M
-from align.judgebench_metrics import ABSTAIN, PICK_0, PICK_1, TIE
+from align.judgebench import metrics as M
+from align.judgebench.metrics import ABSTAIN, PICK_0, PICK_1, TIE
 
 
 def test_pointwise_verdict_tie_rule():

@@ -198,7 +198,7 @@ def test_own_save_reloads_by_path_and_general_preference(tmp_path, processor):
 
 
 def test_lora_skipca_and_head_train_with_bradley_terry(processor):
-    from align.reward_losses import bradley_terry_loss
+    from align.train.reward_losses import bradley_terry_loss
 
     model = LlavaRewardModel(tiny_qwen(processor), processor, "qwen2.5-vl", skip_cross_attention=True)
     model.init_reward_head()

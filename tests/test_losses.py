@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from align.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse
+from align.train.losses import diffusion_dpo_loss, diffusion_sft_loss, per_sample_mse
 
 
 def test_dpo_loss_matches_hand_computed_values():

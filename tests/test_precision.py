@@ -11,11 +11,15 @@ import torch
 import yaml
 from noise_pairs import write_noise_pairs
 
-from align import ddpo, dpo
 from align.cli import ConfigError
-from align.ddpo import DDPOConfig
-from align.dpo import DPOConfig
-from align.training import refuse_unsupported_distribution, refuse_unsupported_launch, resolve_mixed_precision
+from align.train import ddpo, dpo
+from align.train.accelerator import (
+    refuse_unsupported_distribution,
+    refuse_unsupported_launch,
+    resolve_mixed_precision,
+)
+from align.train.ddpo import DDPOConfig
+from align.train.dpo import DPOConfig
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +173,7 @@ def test_another_attention_processor_is_put_back_to_sdpa(tiny_model):
     from diffusers import UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    from align.training import keep_default_attention
+    from align.train.accelerator import keep_default_attention
 
     unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
     assert all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())  # diffusers' default

@@ -1,4 +1,4 @@
-"""align.precompute / align.latent_store: latents and text embeddings encoded once to disk, resumable,
+"""align.data.precompute / align.data.latent_store: latents and text embeddings encoded once to disk, resumable,
 refused when they do not fit, and training from them equal to training from the images."""
 
 import io
@@ -12,10 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from align import dpo, precompute
-from align.data import PreferencePair, pair_pixels
-from align.latent_store import StoreLatents, read_manifest, shard_name
+from align.data import precompute
+from align.data.latent_store import StoreLatents, read_manifest, shard_name
+from align.data.pairs import PreferencePair, pair_pixels
 from align.pipeline import encode_images, encode_prompts, load_pipeline
+from align.train import dpo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_dpo import small_config  # noqa: E402

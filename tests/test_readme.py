@@ -31,23 +31,23 @@ def readme_commands() -> list[str]:
 
 def config_class(module: str):
     """The dataclass behind an entry point of the README."""
-    if module == "align.dpo":
-        from align.dpo_config import DPOConfig
+    if module == "align.train.dpo":
+        from align.train.dpo_config import DPOConfig
         return DPOConfig
-    if module == "align.ddpo":
-        from align.ddpo_config import DDPOConfig
+    if module == "align.train.ddpo":
+        from align.train.ddpo_config import DDPOConfig
         return DDPOConfig
-    if module == "align.evaluate":
-        from align.evaluate import EvalConfig
+    if module == "align.eval.evaluate":
+        from align.eval.evaluate import EvalConfig
         return EvalConfig
-    if module == "align.best_of_n":
-        from align.best_of_n import BestOfNConfig
+    if module == "align.eval.best_of_n":
+        from align.eval.best_of_n import BestOfNConfig
         return BestOfNConfig
-    if module == "align.judgebench":
-        from align.judgebench import JudgeBenchConfig
+    if module == "align.judgebench.benchmark":
+        from align.judgebench.benchmark import JudgeBenchConfig
         return JudgeBenchConfig
-    if module == "align.train_reward":
-        from align.train_reward import RewardTrainConfig
+    if module == "align.train.reward_model":
+        from align.train.reward_model import RewardTrainConfig
         return RewardTrainConfig
     if module == "scripts.compare_judges":
         return load_script("compare_judges").CompareConfig
@@ -92,8 +92,8 @@ def test_every_readme_command_parses_and_validates(line, monkeypatch):
 
 def test_readme_covers_each_use():
     modules = {split_command(line)[0] for line in readme_commands()}
-    assert {"align.dpo", "align.ddpo", "align.evaluate", "align.best_of_n", "align.judgebench",
-            "align.train_reward"} <= modules
+    assert {"align.train.dpo", "align.train.ddpo", "align.eval.evaluate", "align.eval.best_of_n", "align.judgebench.benchmark",
+            "align.train.reward_model"} <= modules
 
 
 def test_links_of_the_readme_and_docs_resolve():

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from script_loader import load_script
 
-from align import report
+from align.eval import report
 
 
 def _decode_data_uris(text):
@@ -106,9 +106,9 @@ def _images_by_alt(text):
 @pytest.fixture(scope="module")
 def tiny_dpo_run(tmp_path_factory):
     """A two-step Diffusion-DPO run on the bundled testbed with held-out evaluations before, during and after."""
-    from align import dpo
     from align.cli import parse_config
-    from align.dpo_config import DPOConfig
+    from align.train import dpo
+    from align.train.dpo_config import DPOConfig
 
     out = tmp_path_factory.mktemp("dpo-report") / "run"
     config = parse_config(DPOConfig, [
@@ -163,8 +163,8 @@ def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_co
 
 def test_trainer_report_of_a_ddpo_style_folder(tmp_path):
     """Epochs, a reward band, captioned samples with rewards; evaluations on other seeds are not paired."""
-    from align.run_report import write_training_report
-    from align.training import save_image_row
+    from align.train.heldout import save_image_row
+    from align.train.report import write_training_report
 
     records = [{"step": e, "reward_mean": 0.1 * e, "reward_std": 0.05, "approx_kl": 1e-4 * e} for e in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -192,7 +192,7 @@ def test_trainer_report_opens_in_headless_chromium(tiny_dpo_run, tmp_path):
 
 
 def test_small_images_are_enlarged_sharply_and_large_ones_shrunk():
-    from align.run_report import readable
+    from align.train.report import readable
 
     small = Image.new("RGB", (32, 32), (0, 0, 0))
     small.putpixel((0, 0), (255, 0, 0))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from align.reward_losses import (
+from align.train.reward_losses import (
     binary_cross_entropy_loss,
     bradley_terry_loss,
     expected_calibration_error,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from align.health import degenerate_reason, weights_finite
-from align.runs import (
+from align.run_folder import (
     _SET_ASIDE_HERE,
     EVALS,
     JUDGE_ANSWERS,

@@ -8,7 +8,7 @@ import torch
 from diffusers import DDIMScheduler, UNet2DConditionModel
 from scipy.stats import norm
 
-from align.sampling import (
+from align.sampling.ddim import (
     check_scheduler_steps,
     ddim_deterministic_jump,
     ddim_step_mean_std,

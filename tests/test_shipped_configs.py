@@ -8,11 +8,11 @@ import pytest
 from script_loader import load_script
 
 from align.cli import parse_config
-from align.ddpo import DDPOConfig
-from align.dpo import DPOConfig
-from align.evaluate import EvalConfig
-from align.judgebench import JudgeBenchConfig
-from align.train_reward import RewardTrainConfig
+from align.eval.evaluate import EvalConfig
+from align.judgebench.benchmark import JudgeBenchConfig
+from align.train.ddpo import DDPOConfig
+from align.train.dpo import DPOConfig
+from align.train.reward_model import RewardTrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CompareConfig = load_script("compare_judges").CompareConfig

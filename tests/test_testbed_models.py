@@ -215,8 +215,8 @@ def test_headroom_script_scores_renders_perfectly_and_the_base_models_generation
 
 
 def test_headroom_scripts_stochastic_sampler_reduces_to_the_pipelines_sampler_without_noisy_steps(capsys):
-    from align.evaluate import EvalConfig
-    from align.generation import sampling_settings
+    from align.eval.evaluate import EvalConfig
+    from align.eval.generation import sampling_settings
     from align.pipeline import generate_images, load_trained
 
     testbed_headroom = load_experiment("testbed_headroom")

@@ -1,4 +1,4 @@
-"""align.train_reward: a tiny CLIP-backbone reward model trained on shapes pairs, reloaded by path,
+"""align.train.reward_model: a tiny CLIP-backbone reward model trained on shapes pairs, reloaded by path,
 resumed exactly, and its config errors."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import rewards
-from align.train_reward import RewardTrainConfig, build_model, calibrate, main, train
+from align.train.reward_model import RewardTrainConfig, build_model, calibrate, main, train
 from rewards.images import decode_image
 from rewards.reward_model_judge import TrainedRewardJudge
 from rewards.trained import write_marker

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from align import ddpo, dpo
-from align.ddpo_config import DDPOConfig
-from align.dpo_config import DPOConfig
+from align.train import ddpo, dpo
+from align.train.ddpo_config import DDPOConfig
+from align.train.dpo_config import DPOConfig
 
 
 @pytest.fixture(scope="module")

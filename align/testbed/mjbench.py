@@ -2,7 +2,7 @@
 
     python -m align.testbed.mjbench --output bench.parquet --pairs 50 --bias-groups 24
 
-Subsets (same row format as align/judgebench_data.py: caption, image0, image1, label, category,
+Subsets (same row format as align/judgebench/data.py: caption, image0, image1, label, category,
 subcategory, group, variant, info):
 
 - alignment, subcategories object / attribute / count / spatial: the caption rendered exactly
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageFilter
 
-from align.runs import atomic_write_bytes
+from align.run_folder import atomic_write_bytes
 from align.testbed.scene import (
     applicable_corruptions,
     draw_objects,

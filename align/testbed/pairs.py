@@ -27,7 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from align.runs import atomic_path
+from align.run_folder import atomic_path
 from align.testbed.scene import CORRUPTIONS, applicable_corruptions, corrupt_caption, render, sample_caption
 from rewards.base import Judge
 from rewards.images import encode_png, num_images, to_pil

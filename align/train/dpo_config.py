@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.cli import ConfigError, option
-from align.training import check_lr_schedule, check_periodic_evaluation
+from align.train.command import check_lr_schedule
+from align.train.heldout import check_periodic_evaluation
 from align.validation import check_common_inputs, check_optimiser_ranges
 
 RUN_STORE, NO_STORE = "run", "none"  # --latent_store's two words; anything else is a store folder

@@ -24,9 +24,18 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from align.eval.report import (
+    Section,
+    figure_png,
+    img_tag,
+    line_plot,
+    paragraph,
+    pyplot,
+    table_html,
+    write_report,
+)
 from align.metrics import mean_and_sem
-from align.report import Section, figure_png, img_tag, line_plot, paragraph, pyplot, table_html, write_report
-from align.runs import CONFIG_FILE, eval_step, held_out_evals, read_metrics
+from align.run_folder import CONFIG_FILE, eval_step, held_out_evals, read_metrics
 
 SHOWN_SIZE = 160  # px: small images are enlarged (by a whole factor) to about this size
 MAX_SIZE = 256  # px: large images (SD's 512) are shrunk to this, so the page stays a few MB

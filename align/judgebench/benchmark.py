@@ -7,7 +7,7 @@
 
 Question-asking judges are asked MJ-Bench's questions (--protocol mjbench, the default here; bias asks
 the plain alignment question) or the training-time ones (--protocol project), or the text of
---prompt_template FILE. --answers re-scores recorded answers (align/judgebench_answers.py).
+--prompt_template FILE. --answers re-scores recorded answers (align/judgebench/answers.py).
 
 Pointwise judges score every image once; a pair is a tie when |s1 - s0| <= --tie-threshold.
 Pairwise judges (two-image judges, ``pairwise_native``, and any judge with its own ``compare``, such
@@ -15,7 +15,7 @@ as shapes-oracle with position bias) are asked both orders, (image0, image1) and
 each order gets its own accuracy, the two orders' agreement is the consistency, and the headline
 verdict reconciles them (disagreement = tie). Judges that would swap orders themselves
 (``swap_orders``) are set to one order per call. Bias rows are scored pointwise (ACC / NDS / GES).
-The metric definitions are in docs/judgebench.md; the functions in align/judgebench_metrics.py.
+The metric definitions are in docs/judgebench.md; the functions in align/judgebench/metrics.py.
 
 Outputs in --output-dir: leaderboard.md, leaderboard.csv, leaderboard.png, per_category.csv,
 bias_groups.csv, verdicts.jsonl (every verdict with the judge's raw output), summary.json, config.yaml.
@@ -35,17 +35,17 @@ from pathlib import Path
 import yaml
 
 import rewards
-from align import judgebench_answers as A
-from align import judgebench_metrics as M
-from align import report
 from align.api_cost import JudgeCalls, guard_api_cost, is_paid
 from align.cli import ConfigError, die, option, parse_config
-from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
+from align.eval import report
+from align.eval.report import write_report
+from align.judgebench import answers as A
+from align.judgebench import metrics as M
+from align.judgebench.data import SUBSETS, BenchDataError, BenchSample, load_bench
 from align.judges import load_judge
 from align.progress import progress_bar
 from align.quiet import quiet_output
-from align.report import write_report
-from align.runs import atomic_write_bytes, atomic_write_text, scrub_secrets
+from align.run_folder import atomic_write_bytes, atomic_write_text, scrub_secrets
 from align.testbed.mjbench import write_benchmark
 from align.validation import check_common_inputs
 from rewards.judge_prompts import PROTOCOLS, load_template
@@ -620,7 +620,7 @@ def leaderboard_png(rows: list[dict]) -> bytes:
 
 
 def report_html_sections(config, source, pairs, bias, summaries, png: bytes, base_dir) -> list:
-    """Sections for align.report.write_report: leaderboard, plot, per category, example pairs."""
+    """Sections for align.eval.report.write_report: leaderboard, plot, per category, example pairs."""
     rows = ranked([s["row"] for s in summaries])
     columns = leaderboard_columns(rows)
     table_rows = [{h: (100 * r[k] if kind == "pct" and not _missing(r.get(k)) else r.get(k))

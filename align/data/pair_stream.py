@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align.data import PAIR_COLUMNS, TIE_POLICIES, DataError, PairStats, _looks_like_path, pair_pixels
-from align.data import PreferencePair as _Pair
+from align.data.pairs import PAIR_COLUMNS, TIE_POLICIES, DataError, PairStats, _looks_like_path, pair_pixels
+from align.data.pairs import PreferencePair as _Pair
 from rewards.images import UnreadableImageError
 
 
@@ -57,7 +57,7 @@ class PairTable:
 
     def pair(self, k: int) -> _Pair:
         """Pair k, winner first, with its encoded image bytes (read from the memory-mapped table)."""
-        from align.data import _image_bytes
+        from align.data.pairs import _image_bytes
 
         row = int(self.rows[k])
         record = self.dataset[row]
@@ -121,7 +121,7 @@ def open_pairs(
 def _open_table(source: str, split: str, cache_dir: str | None):
     import datasets
 
-    from align.data import _dataset_from_folder, _load_hf_dataset
+    from align.data.pairs import _dataset_from_folder, _load_hf_dataset
 
     path = Path(source).expanduser()
     if path.is_file():

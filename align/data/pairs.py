@@ -8,7 +8,7 @@ first. Unreadable images are found up front (each image is decoded once), counte
 a long run never dies on a bad image halfway through.
 
 ``load_pairs`` holds the pairs in memory (reward-model training, small sets). The DPO trainer reads
-pairs through ``align.pair_stream`` instead: memory-mapped, decoded by DataLoader workers.
+pairs through ``align.data.pair_stream`` instead: memory-mapped, decoded by DataLoader workers.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from align.runs import atomic_path
+from align.run_folder import atomic_path
 from rewards.images import UnreadableImageError, decode_image, encode_png
 
 if TYPE_CHECKING:

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from align import pipeline  # load_trained and generate_images looked up at call time: tests replace them
+from align.eval.report import png_bytes
 from align.pipeline import base_of, resolve_model, testbed_settings
 from align.progress import progress_bar
-from align.report import png_bytes
-from align.runs import atomic_write_bytes, atomic_write_text
+from align.run_folder import atomic_write_bytes, atomic_write_text
 from rewards.images import load_image, to_tensor
 
 

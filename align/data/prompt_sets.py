@@ -120,6 +120,17 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
 # ------------------------------------------------------------------------------------- sources
 
 
+def load_prompt_list(spec: str) -> list[str]:
+    """A prompt set's prompts by name (parti, drawbench, testbed:<n>[:<seed>], mjbench, ...) or a prompt file."""
+    try:
+        prompts = load_prompt_set(spec).prompts
+    except (PromptSetError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
+    if not prompts:
+        raise ConfigError(f"prompt source {spec!r} holds no prompts")
+    return prompts
+
+
 def _testbed(n: int, seed: int) -> PromptSet:
     prompts = sample_captions(n, seed=seed)
     return PromptSet("testbed", prompts, [parse_caption(p).category for p in prompts])

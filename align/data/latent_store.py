@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from align.data import DataError
-from align.runs import atomic_path, atomic_write_text
+from align.data.pairs import DataError
+from align.run_folder import atomic_path, atomic_write_text
 
 STORE_FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: the text embeddings alone under "text" (SD 1.x/2.x)
@@ -185,7 +185,7 @@ def prepare_store(store: str | Path, spec: StoreSpec) -> None:
 
 
 def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int = 8, log=print, after_shard=None) -> dict:
-    """Encode the pairs of ``table`` (align.pair_stream.PairTable) into ``store``; finished shards
+    """Encode the pairs of ``table`` (align.data.pair_stream.PairTable) into ``store``; finished shards
     are skipped, so an interrupted build resumes. Returns the completed manifest."""
     from safetensors.torch import save_file
 

@@ -2,7 +2,7 @@
 
 Output: one parquet file in the Pick-a-Pic schema (``caption, jpg_0, jpg_1, label_0, label_1``, PNG
 bytes) plus ``seed_0, seed_1, prompt_index, judge, judge_raw, abstained``, readable by
-``align.data.load_pairs``.
+``align.data.pairs.load_pairs``.
 
 Which images are paired:
 - pointwise judges (``rewards.base.is_pointwise``): all K images are scored; the best and the worst
@@ -35,8 +35,8 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from align.data import DataError, write_pairs_parquet
-from align.runs import atomic_path
+from align.data.pairs import DataError, write_pairs_parquet
+from align.run_folder import atomic_path
 from rewards.base import Judge, Preference, is_pointwise, preference_from_scores
 from rewards.images import encode_png, to_pil
 from rewards.secrets import scrub_text
@@ -146,7 +146,7 @@ def generate_feedback(
 def _check_arguments(judge, prompts, out_path, images_per_prompt, batch_prompts) -> None:
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise DataError(
-            "generate_feedback needs a non-empty list of prompt strings (see align.data.load_prompts)"
+            "generate_feedback needs a non-empty list of prompt strings (see align.data.pairs.load_prompts)"
         )
     if images_per_prompt < 2:
         raise DataError(f"images_per_prompt must be at least 2 to form a pair, got {images_per_prompt}")

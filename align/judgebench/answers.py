@@ -3,7 +3,7 @@
 Three sources are read:
 
 - the project's own benchmark results: ``verdicts.jsonl`` (or the folder holding it), written by
-  ``align.judgebench``: recorded answers are parsed again (pairwise judges, and pointwise judges
+  ``align.judgebench.benchmark``: recorded answers are parsed again (pairwise judges, and pointwise judges
   whose answers were recorded), else the recorded scores are used;
 - the project's answer cache (``.sqlite`` / ``.db``, rewards/cache.py): it holds answers but no
   labels, so only the parse outcome per judge and question is reported;
@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from align import judgebench_metrics as M
+from align.judgebench import metrics as M
 from rewards.judge_prompts import JudgeQuestion
 from rewards.parsing import OK, parse_answer
 
@@ -282,7 +282,7 @@ def _side_verdict(side: dict | None, question: JudgeQuestion, a_is_image0: bool,
 
 
 def rescore_verdicts_file(path: Path, tie_threshold: float, into: dict[str, Rescored]) -> None:
-    """verdicts.jsonl from align.judgebench: pair records, and bias records (kind = "bias")."""
+    """verdicts.jsonl from align.judgebench.benchmark: pair records, and bias records (kind = "bias")."""
     file = str(path)
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from align.runs import atomic_write_text
+from align.run_folder import atomic_write_text
 from rewards.images import to_pil
 
 _STYLE = """

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from align.advantages import MODES
 from align.cli import ConfigError, option
-from align.training import check_periodic_evaluation
+from align.train.advantages import MODES
+from align.train.heldout import check_periodic_evaluation
 from align.validation import check_common_inputs, check_optimiser_ranges
 
 TIMESTEP_SELECTIONS = ("random", "high_noise")

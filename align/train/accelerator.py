@@ -1,0 +1,122 @@
+"""The Accelerator the trainers run under: mixed precision as the launcher says, the distributed modes
+the trainers support (others refused in one line), TF32, the optimiser class, attention, and a clean end."""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict
+
+import torch
+
+from align.cli import ConfigError
+from align.run_folder import (
+    scrub_secrets,
+)
+
+PRECISIONS = ("no", "fp16", "bf16")
+
+
+def resolve_mixed_precision(flag: str | None, environ=None) -> str:
+    """The mixed precision a run uses: --mixed_precision if given, else what `accelerate launch` (its flag or
+    its config file) put in ACCELERATE_MIXED_PRECISION, else "no"."""
+    environ = os.environ if environ is None else environ
+    if flag is not None:
+        source, value = "--mixed_precision", flag
+    else:
+        source, value = "ACCELERATE_MIXED_PRECISION (accelerate launch / its config file)", environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    value = str(value).lower()
+    if value not in PRECISIONS:
+        raise ConfigError(f"{source} is {value!r}; the trainers run {', '.join(PRECISIONS)}")
+    return value
+
+
+UNSUPPORTED_LAUNCHERS = {
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
+
+
+DISTRIBUTED_HELP = ("what works: one process, or multi-process data parallel (DDP), e.g. "
+                    "`accelerate launch --multi_gpu --num_processes 8 align/<trainer>.py ...` (docs/scale.md)")
+
+
+def refuse_unsupported_launch(environ=None) -> None:
+    """Before the Accelerator is built: DeepSpeed, FSDP and Megatron-LM are not tested here, so refuse them."""
+    environ = os.environ if environ is None else environ
+    for variable, name in UNSUPPORTED_LAUNCHERS.items():
+        if str(environ.get(variable, "")).lower() in ("1", "true", "yes"):
+            raise ConfigError(f"{name} is not supported by this trainer ({variable} is set by the launcher); {DISTRIBUTED_HELP}")
+
+
+def refuse_unsupported_distribution(accelerator) -> None:
+    """After the Accelerator is built (a plugin passed some other way): only no distribution or DDP."""
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU"):
+        raise ConfigError(f"accelerate's distributed type {kind} is not supported by this trainer; {DISTRIBUTED_HELP}")
+
+
+def make_accelerator(flag_precision: str | None, label: str, **kwargs):
+    """An Accelerator with the resolved mixed precision, refusing the untested distributed modes; logs the precision."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    refuse_unsupported_launch()
+    precision = resolve_mixed_precision(flag_precision)
+    if AcceleratorState._shared_state and AcceleratorState().mixed_precision != precision:
+        # A second train() in one Python process (a notebook, the tests) with another precision: accelerate keeps
+        # its state process-wide and would refuse; reset the precision part, not the process group.
+        AcceleratorState._reset_state(reset_partial_state=False)
+    accelerator = Accelerator(mixed_precision=precision, **kwargs)
+    refuse_unsupported_distribution(accelerator)
+    if accelerator.is_main_process:
+        source = "--mixed_precision" if flag_precision is not None else "accelerate's setting"
+        scaler = " with accelerate's gradient scaler" if getattr(accelerator, "scaler", None) is not None else ""
+        print(f"[{label}] mixed precision: {precision} (from {source}){scaler}", flush=True)
+    return accelerator, precision
+
+
+def apply_matmul_switches(allow_tf32: bool) -> None:
+    """--allow_tf32: TF32 tensor cores for fp32 matmuls and convolutions on Ampere and newer GPUs (as diffusers' scripts)."""
+    if allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def adamw_class(use_8bit_adam: bool):
+    """torch's AdamW, or bitsandbytes' 8-bit AdamW (refused in one line when bitsandbytes is missing)."""
+    if not use_8bit_adam:
+        return torch.optim.AdamW
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError("--use_8bit_adam needs bitsandbytes, which is not installed (pip install bitsandbytes)") from None
+    return bnb.optim.AdamW8bit
+
+
+def keep_default_attention(unet) -> None:
+    """SDPA attention: diffusers' default AttnProcessor2_0 (torch's scaled_dot_product_attention); put it back if a
+    loaded model carries another processor. LoRA (PEFT) wraps the projections, not the processor, so it stays."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    processors = getattr(unet, "attn_processors", {})
+    if processors and not all(isinstance(p, AttnProcessor2_0) for p in processors.values()):
+        unet.set_attn_processor(AttnProcessor2_0())
+
+
+def tracker_config(config) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in scrub_secrets(asdict(config)).items()}
+
+
+def end_training(accelerator) -> None:
+    """Close the trackers and the process group once accelerate has let go of the prepared objects.
+
+    A DDP model freed after its process group is destroyed tears the group down from its own
+    destructor, and under gloo that hung about every other 2-process CPU run at exit (the destructor,
+    run from Python, waits on gloo's loop thread for ever). Callers drop their own references to the
+    prepared model, optimiser and scheduler before calling this.
+    """
+    accelerator.free_memory()
+    gc.collect()  # DDP's hooks keep the wrapper in reference cycles
+    accelerator.end_training()

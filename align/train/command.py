@@ -1,0 +1,75 @@
+"""The command around a trainer's ``train(config)``: flags parsed, one line and exit status 2 for a bad input,
+3 for a run stopped on a bad value; the first checks every diffusion trainer makes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from align.cli import ConfigError, die, parse_config
+from align.data.pairs import DataError
+from align.pipeline import ModelLoadError, check_model
+from align.quiet import quiet_output
+from align.run_folder import (
+    JUDGE_ANSWERS,
+    RunFolderError,
+)
+from align.train.accelerator import adamw_class
+from align.validation import check_weight_files
+
+# A bad input: config, run folder, model files or data; each error's message names the input.
+
+
+BAD_INPUT_ERRORS = (ConfigError, RunFolderError, ModelLoadError, DataError)
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on a bad value (a NaN loss or reward); the last good checkpoint is kept."""
+
+
+def run_trainer(config_class: type, train: Callable, argv: list[str] | None, description: str | None,
+                stopped: tuple[type[BaseException], ...] = (TrainingStopped,)) -> None:
+    """A trainer's ``main()``: parse the flags, run ``train(config)``, and turn a known failure into one line:
+    exit 2 for a bad input, 3 for a run that stopped (``stopped``: NaN loss, failed reward, ...)."""
+    config = parse_config(config_class, argv, description=description)
+    if hasattr(config, "quiet"):
+        quiet_output(config.quiet)
+    try:
+        train(config)
+    except BAD_INPUT_ERRORS as err:
+        die(str(err))
+    except stopped as err:
+        die(str(err), code=3)
+
+
+def check_config_and_model(config) -> None:
+    """The first checks of a diffusion trainer: the config's own rules, the 8-bit optimiser when asked for, and the
+    model's weight files (a truncated one is named here, before anything loads)."""
+    config.validate()
+    adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
+    try:
+        check_weight_files("--model", check_model(config.model))
+    except ModelLoadError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_lr_schedule(name: str, warmup_steps: int) -> None:
+    """--lr_scheduler names one of diffusers' get_scheduler schedules; --lr_warmup_steps is >= 0."""
+    from diffusers.optimization import SchedulerType
+
+    schedules = [t.value for t in SchedulerType]
+    if name not in schedules:
+        raise ConfigError(f"--lr_scheduler must be one of {', '.join(schedules)}, got {name!r}")
+    if warmup_steps < 0:
+        raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
+
+
+def keep_judge_answers(judges, run_path: Path, process: int) -> None:
+    """API and VLM judges keep their answers in the run folder: a resumed run re-samples the epochs (or relabels the
+    round) after its checkpoint with the same seeds, and gets the same images' verdicts from there instead of paying
+    for them again (and so the same rewards: the resume stays exact with a judge that answers differently each time).
+    One file per process: each re-generates only its own images, and no two processes write one SQLite file."""
+    for judge in judges:
+        keep = getattr(judge, "keep_answers_in", None)
+        if callable(keep):
+            keep(run_path / JUDGE_ANSWERS / f"process_{process}.sqlite")

@@ -1,0 +1,98 @@
+"""The held-out evaluation during training: the same prompts and seeds scored before, every N steps and after
+training, with an image row per evaluation for the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from align.cli import ConfigError
+from align.data.prompt_sets import load_prompt_list
+from align.eval.report import image_grid
+from align.families import family_of_pipeline
+from align.health import degenerate_reason
+from align.metrics import mean_and_sem
+from align.run_folder import (
+    EVALS,
+    atomic_path,
+    atomic_write_text,
+    eval_file_name,
+)
+
+
+def require_pointwise_eval_judge(spec: str, pointwise: bool) -> None:
+    """The before/after evaluation scores each image on its own: refuse a judge that only compares images."""
+    if not pointwise:
+        raise ConfigError(
+            "the before/after evaluation scores each image on its own: give a pointwise --eval_judge "
+            f"(the judge {spec!r} compares images; API and VLM judges rate single images with [mode=single])"
+        )
+
+
+def save_image_row(images: torch.Tensor, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        image_grid(images, ncols=len(images), pad=0).save(tmp, format="PNG")
+
+
+def shown_images(config) -> int:
+    """Held-out images in the report's before/after row: 4 x --num_validation_images (DPO), 16 for DDPO."""
+    return getattr(config, "num_validation_images", 4) * 4
+
+
+def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
+    """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
+    ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
+    from align.families import family_of_pipeline
+    from align.pipeline import generate_images, merged_adapter
+
+    held_out = load_prompt_list(config.eval_prompts)
+    repeats = config.eval_images_per_prompt
+    prompts = held_out * repeats
+    # Seed eval_seed + i for the first image of prompt i, as with one image per prompt; further rounds follow on.
+    seeds = [config.eval_seed + i for i in range(len(prompts))]
+    with merged_adapter(family_of_pipeline(pipe).denoiser(pipe)):  # a LoRA folded into the weights: the same images up to float rounding, faster
+        images = generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance,
+                                 batch_size=config.eval_batch_size, progress=f"held-out evaluation ({label})")
+    degenerate = degenerate_reason(images)
+    if degenerate:  # a diverged model's images are marked, not scored as if the model were merely bad
+        atomic_write_text(path, json.dumps({"mean": None, "sem": None, "scores": None, "degenerate": degenerate,
+                                            "prompts": prompts, "seeds": seeds}))
+        save_image_row(torch.nan_to_num(images[: shown_images(config)]), path.with_suffix(".png"))
+        print(f"[eval] {label}: DEGENERATE images ({degenerate}): not scored", flush=True)
+        return float("nan")
+    scores = judge.score(prompts, images).float().tolist()
+    mean, sem = mean_and_sem(scores)
+    shown = images[: shown_images(config)]  # the report splits this row back into images
+    atomic_write_text(path, json.dumps({"mean": mean, "sem": sem, "scores": scores, "prompts": prompts, "seeds": seeds,
+                                        "row_images": len(shown)}))
+    save_image_row(shown, path.with_suffix(".png"))
+    print(f"[eval] {label}: mean {judge.name} score on {len(held_out)} held-out prompts x {repeats} seed(s) = "
+          f"{mean:.4f} (standard error {sem:.4f})", flush=True)
+    return mean
+
+
+def check_periodic_evaluation(flag: str, every: int, eval_prompts: str | None, judge_spec: str | None) -> None:
+    """The held-out evaluation every N steps/epochs needs held-out prompts and a judge to score them."""
+    if every < 0:
+        raise ConfigError(f"--{flag} must be >= 0 (0: only before and after training), got {every}")
+    if every and not (eval_prompts and judge_spec):
+        raise ConfigError(f"--{flag} needs --eval_prompts and a judge to score them (--eval_judge or --reward)")
+
+
+def periodic_evaluation_due(every: int, done: int, total: int) -> bool:
+    """Whether step (DDPO: epoch) ``done`` of ``total`` gets a held-out score; the last one is eval_after's."""
+    return every > 0 and done % every == 0 and done < total
+
+
+def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_dir: Path, done: int) -> float:
+    """The held-out score after ``done`` steps (epochs for DDPO): evals/step_N.json and .png, scored
+    exactly as eval_before / eval_after (same prompts and seeds), with the UNet in eval mode."""
+    denoiser = family_of_pipeline(pipe).denoiser(pipe)  # the UNet or the transformer
+    was_training = denoiser.training
+    denoiser.eval()
+    try:
+        return evaluate_model(pipe, judge, config, steps, guidance, run_dir / EVALS / eval_file_name(done), f"step {done}")
+    finally:
+        denoiser.train(was_training)
