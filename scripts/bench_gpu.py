@@ -7,7 +7,7 @@
     python scripts/bench_gpu.py --tiny                  # a tiny model at 32 px: runs anywhere (the test's size)
     python scripts/bench_gpu.py --count_forward         # FLOPs of one SD v1.5 UNet forward at 512 px, no compute
 
-What runs is the project's own code: the trainers' Accelerator set-up (align.training.make_accelerator, bf16
+What runs is the project's own code: the trainers' Accelerator set-up (align.train.accelerator.make_accelerator, bf16
 autocast on the prepared UNet), align.pipeline's LoRA / frozen reference / disabled adapter, align.train.losses for
 Diffusion-DPO, and for DDPO align.sampling.ddim.sample_with_logprob (the sampling phase) then align.train.ddpo's
 train_micro_batch (the PPO update) on those samples. Diffusion-DPO's step reads cached latents and text embeddings

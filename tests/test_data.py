@@ -276,7 +276,7 @@ def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
 
     code = (
         "import sys, align.train.ddpo, align.data.pairs;"
-        "from align.training import load_prompt_list; assert load_prompt_list('testbed:4');"
+        "from align.data.prompt_sets import load_prompt_list; assert load_prompt_list('testbed:4');"
         "sys.exit('pyarrow' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

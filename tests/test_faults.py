@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import align.training
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -24,6 +23,7 @@ from test_dpo import small_config as dpo_small_config
 
 import align.data.feedback
 import align.pipeline
+import align.train.checkpoints
 import align.train.report
 from align.run_folder import SET_ASIDE
 from align.train import ddpo, dpo
@@ -149,8 +149,8 @@ def _half_written_lora(unet, folder, family=None):
 DPO_STAGES = {
     "labelling": lambda mp: _labelling_fails_after_one_batch(mp),
     "training": lambda mp: mp.setattr(dpo, "diffusion_dpo_loss", _fail_when(dpo, "diffusion_dpo_loss", _count(3))[1]),
-    "last checkpoint": lambda mp: mp.setattr(align.training, "publish_folder", _fail_when(
-        align.training, "publish_folder", lambda staged, path: path.name == "step_0000004")[1]),
+    "last checkpoint": lambda mp: mp.setattr(align.train.checkpoints, "publish_folder", _fail_when(
+        align.train.checkpoints, "publish_folder", lambda staged, path: path.name == "step_0000004")[1]),
     "final save": lambda mp: mp.setattr(align.pipeline, "save_lora", _fail_when(
         align.pipeline, "save_lora", lambda *a: True, partial=_half_written_lora)[1]),
     "after-evaluation": lambda mp: mp.setattr(dpo, "evaluate_model", _fail_when(
@@ -183,8 +183,8 @@ def _decode_fails_in_epoch_two(mp):
 
 DDPO_STAGES = {
     "sampling": _decode_fails_in_epoch_two,
-    "last checkpoint": lambda mp: mp.setattr(align.training, "publish_folder", _fail_when(
-        align.training, "publish_folder", lambda staged, path: path.name == "step_0000002")[1]),
+    "last checkpoint": lambda mp: mp.setattr(align.train.checkpoints, "publish_folder", _fail_when(
+        align.train.checkpoints, "publish_folder", lambda staged, path: path.name == "step_0000002")[1]),
     "final save": lambda mp: mp.setattr(align.pipeline, "save_lora", _fail_when(
         align.pipeline, "save_lora", lambda *a: True, partial=_half_written_lora)[1]),
     "after-evaluation": lambda mp: mp.setattr(ddpo, "evaluate_model", _fail_when(

@@ -31,22 +31,22 @@ def readme_commands() -> list[str]:
 
 def config_class(module: str):
     """The dataclass behind an entry point of the README."""
-    if module == "align.train.dpo":
+    if module == "align.dpo":
         from align.train.dpo_config import DPOConfig
         return DPOConfig
-    if module == "align.train.ddpo":
+    if module == "align.ddpo":
         from align.train.ddpo_config import DDPOConfig
         return DDPOConfig
-    if module == "align.eval.evaluate":
+    if module == "align.evaluate":
         from align.eval.evaluate import EvalConfig
         return EvalConfig
-    if module == "align.eval.best_of_n":
+    if module == "align.best_of_n":
         from align.eval.best_of_n import BestOfNConfig
         return BestOfNConfig
-    if module == "align.judgebench.benchmark":
+    if module == "align.judgebench":
         from align.judgebench.benchmark import JudgeBenchConfig
         return JudgeBenchConfig
-    if module == "align.train.reward_model":
+    if module == "align.train_reward":
         from align.train.reward_model import RewardTrainConfig
         return RewardTrainConfig
     if module == "scripts.compare_judges":
@@ -92,8 +92,8 @@ def test_every_readme_command_parses_and_validates(line, monkeypatch):
 
 def test_readme_covers_each_use():
     modules = {split_command(line)[0] for line in readme_commands()}
-    assert {"align.train.dpo", "align.train.ddpo", "align.eval.evaluate", "align.eval.best_of_n", "align.judgebench.benchmark",
-            "align.train.reward_model"} <= modules
+    assert {"align.dpo", "align.ddpo", "align.evaluate", "align.best_of_n", "align.judgebench",
+            "align.train_reward"} <= modules
 
 
 def test_links_of_the_readme_and_docs_resolve():

@@ -58,7 +58,7 @@ def readable(image: Image.Image, target: int = SHOWN_SIZE, largest: int = MAX_SI
 
 
 def split_row(path: Path, count: int | None = None) -> list[Image.Image]:
-    """The images of a row written by align.training.save_image_row (``count`` tiles; square tiles if unknown)."""
+    """The images of a row written by align.train.heldout.save_image_row (``count`` tiles; square tiles if unknown)."""
     with Image.open(path) as row:
         row = row.convert("RGB")
     count = count or max(1, row.width // row.height)
