@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from align.cli import ConfigError
-from rewards.base import is_pointwise
 
 
 @dataclass
@@ -83,7 +82,7 @@ def dpo_api_plan(config, judge, eval_judge, feedback_prompts: int, eval_prompts:
 
     plans = []
     if judge is not None:
-        if is_pointwise(judge):
+        if judge.pointwise:
             plans.append(JudgeCalls(judge, "the feedback", scores=feedback_prompts * config.images_per_prompt))
         else:
             plans.append(JudgeCalls(judge, "the feedback",
@@ -118,7 +117,7 @@ def evaluate_api_plan(judges: dict, num_models: int, samples: int) -> list[Judge
     every sample (win rates), both orders where the judge asks both."""
     plans = []
     for judge in judges.values():
-        if is_pointwise(judge):
+        if judge.pointwise:
             plans.append(JudgeCalls(judge, f"{num_models} models x {samples} images", scores=num_models * samples))
         else:
             pairs = num_models * (num_models - 1) // 2
@@ -131,12 +130,12 @@ def best_of_n_api_plan(selector, others: dict, num_prompts: int, n: int, curve_p
     comparisons), zero-order search scores up to N more; the other judges score every candidate, or (pairwise)
     compare each curve point's pick with the N = 1 pick."""
     candidates = num_prompts * n
-    if is_pointwise(selector):
+    if selector.pointwise:
         plans = [JudgeCalls(selector, "selecting", scores=candidates * (2 if zero_order else 1))]
     else:
         plans = [JudgeCalls(selector, "the knockout", comparisons=num_prompts * (n - 1))]
     for judge in others.values():
-        if is_pointwise(judge):
+        if judge.pointwise:
             plans.append(JudgeCalls(judge, "scoring the candidates", scores=candidates))
         else:
             plans.append(JudgeCalls(judge, "the win-rate curve", comparisons=num_prompts * curve_points))

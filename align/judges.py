@@ -9,12 +9,12 @@ import torch
 import rewards
 from align import metrics
 from align.errors import ConfigError
-from rewards.spec import _split_top_level
+from rewards.spec import split_top_level
 
 
 def split_list(text: str | None) -> list[str]:
     """Split a comma list, keeping commas inside [...] (judge options) together."""
-    return _split_top_level(text or "")
+    return split_top_level(text or "")
 
 
 def check_judge_names(specs, flag: str, allow_mix: bool = False) -> None:
@@ -26,7 +26,7 @@ def check_judge_names(specs, flag: str, allow_mix: bool = False) -> None:
             raise ConfigError(f"{flag}: {err}") from None
 
 
-def load_judge(spec: str, **options):
+def load_judge(spec: str | rewards.JudgeSpec, **options):
     """Load a judge and let it fail fast: a missing API key or weights, a model id the server rejects, a missing
     SDK or an option the judge does not take stop here with one message (ConfigError), before any generation."""
     try:
@@ -35,7 +35,7 @@ def load_judge(spec: str, **options):
         if callable(check_ready):
             check_ready()
     except (ValueError, RuntimeError, OSError, ImportError) as err:
-        raise ConfigError(f"judge {spec!r} is not usable: {err}") from None
+        raise ConfigError(f"judge {str(spec)!r} is not usable: {err}") from None
     return judge
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rewards.base import Judge, Preference, preference_from_scores
 from rewards.secrets import check_key_env_name
-from rewards.spec import parse_mix, parse_spec
+from rewards.spec import JudgeSpec, parse_judge, parse_judges
 
 # name -> "module:factory". Factories take the judge options as keyword arguments.
 _REGISTRY: dict[str, str] = {
@@ -86,19 +86,21 @@ def _resolve(name: str) -> tuple[str, dict]:
     raise UnknownJudgeError(f"unknown judge {name!r}; known judges: {', '.join(available())}")
 
 
-def check_name(spec: str, allow_mix: bool = False) -> None:
+def check_name(spec: str | JudgeSpec, allow_mix: bool = False) -> None:
     """Raise UnknownJudgeError for an unknown judge (or mix member, with allow_mix) without loading anything."""
-    members = parse_mix(spec)
-    if not allow_mix and (len(members) > 1 or members[0][0] != 1.0):
-        raise UnknownJudgeError(f"{spec!r} is a weighted mix of judges; one judge is needed here (mixes are for DDPO's --reward)")
-    for _, name, options in members:
-        _resolve(name)
-        check_key_env_name(options.get("api_key_env"))
+    try:
+        members = parse_judges(spec) if isinstance(spec, str) and allow_mix else [parse_judge(spec)]
+    except ValueError as err:
+        raise UnknownJudgeError(str(err)) from None
+    for member in members:
+        _resolve(member.name)
+        check_key_env_name(member.options.get("api_key_env"))
 
 
-def load(name: str, **options) -> Judge:
-    """Load a judge by name (or 'name[key=value]' spec) with adapter options."""
-    base, spec_options = parse_spec(name)
+def load(name: str | JudgeSpec, **options) -> Judge:
+    """Load a judge by name, 'name[key=value]' spec or parsed ``JudgeSpec``, with adapter options."""
+    spec = parse_judge(name)
+    base, spec_options = spec.name, spec.options
     target, implied = _resolve(base)
     module_name, _, factory_name = target.partition(":")
     module = importlib.import_module(module_name)
@@ -123,12 +125,13 @@ def load(name: str, **options) -> Judge:
 __all__ = [
     "Judge",
     "JudgeOptionError",
+    "JudgeSpec",
     "Preference",
     "UnknownJudgeError",
     "available",
     "check_name",
     "load",
-    "parse_mix",
-    "parse_spec",
+    "parse_judge",
+    "parse_judges",
     "preference_from_scores",
 ]

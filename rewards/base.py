@@ -103,6 +103,12 @@ class Judge:
         scores_b = self.score(prompts, images_b).detach().float().cpu()
         return [preference_from_scores(float(a), float(b), self.tie_margin) for a, b in zip(scores_a, scores_b)]
 
+    @property
+    def pointwise(self) -> bool:
+        """True when the judge's own ``score`` rates single images. A pairwise-native judge (a two-image VLM or
+        API judge, a position-biased oracle) and a judge without its own ``score`` are asked ``compare`` instead."""
+        return type(self).score is not Judge.score and not self.pairwise_native
+
     def close(self) -> None:
         """Release resources (clients, caches). Safe to call twice."""
 
@@ -133,7 +139,3 @@ def preference_from_scores(score_a: float, score_b: float, tie_margin: float = 0
     return Preference(1.0 if diff > 0 else 0.0, raw=raw)
 
 
-def is_pointwise(judge: Judge) -> bool:
-    """True when the judge's own ``score`` rates single images. A pairwise-native judge (a two-image VLM or
-    API judge, a position-biased oracle) and a judge without its own ``score`` are asked ``compare`` instead."""
-    return type(judge).score is not Judge.score and not judge.pairwise_native

@@ -16,7 +16,7 @@ from align.pipeline import load_trained
 from align.train import ddpo
 from align.train.ddpo import DDPOConfig
 from align.train.ddpo_rewards import MixedReward, RewardError, win_rates
-from rewards.base import Judge, Preference, is_pointwise
+from rewards.base import Judge, Preference
 
 sys.path.insert(0, str(Path(__file__).parent))
 from two_processes import launch_two_cpu_processes  # noqa: E402
@@ -85,7 +85,7 @@ def _images(levels):
 
 def test_pairwise_judge_gives_win_rates_within_each_prompt():
     judge = PairwiseBrightness()
-    assert not is_pointwise(judge) and is_pointwise(BrightnessJudge())
+    assert not judge.pointwise and BrightnessJudge().pointwise
     prompts = ["a", "a", "a", "b", "b"]
     rates = win_rates(judge, prompts, _images([0.1, 0.9, 0.5, 0.3, 0.3]))
     # group a: 0.9 beats both, 0.5 beats one, 0.1 none; group b: a tie counts 1/2 each
@@ -115,7 +115,7 @@ def test_abstentions_are_left_out_of_win_rates():
 
 def test_weighted_mix_of_pointwise_and_pairwise_judges():
     judges = {"bright": BrightnessJudge(), "pair": PairwiseBrightness()}
-    reward = MixedReward("bright:0.7,pair:0.3", loader=lambda name, **kw: judges[name])
+    reward = MixedReward("bright:0.7,pair:0.3", loader=lambda spec: judges[spec.name])
     assert reward.needs_groups
     images = _images([0.2, 0.6])
     total, parts = reward(["p", "p"], images)

@@ -5,7 +5,7 @@ bytes) plus ``seed_0, seed_1, prompt_index, judge, judge_raw, abstained``, reada
 ``align.data.pairs.load_pairs``.
 
 Which images are paired:
-- pointwise judges (``rewards.base.is_pointwise``): all K images are scored; the best and the worst
+- pointwise judges (``Judge.pointwise``): all K images are scored; the best and the worst
   form the pair (stored in generation order; all K scores are in ``judge_raw``);
 - pairwise-native judges: adjacent images are compared, (0, 1), (2, 3), ..., so K must be even and
   each prompt gives K/2 pairs.
@@ -37,7 +37,7 @@ from PIL import Image
 
 from align.data.pairs import DataError, write_pairs_parquet
 from align.run_folder import atomic_path
-from rewards.base import Judge, Preference, is_pointwise, preference_from_scores
+from rewards.base import Judge, Preference, preference_from_scores
 from rewards.images import encode_png, to_pil
 from rewards.secrets import scrub_text
 
@@ -150,7 +150,7 @@ def _check_arguments(judge, prompts, out_path, images_per_prompt, batch_prompts)
         )
     if images_per_prompt < 2:
         raise DataError(f"images_per_prompt must be at least 2 to form a pair, got {images_per_prompt}")
-    if not is_pointwise(judge) and images_per_prompt % 2:
+    if not judge.pointwise and images_per_prompt % 2:
         raise DataError(
             f"judge {judge.name!r} compares adjacent pairs (0,1), (2,3), ...; images_per_prompt must be even, "
             f"got {images_per_prompt}"
@@ -176,7 +176,7 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
 
     # one list of (prompt index, image a, image b, Preference, raw) per batch
     verdicts: list[tuple[int, int, int, Preference, dict]] = []
-    if not is_pointwise(judge):
+    if not judge.pointwise:
         pairs = [
             (n, n * images_per_prompt + a, n * images_per_prompt + b)
             for n in range(len(indices))

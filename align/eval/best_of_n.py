@@ -49,7 +49,6 @@ from align.progress import progress_bar
 from align.quiet import quiet_output
 from align.run_folder import atomic_write_bytes, atomic_write_text
 from align.validation import check_common_inputs, check_weight_files, check_writable_dir
-from rewards.base import is_pointwise
 
 SEARCHES = ("random", "zero-order")
 
@@ -277,8 +276,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
     sizes = curve_sizes(n)
     curves: dict[str, list[float]] = {}
     errors: dict[str, list[float]] = {}
-    pointwise = is_pointwise(selector)
-    eval_scores = {spec: score_all(j, prompts, images, n) for spec, j in others.items() if is_pointwise(j)}
+    pointwise = selector.pointwise
+    eval_scores = {spec: score_all(j, prompts, images, n) for spec, j in others.items() if j.pointwise}
     if pointwise:
         sel = score_all(selector, prompts, images, n)
         chosen = np.argmax(np.nan_to_num(sel, nan=-np.inf), axis=1)

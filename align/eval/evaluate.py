@@ -52,7 +52,6 @@ from align.quiet import quiet_output
 from align.run_folder import atomic_write_text
 from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
 from align.validation import check_common_inputs, check_weight_files
-from rewards.base import is_pointwise
 from rewards.images import load_image, to_tensor
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
@@ -192,7 +191,7 @@ def evaluate_judge(judge, spec: str, names: list[str], prompts: list[str], num_p
     """Per-model mean score, win rate against the first model, per-prompt ranks, first places."""
     num_models = len(names)
     samples = len(prompts)  # seed-major: sample k is prompt k % num_prompts
-    if is_pointwise(judge):
+    if judge.pointwise:
         mode = "pointwise"
         deterministic = is_deterministic(judge)
         scores = np.stack([score_model(judge, spec, prompts, images[n], paths[n], cache_root, deterministic) for n in names])

@@ -49,7 +49,7 @@ from align.run_folder import atomic_write_bytes, atomic_write_text, scrub_secret
 from align.testbed.mjbench import write_benchmark
 from align.validation import check_common_inputs
 from rewards.judge_prompts import PROTOCOLS, load_template
-from rewards.secrets import check_key_env_name, scrub_text
+from rewards.secrets import scrub_text
 
 
 @dataclass
@@ -123,9 +123,7 @@ def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
         raise ConfigError("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
     for spec in judges:
         try:
-            name, options = rewards.parse_spec(spec)
-            rewards.check_name(name)
-            check_key_env_name(options.get("api_key_env"))  # a pasted key: refused here, never echoed
+            rewards.check_name(rewards.parse_judge(spec))  # with its api_key_env: a pasted key is refused, never echoed
         except (ValueError, rewards.UnknownJudgeError) as err:
             raise ConfigError(f"--judges {spec!r}: {err}") from None
     if len(set(judges)) != len(judges):
@@ -346,7 +344,7 @@ def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, config: 
     """The API judges' calls on this benchmark (answers already in their caches free), priced before any is made."""
     plans = []
     for spec in judge_specs:
-        name = rewards.parse_spec(spec)[0]
+        name = rewards.parse_judge(spec).name
         if not (name in ("gpt4o", "gpt4v", "gemini", "claude") or name.startswith(("openai:", "anthropic:", "google:"))):
             continue  # a local judge: free, and not loaded twice
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from align.cli import ConfigError, option
 from align.train.advantages import MODES
 from align.train.heldout import check_periodic_evaluation
+from align.train.options import HeldOutOptions, ModelOptions, RunOptions
 from align.validation import check_common_inputs, check_optimiser_ranges
 
 TIMESTEP_SELECTIONS = ("random", "high_noise")
@@ -27,28 +28,17 @@ FAST_WINDOW_SHARE = 0.5
 
 
 @dataclass
-class DDPOConfig:
+class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
     # --- what to train and with which reward
-    model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5",
-                        "the pipeline to fine-tune: a hub id, a local pipeline folder, or 'testbed'", "model")
     reward: str = option("aesthetic", "the reward: a judge name, name[opt=value], or a weighted mix such as "
                          "pickscore:0.7,aesthetic:0.3", "judge")
     prompts: str | None = option(None, "training prompts (required): a text file, a dataset column, or "
                                  "testbed:<n>[:<seed>]", "data")
     # --- output
     output_dir: str = option("runs/ddpo", "the run folder (config, metrics, checkpoints, final weights, report)", "output")
-    resume: str | None = option(None, "continue a run: 'latest' or a checkpoint folder", "output")
-    overwrite: bool = option(False, "replace a run already in --output_dir", "output")
     seed: int = option(0, "seed of the sampling noise, prompt draws and timestep order", "optimisation")
-    report_to: str = option("tensorboard", "tracker: tensorboard, wandb, all, or none", "output")
-    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     # --- model and adapter
     finetune: str = option("lora", "'lora' (the paper) or 'full' (every UNet weight)", "model")
-    lora_rank: int = option(4, "LoRA rank of the attention projections to_q, to_k, to_v, to_out.0 (alpha = rank, as in diffusers' "
-                       "training scripts)", "model")
-    mixed_precision: str | None = option(
-        None, "no, fp16 (paper) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
-        "else no", "optimisation")
     # --- sampling (DDPO paper: 50 DDIM steps, η = 1, guidance 5; Flow-GRPO: 10 SDE steps, a = 0.7, 40 to evaluate)
     num_inference_steps: int | None = option(
         None, "denoising steps of the training sampler (None: 50 for DDIM families, the DDPO paper; 10 for "
@@ -99,34 +89,21 @@ class DDPOConfig:
     learning_rate: float = option(3e-4, "AdamW learning rate (the paper: 3e-4; β 0.9 / 0.999, ε 1e-8, PyTorch's "
                                   "and every recipe's)", "optimisation")
     adam_weight_decay: float = option(1e-4, "AdamW weight decay", "optimisation")
-    max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation")
     # --- checkpoints, samples, evaluation
     checkpointing_epochs: int = option(10, "save a resumable checkpoint every N epochs", "output")
-    checkpoints_total_limit: int = option(3, "checkpoints kept (older ones are deleted)", "output")
-    eval_prompts: str | None = option(None, "held-out prompts scored before and after training (a file, a "
-                                      "prompt set or testbed:<n>:<seed>)", "evaluation")
-    eval_judge: str | None = option(None, "judge of the held-out evaluation (None: --reward)", "evaluation")
     eval_seed: int = option(1234, "first seed of the held-out images (the same before and after)", "evaluation")
-    eval_images_per_prompt: int = option(1, "seeds per held-out prompt (more: a smaller standard error)",
-                                         "evaluation")
-    eval_batch_size: int = option(8, "images per pipeline call in the evaluation (each image's seed fixes it, "
-                                  "not the batching)", "evaluation")
     eval_every_epochs: int = option(0, "> 0: also score the held-out prompts every N epochs (evals/, the "
                                     "report's held-out curve)", "evaluation")
-    gradient_checkpointing: bool = option(False, "recompute the UNet's activations in the backward (less memory, a "
-                                                 "slower training step)", "optimisation")
-    use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
-    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
-                                      "(answers already cached count as free)", "judge")
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
         check_common_inputs(self)
         check_optimiser_ranges(self)
+        self.check_run_options()
+        self.check_model_options()
+        self.check_held_out_options()
         if not self.prompts:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
-        if not self.max_api_cost >= 0:
-            raise ConfigError(f"--max_api_cost must be a number of USD >= 0, got {self.max_api_cost}")
         if self.eta is not None and not (self.eta > 0 and math.isfinite(self.eta)):
             raise ConfigError(f"--eta must be > 0 (DDPO samples stochastically; the paper uses 1.0), got {self.eta}")
         if not 0.0 < self.timestep_fraction <= 1.0:
@@ -136,17 +113,11 @@ class DDPOConfig:
                 f"--timestep_selection must be one of {', '.join(TIMESTEP_SELECTIONS)}, got {self.timestep_selection!r}"
             )
         check_periodic_evaluation("eval_every_epochs", self.eval_every_epochs, self.eval_prompts, self.eval_judge or self.reward)
-        if self.finetune not in ("full", "lora"):
-            raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
         if self.advantage not in MODES:
             raise ConfigError(f"--advantage must be one of {', '.join(MODES)}, got {self.advantage!r}")
-        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
-            raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
-        if self.report_to not in ("tensorboard", "wandb", "all", "none"):
-            raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
         for name in ("num_inference_steps", "eval_inference_steps", "samples_per_epoch", "sample_batch_size",
                      "images_per_prompt", "num_epochs", "train_batch_size", "gradient_accumulation_steps",
-                     "lora_rank", "checkpointing_epochs", "timestep_batch", "eval_images_per_prompt", "eval_batch_size"):
+                     "checkpointing_epochs", "timestep_batch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "clip_range", "adv_clip_max"):

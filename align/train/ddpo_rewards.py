@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import rewards
-from rewards.base import Judge, is_pointwise
+from rewards.base import Judge
 
 
 class RewardError(RuntimeError):
@@ -77,9 +77,9 @@ class MixedReward:
     def __init__(self, spec: str, loader: Callable[..., Judge] = rewards.load):
         self.spec = spec
         self.members = []
-        for weight, name, options in rewards.parse_mix(spec):
-            judge = loader(name, **options)
-            self.members.append(RewardMember(weight, name, judge, not is_pointwise(judge)))
+        for member in rewards.parse_judges(spec):  # parsed once; each judge loads from its parsed spec
+            judge = loader(member)
+            self.members.append(RewardMember(member.weight, member.name, judge, not judge.pointwise))
 
     @property
     def needs_groups(self) -> bool:

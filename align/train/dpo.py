@@ -56,7 +56,6 @@ from align.train.heldout import (
     require_pointwise_eval_judge,
 )
 from align.train.losses import diffusion_dpo_loss, per_sample_mse
-from rewards.base import is_pointwise
 
 # ----------------------------------------------------------------------------------------------
 # Prompts and pairs
@@ -137,7 +136,7 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
         denoiser.eval()
         generate_images = healthy_images_only(make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance))
         labelled = round_prompts(prompts, round_index, rounds)
-        if is_pointwise(judge):
+        if judge.pointwise:
             asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
         else:
             asks = f"{len(labelled) * len(pairwise_scheme(config.images_per_prompt)):,} comparisons (adjacent pairs)"
@@ -291,7 +290,7 @@ def train(config: DPOConfig) -> Path:
     eval_judge = None
     if config.eval_prompts and eval_judge_spec:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
-        require_pointwise_eval_judge(eval_judge_spec, is_pointwise(eval_judge))
+        require_pointwise_eval_judge(eval_judge_spec, eval_judge.pointwise)
 
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
     feedback_prompts = len(load_prompt_list(config.prompts)) if judge is not None else 0

@@ -14,20 +14,19 @@ from typing import ClassVar
 from align.cli import ConfigError, option
 from align.train.command import check_lr_schedule
 from align.train.heldout import check_periodic_evaluation
+from align.train.options import LORA_RANK_HELP, HeldOutOptions, ModelOptions, RunOptions
 from align.validation import check_common_inputs, check_optimiser_ranges
 
 RUN_STORE, NO_STORE = "run", "none"  # --latent_store's two words; anything else is a store folder
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(RunOptions, ModelOptions, HeldOutOptions):
     # Fixed values the shared evaluation reads (not flags; see docs/experiments/removed-options.md).
     eval_seed: ClassVar[int] = 1234  # seed of the first held-out image, the same before, during and after
     num_validation_images: ClassVar[int] = 4  # the report's before/after rows show 4 x this many held-out images
 
     # --- what to train and on what feedback
-    model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5",
-                        "the pipeline to fine-tune: a hub id, a local pipeline folder, or 'testbed'", "model")
     reward: str | None = option(None, "judge that labels fresh generations (AI feedback), e.g. gpt4o, pickscore; "
                                 "give this or --dataset", "judge")
     prompts: str = option("parti", "prompts for AI feedback: a prompt set (parti, drawbench, testbed:<n>, ...) or "
@@ -44,22 +43,11 @@ class DPOConfig:
     # --- output
     output_dir: str = option("runs/dpo", "the run folder (config, metrics, feedback pairs, checkpoints, final "
                              "weights, report)", "output")
-    resume: str | None = option(None, "continue a run: 'latest' or a checkpoint folder", "output")
-    overwrite: bool = option(False, "replace a run already in --output_dir", "output")
     seed: int = option(0, "seed of generation, pair order, timesteps and noise", "optimisation")
-    report_to: str = option("tensorboard", "tracker: tensorboard, wandb, all, or none", "output")
-    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     # --- model and adapter
     finetune: str = option("full", "'full' (the paper: a frozen copy is the reference) or 'lora' (the adapter "
                            "off is the reference)", "model")
-    lora_rank: int = option(8, "LoRA rank of the model family's attention projections (SD, SDXL: to_q, to_k, to_v, "
-                            "to_out.0; SD3, FLUX: align/families); alpha = rank, as in diffusers' training scripts", "model")
-    mixed_precision: str | None = option(
-        None, "no, fp16 (paper) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
-        "else no", "optimisation")
-    gradient_checkpointing: bool = option(False, "recompute the denoiser's activations in the backward: less memory, "
-                                          "slower", "model")
-    use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
+    lora_rank: int = option(8, LORA_RANK_HELP, "model")
     # --- objective (Diffusion-DPO's loss)
     beta: float = option(5000.0, "DPO's β: how tightly the model stays at the reference (the official "
                          "normalisation; diffusers' LoRA script's 2500 is this / 2)", "optimisation")
@@ -71,8 +59,6 @@ class DPOConfig:
     lr_scheduler: str = option("constant_with_warmup", "diffusers' get_scheduler: constant, constant_with_warmup, "
                                "linear, cosine, ...", "optimisation")
     lr_warmup_steps: int = option(500, "optimiser steps of learning-rate warm-up", "optimisation")
-    adam_weight_decay: float = option(1e-2, "AdamW weight decay", "optimisation")
-    max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation")
     train_batch_size: int = option(1, "pairs per process per micro-step", "optimisation")
     gradient_accumulation_steps: int = option(128, "micro-steps per optimiser step", "optimisation")
     max_steps: int = option(2000, "optimiser steps in all", "optimisation")
@@ -95,20 +81,10 @@ class DPOConfig:
                                           "model's testbed.json if any, else 7.5)", "sampling")
     # --- checkpoints, evaluation
     checkpointing_steps: int = option(500, "save a resumable checkpoint every N optimiser steps", "output")
-    checkpoints_total_limit: int = option(3, "checkpoints kept (older ones are deleted)", "output")
-    eval_prompts: str | None = option(None, "held-out prompts scored before and after training (a file, a "
-                                      "prompt set or testbed:<n>:<seed>)", "evaluation")
-    eval_judge: str | None = option(None, "judge of the held-out evaluation (None: --reward)", "evaluation")
-    eval_images_per_prompt: int = option(1, "seeds per held-out prompt (more: a smaller standard error)",
-                                         "evaluation")
-    eval_batch_size: int = option(8, "images per pipeline call in the evaluation (each image's seed fixes it, "
-                                  "not the batching)", "evaluation")
     eval_every_steps: int = option(0, "> 0: also score the held-out prompts every N steps (evals/, the report's "
                                    "held-out curve)", "evaluation")
     allow_tf32: bool = option(False, "TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (faster, slightly less exact)",
                               "optimisation")
-    max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
-                                      "(answers already cached count as free)", "judge")
 
     @property
     def store_folder(self) -> str | None:
@@ -127,12 +103,9 @@ class DPOConfig:
             raise ConfigError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if self.beta <= 0 or not math.isfinite(self.beta):
             raise ConfigError(f"--beta must be a positive number, got {self.beta}")
-        if self.finetune not in ("full", "lora"):
-            raise ConfigError(f"--finetune must be full or lora, got {self.finetune!r}")
-        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
-            raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
-        if self.report_to not in ("tensorboard", "wandb", "all", "none"):
-            raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
+        self.check_run_options()
+        self.check_model_options()
+        self.check_held_out_options()
 
         if self.images_per_prompt < 2:
             raise ConfigError(f"--images_per_prompt must be >= 2, got {self.images_per_prompt}")
@@ -146,13 +119,10 @@ class DPOConfig:
             )
         if not 0.0 <= self.caption_dropout < 1.0:
             raise ConfigError(f"--caption_dropout must be in [0, 1), got {self.caption_dropout}")
-        for name in ("max_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank", "eval_images_per_prompt",
-                     "eval_batch_size"):
+        for name in ("max_steps", "train_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
-        if not self.max_api_cost >= 0:
-            raise ConfigError(f"--max_api_cost must be a number of USD >= 0, got {self.max_api_cost}")
         check_lr_schedule(self.lr_scheduler, self.lr_warmup_steps)
         check_periodic_evaluation("eval_every_steps", self.eval_every_steps, self.eval_prompts, self.eval_judge or self.reward)

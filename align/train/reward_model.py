@@ -47,6 +47,7 @@ from align.train.checkpoints import (
     start_run,
 )
 from align.train.command import TrainingStopped, run_trainer
+from align.train.options import RunOptions
 from align.train.reward_losses import (
     binary_cross_entropy_loss,
     bradley_terry_loss,
@@ -68,7 +69,7 @@ TESTBED_ORACLE = "testbed-oracle:"
 
 
 @dataclass
-class RewardTrainConfig:
+class RewardTrainConfig(RunOptions):
     # --- data (Pick-a-Pic schema: caption, jpg_0, jpg_1, label_0, label_1)
     dataset: str | None = option(
         None, "preference pairs (required): a parquet/folder/HF id (e.g. a dpo run's feedback/pairs.parquet), or "
@@ -114,11 +115,8 @@ class RewardTrainConfig:
         "else no", "optimisation")
     # --- output
     output_dir: str = option("runs/reward", "the run folder; final/ loads with rewards.load(folder)", "output")
-    resume: str | None = option(None, "continue a run: 'latest' or a checkpoint folder", "output")
-    overwrite: bool = option(False, "replace a run already in --output_dir", "output")
     seed: int = option(0, "seed of the split, pair order and initialisation", "optimisation")
     report_to: str = option("none", "tracker: tensorboard, wandb, all, or none", "output")
-    quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     checkpointing_steps: int = option(200, "save a resumable checkpoint every N optimiser steps", "output")
     checkpoints_total_limit: int = option(2, "checkpoints kept (older ones are deleted)", "output")
     calibrate: bool = option(True, "fit a temperature on the held-out pairs at the end so that P(a > b) is "
@@ -128,6 +126,7 @@ class RewardTrainConfig:
     def validate(self) -> None:
         check_common_inputs(self)
         check_optimiser_ranges(self)
+        self.check_run_options()
         if not self.dataset:
             raise ConfigError("--dataset is required: a Pick-a-Pic-schema parquet/folder/HF dataset of preference pairs")
         if self.backbone not in BACKBONES:
@@ -142,8 +141,6 @@ class RewardTrainConfig:
             raise ConfigError("held-out pairs are needed (accuracy, calibration): set --eval_fraction > 0 or --eval_dataset")
         if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
-        if self.report_to not in ("tensorboard", "wandb", "all", "none"):
-            raise ConfigError(f"--report_to must be tensorboard, wandb, all or none, got {self.report_to!r}")
         for name in ("train_batch_size", "gradient_accumulation_steps", "lora_rank", "checkpointing_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
