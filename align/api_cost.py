@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from align.cli import ConfigError
+from align.data.feedback import pairwise_scheme
 
 
 @dataclass
@@ -78,7 +79,6 @@ def evaluation_rounds(every: int, total: int, before: bool = True) -> int:
 def dpo_api_plan(config, judge, eval_judge, feedback_prompts: int, eval_prompts: int) -> list[JudgeCalls]:
     """Diffusion-DPO with AI feedback: each prompt's K images scored (pointwise judge) or its adjacent pairs
     compared (pairwise judge), in every round; plus the held-out evaluation's images."""
-    from align.data.feedback import pairwise_scheme  # pyarrow: not on every command's import path
 
     plans = []
     if judge is not None:

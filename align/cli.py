@@ -23,7 +23,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import NoReturn, TypeVar
 
+import yaml
+
 from align.errors import ConfigError
+from align.validation import check_config_values, read_text_file
+from rewards.secrets import install_log_scrubber, scrub_text
 
 T = TypeVar("T")
 
@@ -46,7 +50,6 @@ def option(default=dataclasses.MISSING, help: str = "", group: str = "", *, defa
 
 
 def die(message: str, code: int = 2) -> NoReturn:
-    from rewards.secrets import scrub_text
 
     print(f"error: {scrub_text(message)}", file=sys.stderr, flush=True)  # a key echoed in a message stays hidden
     raise SystemExit(code)
@@ -135,7 +138,7 @@ def apply_thread_count(env, path: Path) -> None:
     threads = str(env["OMP_NUM_THREADS"])
     if not threads.isdigit() or int(threads) < 1:
         die(f"env: OMP_NUM_THREADS in {path} must be a whole number >= 1, got {threads!r}")
-    import torch
+    import torch  # noqa: PLC0415 - --help and the config parse stay torch-free until a config sets threads
 
     torch.set_num_threads(int(threads))
 
@@ -145,9 +148,6 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
 
     ``description``: the command's module docstring (its first paragraph heads --help).
     --help prints and exits 0; a bad flag, value or YAML file prints one line and exits 2."""
-    import yaml
-
-    from rewards.secrets import scrub_text
 
     argv = list(sys.argv[1:] if argv is None else argv)
     fields = {f.name for f in dataclasses.fields(config_class)}
@@ -192,7 +192,6 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
 
 
 def read_config_text(path: Path) -> str:
-    from align.validation import read_text_file  # not at the top: --help stays light (tempfile, json)
 
     try:
         return read_text_file("--config", path, "YAML file")
@@ -203,8 +202,6 @@ def read_config_text(path: Path) -> str:
 def check_parsed_values(config) -> None:
     """Parse-time checks every command shares (align.validation): types and finite floats (NaN passes
     ``x <= 0``), before any config or run folder is written; and secrets masked in every log record."""
-    from align.validation import check_config_values
-    from rewards.secrets import install_log_scrubber
 
     install_log_scrubber()
     try:

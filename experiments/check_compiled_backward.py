@@ -1,6 +1,6 @@
 """Does torch.compile's backward give the eager gradients for our UNets on this machine?
 
-    python experiments/check_compiled_backward.py
+    python -m experiments.check_compiled_backward
 
 Why the DDPO training step stays eager: with torch 2.13 on a CPU, inductor's generated backward of
 the tiny SD-architecture UNet our tests use is wrong (the gradient of the input latents ~50% off,
@@ -13,14 +13,11 @@ gradient and how many weight gradients are off by more than 0.1%.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def gradients(model, unet, inputs):
@@ -37,9 +34,10 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    from tiny_sd import build_tiny_unet  # the tests' UNet: UpBlock2D after the mid block, as in SD v1.5
-
     from align.testbed.models import build_unet
+    from align.testing.tiny_sd import (
+        build_tiny_unet,  # the tests' UNet: UpBlock2D after the mid block, as in SD v1.5
+    )
 
     print(f"torch {torch.__version__}")
     print(f"{'UNet':<10}{'backend':<30}{'input gradient rel. error':>27}{'weight gradients off':>22}")

@@ -1,8 +1,8 @@
 """Is a reward learnable by DDPO / Flow-GRPO at a given batch size? Agreement of independent policy-gradient estimates.
 
-    python experiments/ddpo_gradient_snr.py                                  # SD testbed + shapes-oracle, 64 samples
-    python experiments/ddpo_gradient_snr.py --samples 256 --eta 0.5 --reward jpeg-compressibility
-    python experiments/ddpo_gradient_snr.py --model testbed-flow --steps 10 --rows all:10 first:5 window:2
+    python -m experiments.ddpo_gradient_snr                                  # SD testbed + shapes-oracle, 64 samples
+    python -m experiments.ddpo_gradient_snr --samples 256 --eta 0.5 --reward jpeg-compressibility
+    python -m experiments.ddpo_gradient_snr --model testbed-flow --steps 10 --rows all:10 first:5 window:2
 
 Each estimate is the gradient of the trainer's first-minibatch objective, -mean(A · log p(x_next | x)),
 with group-relative advantages, on its own fresh batch of prompts and samples, all from the same model,
@@ -29,11 +29,8 @@ import argparse
 import itertools
 import os
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):

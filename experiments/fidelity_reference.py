@@ -6,7 +6,7 @@ which the project does not depend on. What was used (docs/fidelity.md):
     python -m venv /work/sidevenv                  # + a .pth line pointing at the project's venv (torch 2.13.0)
     pip install --no-deps torchvision==0.28.0 open_clip_torch==3.3.0    # ftfy comes with the project
     git clone https://github.com/tgxs002/HPSv2     # its own open_clip copy: hpsv2/src/open_clip/
-    /work/sidevenv/bin/python experiments/fidelity_reference.py --hpsv2 HPSv2 --out tests/data/fidelity_reference.json
+    /work/sidevenv/bin/python -m experiments.fidelity_reference --hpsv2 HPSv2 --out tests/data/fidelity_reference.json
 
 What it computes, on the fixed images and captions below:
 - HPS v2: ``image_transform(224, is_train=False, resize_longest_max=True)`` from HPSv2's open_clip

@@ -2,7 +2,7 @@
 
 Side environment as in experiments/fidelity_reference.py (torchvision is needed by the remote file):
 
-    /work/sidevenv/bin/python experiments/fidelity_reference_phi3v.py \
+    /work/sidevenv/bin/python -m experiments.fidelity_reference_phi3v \
         --remote LLaVA-Reward/llava_reward/models/base_mllm/phi3_v/processing_phi3_v.py \
         --out tests/data/phi3v_reference.json
 """
@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fidelity_reference as base  # noqa: E402
+from experiments import fidelity_reference as base
 
 # (width, height): landscape, portrait, tiny, odd, very wide, square
 IMAGE_SIZES = [(512, 384), (384, 512), (37, 23), (301, 211), (1000, 120), (336, 336)]

@@ -1,7 +1,7 @@
 """What the flow testbed reaches in a CPU budget when taught with perfect data: the yardstick for flow DPO and Flow-GRPO.
 
-    python experiments/flow_ceiling.py --out runs/flow-ceiling                   # LoRA r8 on the transformer
-    python experiments/flow_ceiling.py --out runs/flow-ceiling-full --finetune full
+    python -m experiments.flow_ceiling --out runs/flow-ceiling                   # LoRA r8 on the transformer
+    python -m experiments.flow_ceiling --out runs/flow-ceiling-full --finetune full
 
 Fine-tunes the flow testbed (``--model``, default the bundled ``testbed-flow``) with the rectified-flow
 loss it was built with (scripts/build_flow_testbed.py: x_σ = (1-σ)·z0 + σ·ε, σ logit-normal, velocity
@@ -28,18 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-for folder in (REPO, REPO / "scripts"):  # the package, and build_flow_testbed's scene rendering and loss
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+from scripts.build_flow_testbed import encode_latents, rectified_flow_loss, render_scenes
 
-from build_flow_testbed import encode_latents, rectified_flow_loss, render_scenes  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # diffusers' train_dreambooth_lora_sd3.py default --lora_layers: both streams of every joint attention.
 SD3_LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",

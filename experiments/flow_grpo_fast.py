@@ -3,7 +3,7 @@
     python align/ddpo.py --config configs/testbed_flow_grpo.yaml --output_dir runs/flow-grpo
     python align/ddpo.py --config configs/testbed_flow_grpo.yaml --deterministic_tail true \\
         --timestep_fraction 0.2 --num_epochs 75 --output_dir runs/flow-grpo-fast
-    python experiments/flow_grpo_fast.py runs/flow-grpo runs/flow-grpo-fast
+    python -m experiments.flow_grpo_fast runs/flow-grpo runs/flow-grpo-fast
 
 Per run: epochs, CPU-seconds of the epochs (``epoch_cpu_seconds``: sampling, reward and update of this
 process), the training reward over the first and the last ``--window`` epochs and its gain, that gain per

@@ -1,7 +1,7 @@
 """Is Flow-GRPO's policy gradient an unbiased estimate of the reward's gradient? A check on a differentiable reward.
 
-    python experiments/flow_grpo_gradient_check.py                      # flow testbed, 512 samples, window of 5 of 10
-    python experiments/flow_grpo_gradient_check.py --model <folder> --samples 1024 --window 2
+    python -m experiments.flow_grpo_gradient_check                      # flow testbed, 512 samples, window of 5 of 10
+    python -m experiments.flow_grpo_gradient_check --model <folder> --samples 1024 --window 2
 
 For a reward that is differentiable in the final latent (here R = 10 · mean(w ⊙ x_final) with a fixed random
 w), the gradient of E[R] with respect to the trained weights can be computed exactly per sample by
@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):

@@ -1,6 +1,6 @@
 """Where the held-out score falls short of perfect: captions no seed gets right, or seeds that miss.
 
-    python experiments/heldout_gap.py runs/testbed-ddpo [more run folders]
+    python -m experiments.heldout_gap runs/testbed-ddpo [more run folders]
 
 For a judge whose best score is 1 (the shapes oracle: the share of a caption's facts that hold), each
 caption's shortfall 1 - mean over its seeds splits exactly into
@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def gap_parts(scores, images_per_prompt: int, best: float = 1.0) -> dict[str, float]:

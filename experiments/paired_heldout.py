@@ -1,13 +1,13 @@
 """Is a run's held-out gain real? Score a base and trained models on the same large held-out set, paired.
 
-    python experiments/paired_heldout.py --base testbed-flow runs/testbed-flow-dpo runs/testbed-flow-grpo
+    python -m experiments.paired_heldout --base testbed-flow runs/testbed-flow-dpo runs/testbed-flow-grpo
 
 Every model draws the same images, each with its own starting noise: caption c's k-th image has seed
 ``first_seed + K·c + k`` (``--trainers-layout``: image i is caption i mod C with seed ``first_seed + i``, the
 trainers' held-out layout; with --first-seed 1234 and a run's --eval_prompts, the images of its eval_*.json).
 That matters: a trained model's gain varies strongly from one starting noise to another, so a set that
 reuses a few noises for every caption measures those few noises, however many captions it has, and its
-per-image standard error is far too small (docs/experiments/flow.md, round 3). Prints, per model, the mean
+per-image standard error is far too small (experiments/notes/flow.md, round 3). Prints, per model, the mean
 oracle score and the gain over the base ± its paired standard error per image and per caption (seeds
 averaged first); --out keeps every image's score as JSON (base.json, <run folder name>.json).
 """
@@ -23,9 +23,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for folder in (REPO, REPO / "experiments"):  # the package, and flow_ceiling's layout and paired_gain
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
 
 
 def parse_args(argv=None):
@@ -45,7 +42,7 @@ def parse_args(argv=None):
 def paired_gain(before: list[float], after: list[float], images_per_prompt: int, trainers_layout: bool = False) -> dict:
     """flow_ceiling.paired_gain (the trainers' layout: image i is caption i mod C) for either layout (by default
     caption c = images K·c .. K·c+K-1), with the counts of images made better and worse."""
-    from flow_ceiling import paired_gain as seed_major_paired_gain
+    from experiments.flow_ceiling import paired_gain as seed_major_paired_gain
 
     k = images_per_prompt
     if len(before) % k or len(after) != len(before):
@@ -79,10 +76,9 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    from flow_ceiling import held_out_set
-
     import rewards
     from align.data.prompt_sets import load_prompt_list
+    from experiments.flow_ceiling import held_out_set
 
     names = [Path(model).name for model in args.models]
     for model in [args.base, *args.models]:

@@ -7,7 +7,7 @@ not import under transformers 5), e.g.:
     python3 -m venv /work/sidevenv-phi
     echo /work/main/.venv/lib/python3.11/site-packages > /work/sidevenv-phi/lib/python3.11/site-packages/zz_main.pth
     /work/sidevenv-phi/bin/pip install --no-deps transformers==4.44.2 tokenizers==0.19.1 huggingface_hub==0.24.7
-    PYTHONPATH=$PWD /work/sidevenv-phi/bin/python experiments/phi3v_reference.py \
+    PYTHONPATH=$PWD /work/sidevenv-phi/bin/python -m experiments.phi3v_reference \
         --remote DIR --out tests/data/phi3v_model_reference.json
 
 DIR holds configuration_phi3_v.py and modeling_phi3_v.py (as vendored in github.com/sjz5202/LLaVA-Reward,
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fidelity_reference_phi3v as phi_inputs  # noqa: E402
+from experiments import fidelity_reference_phi3v as phi_inputs
 
 SEED = 39
 SMALL_CLIP = dict(num_hidden_layers=2, intermediate_size=64)  # widths as ViT-L/14-336

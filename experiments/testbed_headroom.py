@@ -1,7 +1,7 @@
 """How much room does a UNet-only trainer have on the shapes testbed? Oracle scores by fact category.
 
-    python experiments/testbed_headroom.py                    # 200 held-out captions (seed 777), seeds 0..199
-    python experiments/testbed_headroom.py --model runs/testbed-dpo      # a run folder
+    python -m experiments.testbed_headroom                    # 200 held-out captions (seed 777), seeds 0..199
+    python -m experiments.testbed_headroom --model runs/testbed-dpo      # a run folder
 
 Three rows (four with --stochastic-eta), each the mean oracle score and the share of facts that hold per category (pooled over
 captions): the true renders (1.0 by construction), the true renders encoded and decoded by the
@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def facts_held_by_category(details: list[dict]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """What the testbed model reaches in a CPU budget when taught with perfect data: a reference for DDPO's target.
 
-    python experiments/testbed_sft_ceiling.py                      # LoRA r8 on the UNet, as DDPO's default trains
-    python experiments/testbed_sft_ceiling.py --finetune full      # every UNet weight
+    python -m experiments.testbed_sft_ceiling                      # LoRA r8 on the UNet, as DDPO's default trains
+    python -m experiments.testbed_sft_ceiling --finetune full      # every UNet weight
 
 Fine-tunes the bundled testbed pipeline with the ordinary denoising loss on freshly rendered scenes
 whose captions are all true (the base model saw a quarter of its scenes under another scene's caption),
@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-for folder in (REPO, REPO / "scripts"):  # the package, and build_testbed's scene rendering
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+from scripts.build_testbed import epsilon_loss, render_scenes, to_model_range
 
-from build_testbed import epsilon_loss, render_scenes, to_model_range  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,10 +1,10 @@
 """The SD3 transformer or the flow objective? The SD testbed's UNet retrained to predict velocity, probed for
 Flow-GRPO's policy-gradient signal.
 
-    python experiments/unet_flow_probe.py --minutes 12
+    python -m experiments.unet_flow_probe --minutes 12
 
 On the flow testbed (SD3 transformer, velocity) independent 64-sample Flow-GRPO gradients do not agree (cosine
-~0), on the SD testbed (UNet, epsilon, DDIM) DDPO's agree at +0.20 (docs/experiments/flow.md, round 2). This
+~0), on the SD testbed (UNet, epsilon, DDIM) DDPO's agree at +0.20 (experiments/notes/flow.md, round 2). This
 takes the SD testbed's UNet and changes only the objective:
 
 1. render scenes of the shapes world as scripts/build_flow_testbed.py does (a quarter under another scene's
@@ -19,7 +19,7 @@ takes the SD testbed's UNet and changes only the objective:
 A cosine near the SD testbed's says the flow objective and Flow-GRPO's sampler carry the signal and the SD3
 transformer does not; near zero says the flow parametrisation itself loses it.
 
-    python experiments/unet_flow_probe.py --epsilon --ddim-grid [--step ddim] [--both-cfg-halves]
+    python -m experiments.unet_flow_probe --epsilon --ddim-grid [--step ddim] [--both-cfg-halves]
 
 ``--epsilon`` skips steps 1-2 and samples the SD testbed's ε-UNet as it is, its prediction converted to a
 velocity; ``--ddim-grid`` puts the steps on the σ of DDIM's 20 timesteps (the first 10 stochastic) and
@@ -31,20 +31,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-for folder in (REPO, REPO / "scripts", REPO / "experiments"):  # the package, build_flow_testbed, ddpo_gradient_snr
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
+from experiments.ddpo_gradient_snr import pairwise_cosine
+from scripts.build_flow_testbed import EVAL_CAPTION_SEED, encode_latents, render_scenes, swap_captions
 
-from build_flow_testbed import EVAL_CAPTION_SEED, encode_latents, render_scenes, swap_captions  # noqa: E402
-from ddpo_gradient_snr import pairwise_cosine  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):

@@ -30,6 +30,8 @@ from torch import nn
 
 from rewards.base import Preference
 from rewards.images import Images, num_images, to_pil
+from rewards.phi3v import load_phi3v
+from rewards.phi3v_processor import Phi3VInputs
 from rewards.reward_heads import (
     SkipCrossAttention,
     general_preference_probability,
@@ -37,6 +39,7 @@ from rewards.reward_heads import (
     read_last_token,
 )
 from rewards.reward_model_judge import TrainedRewardJudge
+from rewards.vlm import load_processor
 
 PHI35_VISION = "microsoft/Phi-3.5-vision-instruct"
 QWEN25_VL = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -185,10 +188,6 @@ class LlavaRewardModel(nn.Module):
                   value_head_dim: int = 1, dtype: torch.dtype = torch.float32, device=None, processor=None) -> LlavaRewardModel:
         """``processor``: an already built processor (default: the backbone folder's own)."""
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-
-        from rewards.phi3v import load_phi3v
-        from rewards.phi3v_processor import Phi3VInputs
-        from rewards.vlm import load_processor
 
         kind = check_backbone(model, trust_remote_code)
         try:

@@ -14,19 +14,17 @@ import base64
 import json
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the package from this checkout, and the fake servers
-from fake_judge_servers import FakeJudgeServer, constant_judge  # noqa: E402
+import rewards
+from align.testing.fake_judge_servers import FakeJudgeServer, constant_judge
+from rewards.images import encode_png, to_pil
+from rewards.judge_prompts import JudgeQuestion, render
 
-import rewards  # noqa: E402
-from rewards.images import encode_png, to_pil  # noqa: E402
-from rewards.judge_prompts import JudgeQuestion, render  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PREFIX = {"openai": "openai", "anthropic": "anthropic", "gemini": "google"}
 KEY_VARS = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY", "gemini": "GEMINI_API_KEY"}

@@ -6,7 +6,7 @@ the peak RSS of 500 pairs, same flags.
 
 Builds synthetic Pick-a-Pic-schema parquet files (caption, jpg_0, jpg_1, label_0, label_1; random
 JPEGs at --resolution px, one tie in ten; row groups of 100 rows, as large files are written), a tiny
-SD-architecture pipeline (tests/tiny_sd.py), and runs `align/dpo.py --finetune lora --max_steps 2`
+SD-architecture pipeline (align/testing/tiny_sd.py), and runs `align/dpo.py --finetune lora --max_steps 2`
 on each file in a fresh subprocess with a fresh datasets cache. Peak memory of a run: the largest
 single process's peak RSS (getrusage of the children), and the whole process tree's RSS sampled every
 20 ms (psutil: the trainer plus its DataLoader workers), in full and without file-backed pages
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 CASES = {
     "images": ["--latent_store", "none"],
@@ -108,7 +107,7 @@ def main() -> None:
         model, data, case, workdir = args.one
         print(json.dumps(measure(model, Path(data), args.resolution, CASES[case], Path(workdir))))
         return
-    from tiny_sd import build_tiny_pipeline
+    from align.testing.tiny_sd import build_tiny_pipeline
 
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@
 Both trainers get the same pipeline folder, reward (JPEG compressibility, a rule judge), prompts,
 sampling settings (DDIM steps, η, guidance), LoRA rank, batch sizes, timestep fraction and
 per-prompt statistics (buffer 16, minimum 16, TRL's). Ours trains through PEFT's LoRA layers, as TRL
-does (the merged W + B·A training forward, `lora_merged_forward`, was removed: docs/experiments/removed-options.md).
+does (the merged W + B·A training forward, `lora_merged_forward`, was removed: experiments/notes/removed-options.md).
 Each runs in its own process (TRL from its own virtual environment,
 because TRL removed DDPOTrainer in 0.24); the first epoch is a warm-up and is not timed.
 Reported: samples per second (sampling + reward + PPO update, per epoch), peak memory

@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 # UNet2DConditionModel config of SD v1.5 (runwayml/stable-diffusion-v1-5 unet/config.json values).
 SD15_UNET = dict(
@@ -112,8 +110,7 @@ def make_pairs(path: Path, count: int, size: int) -> None:
 
 
 def run_tiny(cache: bool, steps: int) -> dict:
-    from tiny_sd import build_tiny_pipeline
-
+    from align.testing.tiny_sd import build_tiny_pipeline
     from align.train import dpo
 
     with tempfile.TemporaryDirectory() as tmp:

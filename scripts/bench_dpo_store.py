@@ -37,8 +37,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT.parent.parent / "shared" / "peers" / "train_diffusion_dpo.py"
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 TRANSFORMS_STANDIN = '''"""Stand-in for torchvision.transforms on PIL images (bench_dpo_store.py; the real wheel does not import here)."""
 import enum
@@ -132,8 +130,9 @@ def build_sd15_pipeline(folder: Path) -> Path:
     import torch
     from bench_dpo import SD15_UNET
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from tiny_sd import write_char_tokenizer
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    from align.testing.tiny_sd import write_char_tokenizer
 
     torch.manual_seed(0)
     write_char_tokenizer(folder / "tokenizer")

@@ -33,9 +33,6 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 # Peak dense bf16 tensor FLOP/s (no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = {
     "H200": 989.0,
@@ -63,7 +60,7 @@ SD15_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_
 SD15_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                       clip_sample=False, set_alpha_to_one=False, steps_offset=1)
 
-# A tiny model of the same classes (tests/tiny_sd.py's sizes): the CPU test runs the whole script at this size.
+# A tiny model of the same classes (align/testing/tiny_sd.py's sizes): the CPU test runs the whole script at this size.
 TINY_UNET = dict(
     sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
     down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-
-# run from anywhere: the repository root first on the path (an editable install made before
-# rewards/ had an __init__.py resolves it as an empty namespace package)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORDS = ["a", "red", "blue", "green", "circle", "square", "photo", "of", "cat", "on", "the", "left"]
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -33,14 +32,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from align.testbed import flow_models, models
+from align.testbed.scene import render, sample_captions
+from align.testbed.tokenizer import build_tokenizer, grammar_words
+from align.testbed.weights import TESTBED_PIPELINE_DIR
 
-from align.testbed import flow_models, models  # noqa: E402
-from align.testbed.scene import render, sample_captions  # noqa: E402
-from align.testbed.tokenizer import build_tokenizer, grammar_words  # noqa: E402
-from align.testbed.weights import TESTBED_PIPELINE_DIR  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # The SD testbed's held-out caption stream, so both testbeds are scored on the same captions.
 EVAL_CAPTION_SEED = 1_000_003

@@ -40,7 +40,6 @@ import copy
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -48,14 +47,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from align.testbed import models
+from align.testbed.scene import render, sample_captions
+from align.testbed.tokenizer import build_tokenizer, grammar_words, save_tokenizer
+from align.testbed.weights import TESTBED_PIPELINE_DIR, TESTBED_SETTINGS_FILE
 
-from align.testbed import models  # noqa: E402
-from align.testbed.scene import render, sample_captions  # noqa: E402
-from align.testbed.tokenizer import build_tokenizer, grammar_words, save_tokenizer  # noqa: E402
-from align.testbed.weights import TESTBED_PIPELINE_DIR, TESTBED_SETTINGS_FILE  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # Seeds of the disjoint caption streams (training scenes vs the held-out evaluation captions).
 EVAL_CAPTION_SEED = 1_000_003

@@ -24,7 +24,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -32,10 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from align.cli import ConfigError, die, option, parse_config  # noqa: E402
+from align.cli import ConfigError, die, option, parse_config
 
 TRAINERS = {"dpo": "DPOConfig", "ddpo": "DDPOConfig"}  # align.<trainer> and its config class
 

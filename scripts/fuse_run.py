@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def fuse_run(run: str, out: Path, base: str | None = None) -> Path:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -36,14 +35,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from align.testbed import models
+from align.testbed.scene import corrupt_caption, render, sample_captions
+from align.testbed.tokenizer import build_tokenizer, grammar_words, save_tokenizer
+from align.testbed.weights import TESTBED_PIPELINE_DIR
 
-from align.testbed import models  # noqa: E402
-from align.testbed.scene import corrupt_caption, render, sample_captions  # noqa: E402
-from align.testbed.tokenizer import build_tokenizer, grammar_words, save_tokenizer  # noqa: E402
-from align.testbed.weights import TESTBED_PIPELINE_DIR  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = REPO / "rewards" / "weights" / "shapes-clip"
 EVAL_CAPTION_SEED = 2_000_003

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
+import test_api_trainers
 import torch
+from test_api_trainers import ddpo_command, gpt4o
 
 from align.api_cost import JudgeCalls, guard_api_cost
 from align.cli import ConfigError
 from align.train import ddpo, dpo
-
-sys.path.insert(0, str(Path(__file__).parent))
-import test_api_trainers  # noqa: E402
-from test_api_trainers import ddpo_command, gpt4o  # noqa: E402
 
 # the fake OpenAI server and the prompt file of the API-trainer tests, shared
 prompt_file, server = test_api_trainers.prompt_file, test_api_trainers.server
@@ -140,7 +136,7 @@ def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(
 
 def test_two_ddpo_processes_both_stop_when_the_main_ones_evaluation_judge_is_over_the_cap(tiny_model, prompt_file, server, tmp_path):
     # only the main process loads the evaluation judge: the other must learn the verdict, not wait for ever
-    from two_processes import launch_two_cpu_processes
+    from align.testing.two_processes import launch_two_cpu_processes
 
     out = tmp_path / "ddp"
     argv = ["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", prompt_file, "--output-dir", str(out),

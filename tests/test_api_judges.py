@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fake_judge_servers import FakeJudgeServer, position_biased_judge
 from script_loader import load_script
 
 import rewards
+from align.testing.fake_judge_servers import FakeJudgeServer, position_biased_judge
 from rewards.cache import JudgeCache
 from rewards.images import to_pil
 from rewards.judge_prompts import CRITERIA

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,10 +18,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from align.run_folder import JUDGE_ANSWERS
+from align.testing.fake_judge_servers import FakeJudgeServer, brightness
 from align.train import ddpo, dpo
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_judge_servers import FakeJudgeServer, brightness  # noqa: E402
 
 SECRET = "sk-TEST-trainer-key-never-written-4d2a"
 

@@ -7,7 +7,6 @@ is tested without processes in tests/test_ddpo_order.py."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -15,11 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from align.testing.two_processes import launch_two_cpu_processes
 from align.train import ddpo
 from align.train.ddpo import DDPOConfig
-
-sys.path.insert(0, str(Path(__file__).parent))
-from two_processes import launch_two_cpu_processes  # noqa: E402
 
 # 8 samples per epoch in sampling batches of 2 (the same per process in both runs: a batch's noise is drawn
 # for the whole batch); 2 optimiser steps per epoch: 2 x 2 accumulation on one process, 2 x 1 on each of two.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,13 +12,11 @@ from safetensors.torch import load_file
 from script_loader import load_experiment
 
 from align.pipeline import load_trained
+from align.testing.two_processes import launch_two_cpu_processes
 from align.train import ddpo
 from align.train.ddpo import DDPOConfig
 from align.train.ddpo_rewards import MixedReward, RewardError, win_rates
 from rewards.base import Judge, Preference
-
-sys.path.insert(0, str(Path(__file__).parent))
-from two_processes import launch_two_cpu_processes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -516,7 +513,7 @@ def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file,
 
 
 def test_gradient_snr_script_runs_flow_grpo_windows(tmp_path, prompt_file, capsys):
-    from tiny_flow import build_tiny_sd3
+    from align.testing.tiny_flow import build_tiny_sd3
 
     folder = build_tiny_sd3(tmp_path / "sd3")
     ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")

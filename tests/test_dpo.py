@@ -14,15 +14,13 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from wandb_records import history_rows
 
 from align.pipeline import generate_images, load_pipeline
+from align.testing.two_processes import launch_two_cpu_processes
 from align.train import dpo
 from align.train.dpo import DPOConfig, TrainingStopped
 from rewards.images import decode_image, to_tensor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from two_processes import launch_two_cpu_processes  # noqa: E402
-from wandb_records import history_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

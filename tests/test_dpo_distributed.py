@@ -4,20 +4,17 @@ noise and timesteps in the same order, the same weights within float tolerance, 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from noise_pairs import write_noise_pairs
 from safetensors.torch import load_file
 
+from align.testing.noise_pairs import write_noise_pairs
+from align.testing.two_processes import launch_two_cpu_processes
 from align.train import dpo
 from align.train.dpo import DPOConfig
-
-sys.path.insert(0, str(Path(__file__).parent))
-from two_processes import launch_two_cpu_processes  # noqa: E402
 
 SETTINGS = dict(finetune="lora", lora_rank=4, resolution=16, train_batch_size=1, learning_rate=1e-3, scale_lr=False,
                 lr_warmup_steps=0, beta=100.0, num_inference_steps=2, checkpointing_steps=1,

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_dpo import _png, small_config
 
 from align.pipeline import generate_images, load_pipeline, load_trained
 from align.train import dpo
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_dpo import _png, small_config  # noqa: E402
 
 PIPELINE_CLASSES = {"sdxl": "StableDiffusionXLPipeline", "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
 RESOLUTION = 32  # every tiny pipeline's 4 x 16 x 16 latents (FLUX's own default would be 256 px)

@@ -1,6 +1,6 @@
 """Evaluation, best-of-N, AI feedback and the judge comparison on the other model families (issue 41).
 
-Tiny random SDXL (tests/tiny_sdxl.py) and SD3 / FLUX (tests/tiny_flow.py) pipelines, a LoRA run folder
+Tiny random SDXL (align/testing/tiny_sdxl.py) and SD3 / FLUX (align/testing/tiny_flow.py) pipelines, a LoRA run folder
 made with the family's own ``save_lora``, and the commands run as a user runs them.
 """
 
@@ -29,10 +29,10 @@ from align.run_folder import CONFIG_FILE
 
 def build(family: str, folder):
     if family == "sdxl":
-        from tiny_sdxl import build_tiny_sdxl_pipeline
+        from align.testing.tiny_sdxl import build_tiny_sdxl_pipeline
 
         return build_tiny_sdxl_pipeline(folder)
-    from tiny_flow import build_tiny_flux, build_tiny_sd3
+    from align.testing.tiny_flow import build_tiny_flux, build_tiny_sd3
 
     return (build_tiny_sd3 if family == "sd3" else build_tiny_flux)(folder)
 
@@ -176,7 +176,7 @@ def test_load_trained_takes_a_run_with_a_full_denoiser_folder(tmp_path, base_and
 @pytest.fixture(scope="module")
 def flow_testbed_like(tmp_path_factory):
     """A tiny SD3 pipeline with a flow testbed's settings file (steps, guidance, resolution, T5 length)."""
-    from tiny_flow import T5_MAX_SEQUENCE_LENGTH
+    from align.testing.tiny_flow import T5_MAX_SEQUENCE_LENGTH
 
     base = build("sd3", tmp_path_factory.mktemp("flowtb"))
     settings = {"num_inference_steps": 3, "guidance_scale": 3.0, "resolution": 32,

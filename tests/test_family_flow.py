@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_flow import T5_MAX_SEQUENCE_LENGTH, VAE_SCALE, VAE_SHIFT, build_tiny_flux, build_tiny_sd3
 
 from align.families import family_of_pipeline
 from align.families.base import (
@@ -19,6 +18,13 @@ from align.families.base import (
 from align.families.flux import latent_image_ids, pack_latents, unpack_latents
 from align.pipeline import add_lora, generate_images, load_pipeline, load_trained, save_full_unet
 from align.sampling.flow import ode_step, sample_flow_with_logprob
+from align.testing.tiny_flow import (
+    T5_MAX_SEQUENCE_LENGTH,
+    VAE_SCALE,
+    VAE_SHIFT,
+    build_tiny_flux,
+    build_tiny_sd3,
+)
 
 RES = 32
 PROMPTS = ["a red circle", "two blue squares"]

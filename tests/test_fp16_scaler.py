@@ -13,8 +13,8 @@ import math
 
 import pytest
 import torch
-from noise_pairs import write_noise_pairs
 
+from align.testing.noise_pairs import write_noise_pairs
 from align.train import ddpo, dpo
 from align.train.accelerator import make_accelerator
 from align.train.ddpo import DDPOConfig

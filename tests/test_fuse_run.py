@@ -6,10 +6,10 @@ import pytest
 import torch
 import yaml
 from script_loader import load_script
-from tiny_sd import build_tiny_pipeline
 
 from align.pipeline import add_lora, load_pipeline, load_trained, save_lora
 from align.run_folder import CONFIG_FILE
+from align.testing.tiny_sd import build_tiny_pipeline
 
 fuse_run = load_script("fuse_run")
 

@@ -1,4 +1,6 @@
-"""Module boundaries: no import cycle inside `rewards/` or `align/`, and `rewards` never imports `align`.
+"""Module boundaries: no import cycle inside `rewards/` or `align/` nor between align's rooms (its folders, and each
+top-level module), `rewards` never imports `align`, and the fences: the package never imports scripts/, experiments/,
+tests/ or its own testing fixtures; scripts never import experiments; nothing in the package edits sys.path.
 
 The graph is read from the source with `ast` (every import, top level or inside a function), so a cycle
 hidden in a function-local import counts too; nothing is imported.
@@ -101,3 +103,61 @@ def test_rewards_never_imports_align():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "align" or n.startswith("align.")]
     assert offenders == []
+
+
+def imports_of(path: Path) -> list[str]:
+    """Every absolute module name a file imports (top level or inside a function)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def offenders(folders: list[str], forbidden: tuple[str, ...], skip: tuple[str, ...] = ()) -> list[str]:
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            relative = str(path.relative_to(ROOT))
+            if relative.startswith(skip):
+                continue
+            found += [f"{relative}: {name}" for name in imports_of(path)
+                      if any(name == f or name.startswith(f + ".") for f in forbidden)]
+    return found
+
+
+TEST_HELPERS = ("tests", "script_loader", "wandb_records", "conftest")
+
+
+def test_no_import_cycle_between_the_rooms_of_align():
+    """A room is a folder of align/ (train, eval, data, ...) or one top-level module (pipeline, cli, ...)."""
+    rooms: dict[str, set[str]] = {}
+    for module, imported in import_graph("align").items():
+        room = ".".join(module.split(".")[:2])
+        rooms.setdefault(room, set()).update(".".join(m.split(".")[:2]) for m in imported)
+    assert cycles({room: targets - {room} for room, targets in rooms.items()}) == []
+
+
+def test_the_package_never_imports_scripts_experiments_tests_or_its_fixtures():
+    forbidden = ("scripts", "experiments", *TEST_HELPERS, "align.testing", "align.testing")
+    assert offenders(["align", "rewards"], forbidden, skip=("align/testing", "align/testing")) == []
+    assert offenders(["align/testing", "align/testing"], ("scripts", "experiments", *TEST_HELPERS)) == []
+
+
+def test_scripts_never_import_experiments():
+    assert offenders(["scripts"], ("experiments",)) == []
+
+
+def test_no_file_in_the_package_edits_sys_path():
+    edits = [str(p.relative_to(ROOT)) for folder in ("align", "rewards") for p in (ROOT / folder).rglob("*.py")
+             if "sys.path" in p.read_text()]
+    assert edits == []
+
+
+def test_the_fence_finder_sees_a_forbidden_import(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from experiments.flow_ceiling import held_out_set\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert offenders(["pkg"], ("experiments",)) == ["pkg/a.py: experiments.flow_ceiling"]

@@ -6,10 +6,10 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from tiny_judges import clip_tokenizer, images_as_tensor, random_images, save_tiny_clip
 from transformers import AutoProcessor, CLIPModel
 
 import rewards
+from align.testing.tiny_judges import clip_tokenizer, images_as_tensor, random_images, save_tiny_clip
 from rewards import clip as clip_module
 from rewards.checkpoint_keys import CheckpointLayoutError, ScoreMLP, aesthetic_mlp_keys
 from rewards.weights import MissingWeightsError

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_judges import save_tiny_clip
 
 import rewards
+from align.testing.tiny_judges import save_tiny_clip
 from rewards import clip as clip_module
 from rewards.preprocess import centre_crop_offset, hps_pixels, open_clip_clean, openai_clip_pixels
 

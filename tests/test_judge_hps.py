@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_judges import clip_tokenizer, random_images, save_tiny_clip
 from transformers import CLIPConfig, CLIPModel
 
 import rewards
+from align.testing.tiny_judges import clip_tokenizer, random_images, save_tiny_clip
 from rewards.checkpoint_keys import CheckpointLayoutError, open_clip_to_transformers_clip
 from rewards.hps import letterbox_pixels
 from rewards.weights import MissingWeightsError

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from tiny_judges import WORDS, bert_tokenizer, images_as_tensor, random_images
 from transformers import BlipTextConfig, BlipVisionConfig
 
 import rewards
+from align.testing.tiny_judges import WORDS, bert_tokenizer, images_as_tensor, random_images
 from rewards.checkpoint_keys import CheckpointLayoutError, check_exact, image_reward_to_blip
 from rewards.imagereward import (
     IMAGE_REWARD_MEAN,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_judge_servers import FakeJudgeServer
-from tiny_judges import save_tiny_clip
 
 import rewards
 from align.testbed.scene import render
+from align.testing.fake_judge_servers import FakeJudgeServer
+from align.testing.tiny_judges import save_tiny_clip
 from rewards.images import check_images, to_tensor, to_unit_range
 
 CAPTION = "a red circle"

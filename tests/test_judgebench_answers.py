@@ -4,11 +4,11 @@
 import json
 
 import pytest
-from fake_judge_servers import FakeJudgeServer
 
 from align.judgebench import answers as A
 from align.judgebench import benchmark as judgebench
 from align.judgebench import metrics as M
+from align.testing.fake_judge_servers import FakeJudgeServer
 from rewards.judge_prompts import CRITERIA, MJBENCH_CRITERIA, JudgeQuestion, render
 
 SECRET = "sk-TEST-answers-3f9a"

@@ -249,8 +249,7 @@ def test_qwen_processor_bounds_are_the_authors():
 
 
 def test_qwen_backbone_gets_the_authors_pixel_limits_and_fetch_resize(tmp_path):
-    from tiny_vlms import build_qwen25_vl
-
+    from align.testing.tiny_vlms import build_qwen25_vl
     from rewards.llava_reward import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_fetch_image
 
     build_qwen25_vl(tmp_path / "qwen")

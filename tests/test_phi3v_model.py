@@ -4,7 +4,6 @@ embeddings that experiments/phi3v_reference.py recorded with the remote code (tr
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ ATOL = 1e-5
 
 
 def _script(name):
-    sys.path.insert(0, str(ROOT / "experiments"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from noise_pairs import write_noise_pairs
 
 from align.cli import ConfigError
+from align.testing.noise_pairs import write_noise_pairs
 from align.train import ddpo, dpo
 from align.train.accelerator import (
     refuse_unsupported_distribution,

@@ -3,23 +3,19 @@ refused when they do not fit, and training from them equal to training from the 
 
 import io
 import json
-import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from test_dpo import small_config
 
 from align.data import precompute
 from align.data.latent_store import StoreLatents, read_manifest, shard_name
 from align.data.pairs import PreferencePair, pair_pixels
 from align.pipeline import encode_images, encode_prompts, load_pipeline
 from align.train import dpo
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_dpo import small_config  # noqa: E402
 
 
 def _png(seed, size=16):
@@ -167,7 +163,7 @@ def _fails(capsys, call, *expected):
 
 
 def test_refusals_are_one_line_and_lose_nothing(tiny_model, pairs_file, tmp_path, capsys):
-    from tiny_sd import build_tiny_pipeline
+    from align.testing.tiny_sd import build_tiny_pipeline
 
     store = build(tiny_model, pairs_file, tmp_path / "store")
     before = {p.name: p.read_bytes() for p in store.iterdir()}

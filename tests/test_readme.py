@@ -97,7 +97,7 @@ def test_readme_covers_each_use():
 
 
 def test_links_of_the_readme_and_docs_resolve():
-    pages = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "experiments").rglob("*.md"))]
     broken = []
     for page in pages:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):

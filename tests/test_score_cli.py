@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from tiny_judges import random_images, save_tiny_clip
 
 import rewards
+from align.testing.tiny_judges import random_images, save_tiny_clip
 from rewards.score import main
 
 

@@ -10,10 +10,10 @@ import os
 import sqlite3
 
 import pytest
-from fake_judge_servers import FakeJudgeServer, brightness
 
 import rewards
 from align.run_folder import atomic_write_text
+from align.testing.fake_judge_servers import FakeJudgeServer, brightness
 from align.train import dpo
 from rewards.cache import CachedAnswer, JudgeCache
 from rewards.secrets import check_key_env_name, install_log_scrubber, looks_like_secret, scrub, scrub_text

@@ -4,9 +4,9 @@ AutoModelForImageTextToText, then run through the real chat-template + generate 
 
 import pytest
 import torch
-from tiny_vlms import record_generate, text_config, tiny_tokenizer
 
 import rewards
+from align.testing.tiny_vlms import record_generate, text_config, tiny_tokenizer
 from rewards import vlm
 from rewards.mllm import JudgeNotReadyError
 

@@ -7,10 +7,10 @@ InternVL's processors are loaded without their video processors (which need torc
 
 import pytest
 import torch
-from tiny_vlms import build_internvl, build_llava_next, build_qwen25_vl, record_generate
 from transformers.utils import is_torchvision_available
 
 import rewards
+from align.testing.tiny_vlms import build_internvl, build_llava_next, build_qwen25_vl, record_generate
 from rewards.vlm import load_processor
 
 # name -> (builder, image placeholder token, that token per image, image height x width, PIL image processor)

@@ -36,6 +36,8 @@ import torch
 from PIL import Image
 
 from align.data.pairs import DataError, write_pairs_parquet
+from align.families import family_of_pipeline
+from align.progress import progress_bar
 from align.run_folder import atomic_path
 from rewards.base import Judge, Preference, preference_from_scores
 from rewards.images import encode_png, to_pil
@@ -125,8 +127,6 @@ def generate_feedback(
     done = _labelled_prompts(out_path, prompts, seed, images_per_prompt)
     todo = [i for i in range(len(prompts)) if i not in done]
     stats = FeedbackStats(str(out_path), prompts_total=len(prompts), skipped=len(prompts) - len(todo))
-
-    from align.progress import progress_bar
 
     bar = progress_bar(total=len(todo), desc=f"feedback ({judge.name})", unit="prompt", enabled=progress)
     try:
@@ -332,7 +332,6 @@ def make_pipeline_generator(
     """
     if batch_size < 1:
         raise DataError(f"batch_size must be a positive number of images, got {batch_size}")
-    from align.families import family_of_pipeline
 
     call_kwargs = {**family_of_pipeline(pipe).generation_kwargs(pipe), **call_kwargs}
 

@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 from align.data.pairs import DataError
+from align.families import family_of_pipeline
+from align.families.base import cat_conditioning
+from align.pipeline import resolve_model
 from align.run_folder import atomic_path, atomic_write_text
 
 STORE_FORMAT = 2
@@ -52,7 +55,6 @@ def shard_name(index: int) -> str:
 
 def model_folder(model: str) -> Path:
     """The local folder of a pipeline: the folder given, or a hub id's Hugging Face cache snapshot."""
-    from align.pipeline import resolve_model
 
     resolved = resolve_model(model)
     folder = Path(resolved).expanduser()
@@ -189,8 +191,6 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
     are skipped, so an interrupted build resumes. Returns the completed manifest."""
     from safetensors.torch import save_file
 
-    from align.families import family_of_pipeline
-
     store = Path(store)
     prepare_store(store, spec)
     dtype = DTYPES[spec.dtype]
@@ -222,8 +222,6 @@ def stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @torch.no_grad()
 def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) -> dict[str, torch.Tensor]:
     """Latents of both images of each pair, un-flipped and flipped, and the shard's caption conditioning."""
-    from align.families import family_of_pipeline
-    from align.families.base import cat_conditioning
 
     family = family_of_pipeline(pipe)
     latents = []

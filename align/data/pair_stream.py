@@ -18,13 +18,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from align.data.pairs import PAIR_COLUMNS, TIE_POLICIES, DataError, PairStats, _looks_like_path, pair_pixels
+from align.data.pairs import (
+    PAIR_COLUMNS,
+    TIE_POLICIES,
+    DataError,
+    PairStats,
+    _dataset_from_folder,
+    _image_bytes,
+    _load_hf_dataset,
+    _looks_like_path,
+    pair_pixels,
+)
 from align.data.pairs import PreferencePair as _Pair
 from rewards.images import UnreadableImageError
 
@@ -47,8 +58,6 @@ class PairTable:
         """The same pairs through a fresh memory map. Pages of a mapped file that were read stay in the
         process's RSS until the map closes: a pass over every pair (a store build) reads each stretch
         through its own map, so RSS does not grow with the dataset."""
-        import pickle
-
         return dataclasses.replace(self, dataset=pickle.loads(pickle.dumps(self.dataset)))
 
     def caption(self, k: int) -> str:
@@ -57,7 +66,6 @@ class PairTable:
 
     def pair(self, k: int) -> _Pair:
         """Pair k, winner first, with its encoded image bytes (read from the memory-mapped table)."""
-        from align.data.pairs import _image_bytes
 
         row = int(self.rows[k])
         record = self.dataset[row]
@@ -120,8 +128,6 @@ def open_pairs(
 
 def _open_table(source: str, split: str, cache_dir: str | None):
     import datasets
-
-    from align.data.pairs import _dataset_from_folder, _load_hf_dataset
 
     path = Path(source).expanduser()
     if path.is_file():

@@ -15,8 +15,17 @@ import argparse
 from pathlib import Path
 
 from align.cli import die
-from align.data.latent_store import DTYPES
+from align.data.latent_store import (
+    DTYPES,
+    StoreSpec,
+    build_store,
+    model_fingerprint,
+    native_resolution,
+    prepare_store,
+)
+from align.data.pair_stream import open_pairs
 from align.data.pairs import DataError
+from align.pipeline import ModelLoadError, check_model, load_pipeline
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,17 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def precompute(args: argparse.Namespace, after_shard=None) -> Path:
     """Check everything cheap first (model folder, dataset columns, the output folder), then encode."""
-    import torch
-
-    from align.data.latent_store import (
-        StoreSpec,
-        build_store,
-        model_fingerprint,
-        native_resolution,
-        prepare_store,
-    )
-    from align.data.pair_stream import open_pairs
-    from align.pipeline import ModelLoadError, check_model, load_pipeline
+    import torch  # noqa: PLC0415 - --help stays torch-free
 
     try:
         check_model(args.model)

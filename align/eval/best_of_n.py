@@ -44,7 +44,7 @@ from align.eval.report import png_bytes
 from align.families import family_of_pipeline
 from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
-from align.pipeline import ModelLoadError, check_model
+from align.pipeline import ModelLoadError, check_model, load_trained
 from align.progress import progress_bar
 from align.quiet import quiet_output
 from align.run_folder import atomic_write_bytes, atomic_write_text
@@ -238,7 +238,6 @@ def score_all(judge, prompts: list[str], images: torch.Tensor, num_candidates: i
 
 
 def best_of_n(config: BestOfNConfig) -> dict:
-    from align.pipeline import load_trained
 
     prompt_set = check_inputs(config)
     prompts = prompt_set.prompts

@@ -8,6 +8,7 @@ settings, so a second run generates only what is new.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import re
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from pathlib import Path
 import torch
 
 from align import pipeline  # load_trained and generate_images looked up at call time: tests replace them
+from align.cli import ConfigError
 from align.eval.report import png_bytes
+from align.families import family_of, pipeline_class_name
 from align.pipeline import base_of, resolve_model, testbed_settings
 from align.progress import progress_bar
 from align.run_folder import atomic_write_bytes, atomic_write_text
@@ -98,11 +101,7 @@ def pipeline_call_defaults(model: str) -> dict:
     """Steps and guidance that the model's own diffusers pipeline samples with when not told (read from its
     ``__call__`` signature: SD 50 / 7.5, SDXL 50 / 5.0, SD3 28 / 7.0, FLUX 28 / 3.5); SD's where the model's
     pipeline class cannot be read (a hub id offline)."""
-    import inspect
-
     import diffusers
-
-    from align.families import pipeline_class_name
 
     try:
         parameters = inspect.signature(getattr(diffusers, pipeline_class_name(resolve_model(model))).__call__).parameters
@@ -114,7 +113,6 @@ def pipeline_call_defaults(model: str) -> dict:
 def model_family_name(model: str) -> str | None:
     """The family (``align.families``) of a pipeline folder, hub id or run folder (its base's); None where it
     cannot be told without loading anything (a bare LoRA folder, a hub id offline)."""
-    from align.families import family_of
 
     try:
         return family_of(resolve_model(base_of(model))).name
@@ -143,7 +141,6 @@ GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "floa
 
 def check_generation_dtype(name: str) -> None:
     if name not in GENERATION_DTYPES:
-        from align.cli import ConfigError
 
         raise ConfigError(f"--dtype must be one of {', '.join(GENERATION_DTYPES)}, got {name!r}")
 

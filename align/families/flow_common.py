@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from align.families.base import LORA_WEIGHTS, ModelFamily
+from align.testbed.flow_models import FLOW_SETTINGS_FILE
 
 # The pipeline attribute that holds the T5 length the model was trained with (set at load).
 MAX_SEQUENCE_LENGTH_ATTRIBUTE = "align_max_sequence_length"
@@ -32,7 +33,6 @@ def is_null_component(entry) -> bool:
 
 def trained_max_sequence_length(model: str) -> int | None:
     """``max_sequence_length`` stored in ``flow_testbed.json`` beside a local pipeline, if any."""
-    from align.testbed.flow_models import FLOW_SETTINGS_FILE
 
     path = Path(model).expanduser() / FLOW_SETTINGS_FILE
     if not path.is_file():

@@ -17,6 +17,7 @@ velocity target ε - x0, guidance 3.5 in training, LoRA targets). Deliberate dif
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from align.families import flow_common
@@ -125,7 +126,6 @@ class Flux(flow_common.FlowMatchingFamily):
     def flow_sigmas(self, pipe, num_inference_steps: int, resolution: int) -> torch.Tensor:
         """As FluxPipeline: base σ = linspace(1, 1/N, N) (left to the scheduler when it uses flow sigmas),
         shifted with μ = calculate_shift(number of packed image tokens)."""
-        import numpy as np
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         config = pipe.scheduler.config

@@ -54,6 +54,15 @@ from align.families.base import (
 from align.families.sd import StableDiffusion
 from align.health import images_finite
 from align.judges import check_judge_names, load_judge
+from align.pipeline import (
+    add_lora,
+    check_model,
+    decode_latents,
+    disabled_adapter,
+    frozen_copy,
+    load_pipeline,
+    merged_adapter,
+)
 from align.progress import progress_bar
 from align.run_folder import (
     RunFolder,
@@ -96,6 +105,7 @@ from align.train.heldout import (
     save_image_row,
 )
 from align.train.losses import ddpo_clipped_loss, gaussian_mean_kl
+from align.train.report import write_training_report
 
 STATE_FILE = "ddpo_state.json"
 STAT_BUFFER_SIZE, STAT_MIN_COUNT = 32, 16  # --advantage per-prompt: ddpo-pytorch's per-prompt stat tracking
@@ -117,7 +127,6 @@ def check_inputs(config: DDPOConfig) -> None:
 def resolve_family(config: DDPOConfig) -> ModelFamily:
     """The model's family (from its model_index.json, before any weight loads); fills the sampler options
     left unset with that family's defaults (DDIM: the DDPO paper's; flow: Flow-GRPO's)."""
-    from align.pipeline import check_model
 
     try:
         family = family_of(check_model(config.model))
@@ -228,7 +237,6 @@ def collect_samples(pipe, family, sampler, config, prompts, negative, epoch, pro
     ``sampler`` is the family's denoiser; ``negative`` the one-row unconditional side of classifier-free
     guidance (the family's); ``sigmas`` the flow families' σ schedule.
     """
-    from align.pipeline import decode_latents, merged_adapter
 
     batches, futures = [], []
     merge = merged_adapter(family.denoiser(pipe)) if sampling_merges_lora(config) else contextlib.nullcontext()
@@ -275,13 +283,6 @@ def gather_rewards(accelerator, futures) -> tuple[torch.Tensor | None, dict[str,
 def train(config: DDPOConfig) -> Path:
     """Run DDPO; returns the run folder."""
     from accelerate.utils import gather_object, set_seed
-
-    from align.pipeline import (
-        add_lora,
-        disabled_adapter,
-        frozen_copy,
-        load_pipeline,
-    )
 
     check_inputs(config)
     family = resolve_family(config)
@@ -477,7 +478,6 @@ def train(config: DDPOConfig) -> Path:
                            run.path / "eval_after.json", "after")
         save_final_weights(accelerator, train_unet, run.path, config.finetune, lambda final: write_model_card(final, config, run, family),
                            family=family)
-        from align.train.report import write_training_report
 
         write_training_report(run.path, title=f"{method_name(family)}: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
                               metric_keys=("reward_mean", "approx_kl", "kl_to_reference", "clipfrac", "policy_loss"))

@@ -4,7 +4,7 @@ Defaults follow the paper (Black et al. 2023) as released in ddpo-pytorch for DD
 SDXL) and Flow-GRPO (Liu et al. 2025) as released in its authors' code for flow-matching families (SD3,
 FLUX): the sampler options left unset (``None``) take the family's value in ``resolve_for_family``.
 configs/testbed_ddpo.yaml holds the settings measured best on the shapes testbed
-(docs/experiments/removed-options.md lists the options removed after measurements showed they did not help).
+(experiments/notes/removed-options.md lists the options removed after measurements showed they did not help).
 """
 
 from __future__ import annotations

@@ -22,9 +22,25 @@ import torch
 
 from align.api_cost import dpo_api_plan, guard_api_cost
 from align.cli import ConfigError
+from align.data.feedback import generate_feedback, make_pipeline_generator, pairwise_scheme
+from align.data.latent_store import (
+    COND_PREFIX,
+    StoreLatents,
+    StoreSpec,
+    build_store,
+    check_store,
+    model_fingerprint,
+    native_resolution,
+    read_manifest,
+)
+from align.data.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
+from align.data.pairs import DataError
 from align.data.prompt_sets import load_prompt_list
+from align.families import family_of_pipeline
 from align.families.base import cat_conditioning, conditioning_to
+from align.health import degenerate_reason
 from align.judges import check_judge_names, load_judge
+from align.pipeline import add_lora, disabled_adapter, frozen_copy, load_pipeline, testbed_settings
 from align.progress import progress_bar
 from align.run_folder import (
     RunFolder,
@@ -56,6 +72,8 @@ from align.train.heldout import (
     require_pointwise_eval_judge,
 )
 from align.train.losses import diffusion_dpo_loss, per_sample_mse
+from align.train.report import write_training_report
+from rewards.images import to_tensor
 
 # ----------------------------------------------------------------------------------------------
 # Prompts and pairs
@@ -123,9 +141,6 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
-    from align.data.feedback import generate_feedback, make_pipeline_generator, pairwise_scheme
-    from align.data.pair_stream import open_pairs
-    from align.families import family_of_pipeline
 
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
@@ -168,8 +183,6 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
 def healthy_images_only(generate_images):
     """The feedback image source, stopping training at a degenerate batch (NaN images, which the PIL
     conversion turns black, or blank ones: align/health.py): a diverged model's images are not judged."""
-    from align.health import degenerate_reason
-    from rewards.images import to_tensor
 
     def generate(prompts, seeds):
         images = generate_images(prompts, seeds)
@@ -190,7 +203,6 @@ def run_store_path(run_path: Path, round_index: int, rounds: int) -> Path:
 def check_latent_store(config: DPOConfig, table, resolution: int) -> None:
     """A --latent_store that exists must fit the model, the resolution and (with --dataset) the pairs:
     checked from the model's files, before the run folder is written or the model loads."""
-    from align.data.latent_store import check_store, model_fingerprint, read_manifest
 
     if read_manifest(config.store_folder) is None and table is not None:
         return  # built after the model loads
@@ -203,8 +215,6 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
     """The torch Dataset of this round's pairs and its epoch order. With a store (--latent_store: a store
     folder, or the run folder's) items are latents read from disk, else decoded images;
     a missing or interrupted store is first built (resumably) by the main process."""
-    from align.data.latent_store import StoreLatents, StoreSpec, build_store, check_store, model_fingerprint
-    from align.data.pair_stream import PairPixels
 
     if store is None:
         return PairPixels(table, resolution), PairOrder(len(table), config.seed)
@@ -213,7 +223,6 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
         dtype = "float32" if config.store_folder is None else "float16"
         spec = StoreSpec(model_fp, resolution, table.fingerprint, len(table), 1024, dtype)
         if accelerator.is_main_process:
-            from align.data.latent_store import read_manifest
 
             held = read_manifest(store)
             if held is None or not held.get("complete"):
@@ -228,7 +237,6 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
 
 def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start: int, end: int):
     """An iterator over the micro-batches of steps [start, end), read by DataLoader workers."""
-    from align.data.pair_stream import PlannedBatches, micro_batch_loader
 
     def plan(step, micro):
         return micro_batch_keys(order, config, step, micro, accelerator.process_index, accelerator.num_processes)[1]
@@ -240,8 +248,6 @@ def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start:
 @torch.no_grad()
 def batch_latents_and_conditioning(family, pipe, batch: dict, resolution: int):
     """(winner latents, loser latents, conditioning dict) of a micro-batch, on the CPU."""
-    from align.data.latent_store import COND_PREFIX
-    from align.data.pairs import DataError
 
     if "error" in batch:
         raise DataError(batch["error"])
@@ -263,16 +269,6 @@ def train(config: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the run folder."""
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
-
-    from align.data.pair_stream import open_pairs
-    from align.families import family_of_pipeline
-    from align.pipeline import (
-        add_lora,
-        disabled_adapter,
-        frozen_copy,
-        load_pipeline,
-        testbed_settings,
-    )
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
@@ -303,7 +299,6 @@ def train(config: DPOConfig) -> Path:
     if config.dataset:
         table = open_pairs(config.dataset, split=config.dataset_split, max_pairs=config.max_pairs)
     if config.store_folder:
-        from align.data.latent_store import native_resolution
 
         check_latent_store(config, table, config.resolution or native_resolution(config.model))
 
@@ -510,7 +505,6 @@ def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:
 
 
 def write_run_report(run: RunFolder, config: DPOConfig) -> None:
-    from align.train.report import write_training_report
 
     write_training_report(run.path, title=f"Diffusion-DPO: {config.model}", judge=config.eval_judge or config.reward,
                           metric_keys=("loss", "implicit_acc", "reward_margin", ("model_mse", "ref_mse")))

@@ -1,5 +1,5 @@
 """Diffusion-DPO's options: the dataclass behind `align/dpo.py`'s flags and its YAML configs (45 fields;
-the options removed after measurements: docs/experiments/removed-options.md).
+the options removed after measurements: experiments/notes/removed-options.md).
 
 Defaults follow the paper's recipe (Wallace et al. 2024, official code); configs/testbed_dpo.yaml holds
 the settings measured best on the shapes testbed.
@@ -22,7 +22,7 @@ RUN_STORE, NO_STORE = "run", "none"  # --latent_store's two words; anything else
 
 @dataclass
 class DPOConfig(RunOptions, ModelOptions, HeldOutOptions):
-    # Fixed values the shared evaluation reads (not flags; see docs/experiments/removed-options.md).
+    # Fixed values the shared evaluation reads (not flags; see experiments/notes/removed-options.md).
     eval_seed: ClassVar[int] = 1234  # seed of the first held-out image, the same before, during and after
     num_validation_images: ClassVar[int] = 4  # the report's before/after rows show 4 x this many held-out images
 

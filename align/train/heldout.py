@@ -14,6 +14,7 @@ from align.eval.report import image_grid
 from align.families import family_of_pipeline
 from align.health import degenerate_reason
 from align.metrics import mean_and_sem
+from align.pipeline import generate_images, merged_adapter
 from align.run_folder import (
     EVALS,
     atomic_path,
@@ -44,8 +45,6 @@ def shown_images(config) -> int:
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
     """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
     ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
-    from align.families import family_of_pipeline
-    from align.pipeline import generate_images, merged_adapter
 
     held_out = load_prompt_list(config.eval_prompts)
     repeats = config.eval_images_per_prompt

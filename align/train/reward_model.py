@@ -38,6 +38,7 @@ from align.run_folder import (
     restores_old_run_on_failure,
 )
 from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
+from align.testbed.pairs import rendered_pairs, write_parquet
 from align.testbed.tokenizer import testbed_tokenizer
 from align.train.accelerator import end_training, make_accelerator
 from align.train.checkpoints import (
@@ -48,6 +49,7 @@ from align.train.checkpoints import (
 )
 from align.train.command import TrainingStopped, run_trainer
 from align.train.options import RunOptions
+from align.train.report import write_training_report
 from align.train.reward_losses import (
     binary_cross_entropy_loss,
     bradley_terry_loss,
@@ -58,6 +60,7 @@ from align.train.reward_losses import (
     reliability_bins,
 )
 from align.validation import check_common_inputs, check_optimiser_ranges, check_parquet_columns
+from rewards.clip import SHAPES_CLIP_FOLDER
 from rewards.images import decode_image
 from rewards.llava_reward import LlavaRewardModel, check_backbone
 from rewards.trained import BlipRewardModel, ClipRewardModel, write_marker
@@ -207,7 +210,6 @@ def make_oracle_pairs(spec: str, path: Path, batch: int = 256) -> Path:
     the distillation set-up, an expensive judge's labels for a cheap model. The construction's
     label is kept in ``label_0_ground_truth`` for reference.
     """
-    from align.testbed.pairs import rendered_pairs, write_parquet  # pandas: only for the testbed oracle
 
     n, seed = parse_testbed_oracle(spec)
     table = rendered_pairs(n, seed)
@@ -307,7 +309,6 @@ def load_embedding_backbone(spec: str, model_class):
         tokenizer = testbed_tokenizer()
         return build_shapes_clip(tokenizer), CLIPProcessor(image_processor=shapes_clip_image_processor(), tokenizer=tokenizer)
     if spec == "testbed":
-        from rewards.clip import SHAPES_CLIP_FOLDER
 
         if not (SHAPES_CLIP_FOLDER / "config.json").is_file():
             raise ConfigError(
@@ -526,7 +527,6 @@ def train(config: RewardTrainConfig) -> Path:
         print(f"[reward] held-out accuracy {meta['eval_accuracy']:.4f}; calibration temperature "
               f"{calibration['temperature']:.4g} (ECE {calibration['ece_before']:.4f} -> {calibration['ece_after']:.4f}); "
               f"load it with rewards.load({str(final)!r})", flush=True)
-        from align.train.report import write_training_report
 
         write_training_report(run.path, title=f"Reward model: {config.model}",
                               metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"),

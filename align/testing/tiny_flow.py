@@ -18,7 +18,9 @@ import string
 from pathlib import Path
 
 import torch
-from tiny_sd import build_tiny_vae, write_char_tokenizer
+
+from align.testbed.flow_models import FLOW_SETTINGS_FILE
+from align.testing.tiny_sd import build_tiny_vae, write_char_tokenizer
 
 CLIP_MAX_LENGTH = 16  # short CLIP sequences keep the joint attention cheap
 T5_MAX_SEQUENCE_LENGTH = 8  # what tests pass as max_sequence_length (also written to flow_testbed.json)
@@ -78,7 +80,6 @@ def _save(pipe, folder: Path, settings: dict | None) -> Path:
     out = folder / "pipeline"
     pipe.save_pretrained(out, safe_serialization=True)
     if settings is not None:
-        from align.testbed.flow_models import FLOW_SETTINGS_FILE
 
         (out / FLOW_SETTINGS_FILE).write_text(json.dumps(settings))
     return out

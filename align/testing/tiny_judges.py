@@ -13,12 +13,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+from align.testbed.tokenizer import build_tokenizer
+
 WORDS = ["a", "red", "blue", "green", "circle", "square", "triangle", "on", "the", "left", "of", "photo", "cat"]
 
 
 def clip_tokenizer():
     """A CLIPTokenizer (CLIP's byte-level BPE layout) whose words are single tokens."""
-    from align.testbed.tokenizer import build_tokenizer
 
     return build_tokenizer(WORDS)
 

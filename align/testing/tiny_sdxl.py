@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 
 import torch
-from tiny_sd import build_tiny_vae, write_char_tokenizer
+
+from align.testing.tiny_sd import build_tiny_vae, write_char_tokenizer
 
 TEXT_WIDTHS = (16, 24)  # hidden sizes of text_encoder and text_encoder_2
 POOLED_DIM = 12  # text_encoder_2's projection_dim

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: align/testing/ -> the repository root
 
 
 def launch_two_cpu_processes(script: str, argv: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
