@@ -17,6 +17,11 @@ from pathlib import Path
 
 import torch
 
+from align.testbed.models import build_unet
+from align.testing.tiny_sd import (
+    build_tiny_unet,  # the tests' UNet: UpBlock2D after the mid block, as in SD v1.5
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,10 +39,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    from align.testbed.models import build_unet
-    from align.testing.tiny_sd import (
-        build_tiny_unet,  # the tests' UNet: UpBlock2D after the mid block, as in SD v1.5
-    )
 
     print(f"torch {torch.__version__}")
     print(f"{'UNet':<10}{'backend':<30}{'input gradient rel. error':>27}{'weight gradients off':>22}")

@@ -32,6 +32,22 @@ import sys
 
 import torch
 
+import rewards
+from align.data.prompt_sets import load_prompt_list
+from align.families import family_of_pipeline
+from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
+from align.pipeline import add_lora, decode_latents, load_pipeline, testbed_settings
+from align.train.advantages import group_advantages
+from align.train.ddpo import (
+    DDPOConfig,
+    draw_prompts,
+    policy_step,
+    sample_steps,
+    step_pairs,
+    train_timestep_indices,
+    trained_prediction,
+)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -59,8 +75,6 @@ def parse_args(argv=None):
 
 def row_config(args, steps: int, guidance: float, row: str):
     """The trainer's config for one row ``selection:k``."""
-    from align.train.ddpo import DDPOConfig
-
     selection, _, k = row.partition(":")
     if selection not in ("all", "first", "window") or not k.isdigit() or not 1 <= int(k) <= steps:
         sys.exit(f"--rows: {row!r} is not all:k, first:k or window:k with 1 <= k <= {steps} steps")
@@ -80,18 +94,6 @@ def pairwise_cosine(estimates: list[torch.Tensor]) -> tuple[float, float]:
 def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, resolution, config, seed, both_halves, params,
                       shared_noise=False):
     """One flattened policy gradient (the PPO objective at ratio 1) and the batch's mean reward."""
-    from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
-    from align.pipeline import decode_latents
-    from align.train.advantages import group_advantages
-    from align.train.ddpo import (
-        draw_prompts,
-        policy_step,
-        sample_steps,
-        step_pairs,
-        train_timestep_indices,
-        trained_prediction,
-    )
-
     g = torch.Generator().manual_seed(seed)
     batch = draw_prompts(prompts, config, g)
     n = len(batch)
@@ -128,10 +130,6 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    import rewards
-    from align.data.prompt_sets import load_prompt_list
-    from align.families import family_of_pipeline
-    from align.pipeline import add_lora, load_pipeline, testbed_settings
 
     if args.samples % args.images_per_prompt or args.images_per_prompt < 2:
         sys.exit("--samples must be a multiple of --images-per-prompt (>= 2: advantages are group-relative)")

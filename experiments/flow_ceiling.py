@@ -33,6 +33,11 @@ from pathlib import Path
 
 import torch
 
+import rewards
+from align.data.prompt_sets import load_prompt_list
+from align.pipeline import add_lora, generate_images, load_pipeline, merged_adapter, testbed_settings
+from align.run_folder import atomic_write_text
+from align.testbed.scene import sample_captions
 from scripts.build_flow_testbed import encode_latents, rectified_flow_loss, render_scenes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,16 +94,12 @@ def paired_gain(before: list[float], after: list[float], images_per_prompt: int)
 
 def held_out_set(spec: str, repeats: int, first_seed: int) -> tuple[list[str], list[int]]:
     """The trainers' layout: the prompt list repeated ``repeats`` times, image i seeded ``first_seed + i``."""
-    from align.data.prompt_sets import load_prompt_list
-
     prompts = load_prompt_list(spec) * repeats
     return prompts, [first_seed + i for i in range(len(prompts))]
 
 
 def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[str], torch.Tensor]:
     """``n`` true (caption, image) pairs, none of them on a held-out caption; images in [-1, 1]."""
-    from align.testbed.scene import sample_captions
-
     pool = sample_captions(2 * n, seed=10_000 + seed)  # a caption stream of its own (the build's is its --seed)
     captions = [c for c in pool if c not in held_out][:n]
     return captions, render_scenes(captions, seed=seed)
@@ -120,9 +121,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    import rewards
-    from align.pipeline import add_lora, generate_images, load_pipeline, merged_adapter, testbed_settings
-    from align.run_folder import atomic_write_text
 
     settings = testbed_settings(args.model)
     if "max_sequence_length" not in settings:

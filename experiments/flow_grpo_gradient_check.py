@@ -25,6 +25,13 @@ import sys
 
 import torch
 
+from align.data.prompt_sets import load_prompt_list
+from align.families import family_of_pipeline
+from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
+from align.pipeline import add_lora, load_pipeline
+from align.sampling.flow import sample_flow_with_logprob
+from align.train.ddpo import DDPOConfig, policy_step
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,12 +50,6 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    from align.data.prompt_sets import load_prompt_list
-    from align.families import family_of_pipeline
-    from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
-    from align.pipeline import add_lora, load_pipeline
-    from align.sampling.flow import sample_flow_with_logprob
-    from align.train.ddpo import DDPOConfig, policy_step
 
     pipe = load_pipeline(args.model)
     family = family_of_pipeline(pipe)

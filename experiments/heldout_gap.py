@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from align.run_folder import CONFIG_FILE, eval_step, held_out_evals
+
 
 def gap_parts(scores, images_per_prompt: int, best: float = 1.0) -> dict[str, float]:
     """Split best - mean of scores laid out seed-major ([K x N]: image i is caption i mod N)."""
@@ -43,8 +45,6 @@ def gap_parts(scores, images_per_prompt: int, best: float = 1.0) -> dict[str, fl
 
 def eval_files(run: Path) -> list[tuple[str, Path]]:
     """The run's held-out evaluations in training order."""
-    from align.run_folder import eval_step, held_out_evals
-
     files = [("before", run / "eval_before.json")]
     files += [(f"step {eval_step(p)}", p) for p in held_out_evals(run)]
     files.append(("after", run / "eval_after.json"))
@@ -56,7 +56,6 @@ def main(argv=None) -> None:
     p.add_argument("runs", nargs="+", type=Path, help="run folders of align/dpo.py or align/ddpo.py")
     p.add_argument("--best", type=float, default=1.0, help="the judge's best score (the shapes oracle: 1)")
     args = p.parse_args(argv)
-    from align.run_folder import CONFIG_FILE
 
     for run in args.runs:
         config_file = run / CONFIG_FILE

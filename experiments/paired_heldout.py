@@ -22,6 +22,14 @@ from pathlib import Path
 
 import torch
 
+import rewards
+from align.data.prompt_sets import load_prompt_list
+from align.eval.evaluate import EvalConfig
+from align.eval.generation import sampling_settings
+from align.pipeline import generate_images, load_trained
+from experiments.flow_ceiling import held_out_set
+from experiments.flow_ceiling import paired_gain as seed_major_paired_gain
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -42,7 +50,6 @@ def parse_args(argv=None):
 def paired_gain(before: list[float], after: list[float], images_per_prompt: int, trainers_layout: bool = False) -> dict:
     """flow_ceiling.paired_gain (the trainers' layout: image i is caption i mod C) for either layout (by default
     caption c = images K·c .. K·c+K-1), with the counts of images made better and worse."""
-    from experiments.flow_ceiling import paired_gain as seed_major_paired_gain
 
     k = images_per_prompt
     if len(before) % k or len(after) != len(before):
@@ -56,10 +63,6 @@ def paired_gain(before: list[float], after: list[float], images_per_prompt: int,
 
 def score_model(model: str, captions: list[str], seeds: list[int], judge) -> list[float]:
     """The judge's score of every (caption, seed) image, sampled with the (base) model's testbed settings."""
-    from align.eval.evaluate import EvalConfig
-    from align.eval.generation import sampling_settings
-    from align.pipeline import generate_images, load_trained
-
     pipe = load_trained(model)
     pipe.set_progress_bar_config(disable=True)
     settings = sampling_settings(EvalConfig(), model)
@@ -76,9 +79,6 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    import rewards
-    from align.data.prompt_sets import load_prompt_list
-    from experiments.flow_ceiling import held_out_set
 
     names = [Path(model).name for model in args.models]
     for model in [args.base, *args.models]:

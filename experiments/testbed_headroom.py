@@ -18,6 +18,15 @@ import os
 
 import torch
 
+import rewards
+from align.data.prompt_sets import load_prompt_list
+from align.eval.evaluate import EvalConfig
+from align.eval.generation import sampling_settings
+from align.pipeline import decode_latents, encode_images, encode_prompts, generate_images, load_trained
+from align.sampling.ddim import sample_with_logprob
+from align.testbed.scene import render
+from rewards.images import to_tensor
+
 
 def facts_held_by_category(details: list[dict]) -> dict[str, float]:
     """Pooled share of the facts that hold, per category, from the oracle's raw details."""
@@ -34,8 +43,6 @@ def facts_held_by_category(details: list[dict]) -> dict[str, float]:
 def stochastic_generations(pipe, captions, seeds, settings, eta: float, stochastic_steps: int, batch_size: int = 50):
     """Images from DDPO's sampler: η on the first stochastic_steps steps, η = 0 after. The starting noise comes
     from each image's seed (as in generate_images); the steps' noise from one generator per batch."""
-    from align.pipeline import decode_latents, encode_prompts
-    from align.sampling.ddim import sample_with_logprob
 
     negative = encode_prompts(pipe, [""])
     shape = (pipe.unet.config.in_channels, pipe.unet.config.sample_size, pipe.unet.config.sample_size)
@@ -64,14 +71,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-
-    import rewards
-    from align.data.prompt_sets import load_prompt_list
-    from align.eval.evaluate import EvalConfig
-    from align.eval.generation import sampling_settings
-    from align.pipeline import decode_latents, encode_images, generate_images, load_trained
-    from align.testbed.scene import render
-    from rewards.images import to_tensor
 
     pipe = load_trained(args.model)
     pipe.set_progress_bar_config(disable=True)

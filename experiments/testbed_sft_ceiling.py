@@ -24,6 +24,13 @@ from types import SimpleNamespace
 
 import torch
 
+import rewards
+from align.data.prompt_sets import load_prompt_list
+from align.pipeline import add_lora, encode_images, encode_prompts, load_pipeline, testbed_settings
+from align.testbed.scene import sample_captions
+from align.train.ddpo import DDPOConfig
+from align.train.heldout import evaluate_model
+from rewards.weights import batched
 from scripts.build_testbed import epsilon_loss, render_scenes, to_model_range
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,8 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[str], torch.Tensor]:
     """``n`` true (caption, image) pairs, none of them on a held-out caption; images in [-1, 1]."""
-    from align.testbed.scene import sample_captions
-
     pool = sample_captions(2 * n, seed=10_000 + seed)  # a caption stream of its own (the build's is seed 0)
     captions = [c for c in pool if c not in held_out][:n]
     return captions, to_model_range(render_scenes(captions, seed=seed))
@@ -64,8 +69,6 @@ def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[
 
 def encode_in_batches(fn, items, batch_size: int = 256) -> torch.Tensor:
     """``fn`` (one of the pipeline's no-grad encoders) over ``items`` in chunks, concatenated."""
-    from rewards.weights import batched
-
     return torch.cat([fn(chunk) for chunk in batched(items, batch_size)])
 
 
@@ -73,11 +76,6 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    import rewards
-    from align.data.prompt_sets import load_prompt_list
-    from align.pipeline import add_lora, encode_images, encode_prompts, load_pipeline, testbed_settings
-    from align.train.ddpo import DDPOConfig
-    from align.train.heldout import evaluate_model
 
     settings = testbed_settings("testbed")
     steps, guidance = settings["num_inference_steps"], settings["guidance_scale"]

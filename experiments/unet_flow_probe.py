@@ -37,6 +37,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import rewards
+from align.data.prompt_sets import load_prompt_list
+from align.pipeline import add_lora, decode_latents, encode_prompts, load_pipeline
+from align.sampling.flow import FlowStep, gaussian_log_prob, sample_flow_with_logprob, sde_step
+from align.testbed.scene import sample_captions
+from align.train.advantages import group_advantages
+from align.train.ddpo import DDPOConfig, draw_prompts
 from experiments.ddpo_gradient_snr import pairwise_cosine
 from scripts.build_flow_testbed import EVAL_CAPTION_SEED, encode_latents, render_scenes, swap_captions
 
@@ -86,7 +93,6 @@ def ddim_flow_step(x, v, sigma, sigma_next, sigma_max, eta: float):
     """DDIM's stochastic step (η) in flow coordinates: x_t = (√ᾱ + √(1-ᾱ))·x_flow turns DDIM's
     √ᾱ'·x̂0 + √(1-ᾱ'-σ_t²)·ε̂ + σ_t·z into (1-σ')·x̂0 + √(σ'² - s²)·ε̂ + s·z with s = σ_t / (√ᾱ' + √(1-ᾱ')).
     ``sde_step``'s arguments (``sigma_max`` unused), so that the trainer's sampler takes it."""
-    from align.sampling.flow import FlowStep
 
     def alpha_bar(s):
         return (1 - s) ** 2 / ((1 - s) ** 2 + s**2)
@@ -116,9 +122,6 @@ def velocity(unet, latents, sigma, embeds, negative, guidance, detach_uncond=Fal
 
 def teach_velocity(pipe, eval_captions, args, g) -> None:
     """Steps 1-2: render and encode the flow build's scenes, fine-tune the UNet on the velocity objective."""
-    from align.pipeline import encode_prompts
-    from align.testbed.scene import sample_captions
-
     unet, vae = pipe.unet, pipe.vae
     # 1. data, as the flow testbed's build
     held_out = set(eval_captions)
@@ -158,13 +161,6 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    import rewards
-    from align.data.prompt_sets import load_prompt_list
-    from align.pipeline import add_lora, decode_latents, encode_prompts, load_pipeline
-    from align.sampling.flow import gaussian_log_prob, sample_flow_with_logprob, sde_step
-    from align.testbed.scene import sample_captions
-    from align.train.advantages import group_advantages
-    from align.train.ddpo import DDPOConfig, draw_prompts
 
     g = torch.Generator().manual_seed(args.seed)
     pipe = load_pipeline("testbed")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import AutoConfig
+from transformers import AutoConfig, CLIPModel
 
 from rewards.checkpoint_keys import check_exact, open_clip_to_transformers_clip
 from rewards.clip import CLIP_H14_PROCESSOR, ClipEmbedder, ClipSimilarity, check_clip_config, load_processor
@@ -45,7 +45,6 @@ def letterbox_pixels(images: list[Image.Image], size: int, mean, std) -> torch.T
 
 def load_hps_clip(checkpoint: Path, config, dtype: torch.dtype, judge: str = "hps"):
     """A CLIPModel holding the HPS weights; every checkpoint tensor must land on a model tensor."""
-    from transformers import CLIPModel
 
     state = load_state_dict(checkpoint, judge)
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):

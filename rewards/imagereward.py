@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoTokenizer, BlipTextConfig, BlipVisionConfig
+from transformers import AutoTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
 from transformers.initialization import no_init_weights
 
 from rewards.base import Judge
@@ -55,7 +55,6 @@ class ImageRewardModel(nn.Module):
     """BLIP image encoder + text encoder with cross-attention + MLP head on the text [CLS]."""
 
     def __init__(self, vision_config, text_config):
-        from transformers import BlipTextModel, BlipVisionModel
 
         super().__init__()
         self.vision = BlipVisionModel(vision_config)

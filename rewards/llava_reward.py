@@ -24,9 +24,14 @@ from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub import snapshot_download
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import load_peft_weights
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from rewards.base import Preference
 from rewards.images import Images, num_images, to_pil
@@ -187,7 +192,6 @@ class LlavaRewardModel(nn.Module):
     def from_base(cls, model: str, skip_cross_attention: bool = True, trust_remote_code: bool = False,
                   value_head_dim: int = 1, dtype: torch.dtype = torch.float32, device=None, processor=None) -> LlavaRewardModel:
         """``processor``: an already built processor (default: the backbone folder's own)."""
-        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
         kind = check_backbone(model, trust_remote_code)
         try:
@@ -223,7 +227,6 @@ class LlavaRewardModel(nn.Module):
 
     def add_lora(self, rank: int = 128, alpha: float = 256.0, dropout: float = 0.05) -> None:
         """LoRA on the LLM's attention and MLP projections; vision tower frozen, projector trained."""
-        from peft import LoraConfig
 
         self.mllm.requires_grad_(False)
         self._inject_lora(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGETS[self.kind]))
@@ -231,14 +234,12 @@ class LlavaRewardModel(nn.Module):
 
     def _inject_lora(self, config) -> None:
         # peft directly (not transformers' add_adapter, which needs a newer peft than some installs have)
-        from peft import inject_adapter_in_model
 
         inject_adapter_in_model(config, self.mllm, adapter_name="default")
         self.lora_config = config
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """Adapter tensors under PEFT's saved names (no adapter name), as in adapter_model.safetensors."""
-        from peft import get_peft_model_state_dict
 
         return {name: t.detach().cpu().contiguous() for name, t in get_peft_model_state_dict(self.mllm).items()}
 
@@ -250,8 +251,6 @@ class LlavaRewardModel(nn.Module):
 
     def load_lora(self, folder: str | Path) -> None:
         """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors/.bin) onto the backbone."""
-        from peft import LoraConfig, set_peft_model_state_dict
-        from peft.utils import load_peft_weights
 
         folder = Path(folder)
         config = LoraConfig.from_pretrained(str(folder))
@@ -277,7 +276,6 @@ class LlavaRewardModel(nn.Module):
             )
 
     def set_adapters_enabled(self, enabled: bool) -> None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
 
         for module in self.mllm.modules():
             if isinstance(module, BaseTunerLayer):
@@ -405,7 +403,6 @@ def resolve_checkpoint(checkpoint: str) -> Path:
     parts = checkpoint.split("/")
     if len(parts) < 2 or checkpoint.startswith((".", "/", "~")):
         raise LlavaRewardError(f"LLaVA-Reward checkpoint {checkpoint!r}: no such folder (and not '<owner>/<repo>[/<subfolder>]')")
-    from huggingface_hub import snapshot_download
 
     repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
     try:

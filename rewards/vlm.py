@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.utils import is_torchvision_available
 
@@ -54,7 +54,6 @@ def load_processor(model: str, trust_remote_code: bool = False):
     torchvision, so ``AutoProcessor`` fails for those models even when only images are needed. Image
     processors fall back to their PIL implementation by themselves (``backend="pil"``).
     """
-    from transformers import AutoProcessor
 
     try:
         return AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
@@ -117,7 +116,6 @@ class HfVlmJudge(MllmJudge):
             )
 
     def _load(self) -> None:
-        from transformers import AutoModelForImageTextToText
 
         try:
             self._processor = load_processor(self.model, self.trust_remote_code)

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 from huggingface_hub import hf_hub_download
+from safetensors.torch import load_file
 
 T = TypeVar("T")
 
@@ -70,7 +71,6 @@ def load_state_dict(path: str | os.PathLike, judge: str) -> dict[str, torch.Tens
     path = Path(path)
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
 
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)

@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+import openai
 import torch
 
 import rewards
@@ -67,7 +68,6 @@ class ServerProcess:
 
 def reference_loop(server, captions, images_a, images_b) -> float:
     """One synchronous chat.completions call at a time, both orders (OpenAI wire format only)."""
-    import openai
 
     client = openai.OpenAI(api_key=os.environ["OPENAI_API_KEY"], base_url=server.base_url, max_retries=0)
     question = JudgeQuestion("pair")

@@ -31,6 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from align.testing.tiny_sd import build_tiny_pipeline
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
@@ -42,10 +50,6 @@ CASES = {
 
 
 def write_pairs(path: Path, count: int, size: int, seed: int = 0) -> None:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from PIL import Image
 
     rng = np.random.default_rng(seed)
     schema = pa.schema([("caption", pa.string()), ("jpg_0", pa.binary()), ("jpg_1", pa.binary()),
@@ -68,7 +72,6 @@ def write_pairs(path: Path, count: int, size: int, seed: int = 0) -> None:
 
 def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: Path) -> dict:
     """Run dpo.py in a subprocess (from a fresh child of this script, so getrusage sees only it)."""
-    import psutil
 
     env = dict(os.environ, HF_DATASETS_CACHE=str(workdir / "datasets_cache"), HF_HUB_OFFLINE="1",
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -107,7 +110,6 @@ def main() -> None:
         model, data, case, workdir = args.one
         print(json.dumps(measure(model, Path(data), args.resolution, CASES[case], Path(workdir))))
         return
-    from align.testing.tiny_sd import build_tiny_pipeline
 
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

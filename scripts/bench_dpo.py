@@ -24,6 +24,15 @@ import time
 from pathlib import Path
 
 import torch
+from diffusers import DDPMScheduler, UNet2DConditionModel
+from PIL import Image
+
+from align.data.pairs import write_pairs_parquet
+from align.pipeline import add_lora, disabled_adapter, frozen_copy
+from align.testing.tiny_sd import build_tiny_pipeline
+from align.train import dpo
+from align.train.losses import diffusion_dpo_loss, per_sample_mse
+from rewards.images import encode_png
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,10 +59,6 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.device) -> dict:
 
-    from diffusers import DDPMScheduler, UNet2DConditionModel
-
-    from align.pipeline import add_lora, disabled_adapter, frozen_copy
-    from align.train.losses import diffusion_dpo_loss, per_sample_mse
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**SD15_UNET).to(device)
@@ -95,10 +100,6 @@ def run_sd15(reference_kind: str, resolution: int, steps: int, device: torch.dev
 
 
 def make_pairs(path: Path, count: int, size: int) -> None:
-    from PIL import Image
-
-    from align.data.pairs import write_pairs_parquet
-    from rewards.images import encode_png
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -110,8 +111,6 @@ def make_pairs(path: Path, count: int, size: int) -> None:
 
 
 def run_tiny(cache: bool, steps: int) -> dict:
-    from align.testing.tiny_sd import build_tiny_pipeline
-    from align.train import dpo
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_pipeline(Path(tmp) / "m")

@@ -24,6 +24,7 @@ conversion to a float tensor) and touches nothing in the timed training step.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -33,7 +34,21 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from bench_dpo import SD15_UNET
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from PIL import Image
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from align.testing.tiny_sd import write_char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT.parent.parent / "shared" / "peers" / "train_diffusion_dpo.py"
@@ -127,12 +142,6 @@ SD15_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, 
 
 def build_sd15_pipeline(folder: Path) -> Path:
     """An SD v1.5-architecture pipeline with random weights, saved as a diffusers folder."""
-    import torch
-    from bench_dpo import SD15_UNET
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    from align.testing.tiny_sd import write_char_tokenizer
 
     torch.manual_seed(0)
     write_char_tokenizer(folder / "tokenizer")
@@ -156,11 +165,6 @@ def count_step_flops(resolution: int) -> dict:
     gradients are < 0.1% of it). The peer adds, per step, the VAE encoder on the 2 images and the text encoder on
     the caption, which the store has done once beforehand.
     """
-    import torch
-    from bench_dpo import SD15_UNET
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from torch.utils.flop_counter import FlopCounterMode
-    from transformers import CLIPTextConfig, CLIPTextModel
 
     def counted(fn) -> int:
         counter = FlopCounterMode(display=False)
@@ -190,12 +194,7 @@ def count_step_flops(resolution: int) -> dict:
 
 
 def write_pairs(path: Path, count: int, size: int) -> None:
-    import io
 
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from PIL import Image
 
     rng = np.random.default_rng(0)
 
@@ -212,13 +211,12 @@ def write_pairs(path: Path, count: int, size: int) -> None:
 def install_transforms_standin() -> None:
     """Give the peer `torchvision.transforms` without telling transformers/diffusers that torchvision
     exists: they are imported first (their availability checks run then), the stand-in after."""
-    import types
-
-    import accelerate  # noqa: F401
-    import datasets  # noqa: F401
-    import diffusers  # noqa: F401
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
+    # imported before the stand-in exists, so their torchvision checks see none
+    import accelerate  # noqa: F401, PLC0415
+    import datasets  # noqa: F401, PLC0415
+    import diffusers  # noqa: F401, PLC0415
+    import peft  # noqa: F401, PLC0415
+    import transformers  # noqa: F401, PLC0415
 
     transforms = types.ModuleType("torchvision.transforms")
     exec(compile(TRANSFORMS_STANDIN, "torchvision_transforms_standin.py", "exec"), transforms.__dict__)
@@ -229,8 +227,6 @@ def install_transforms_standin() -> None:
 
 def timed_run(script: Path, argv: list[str]) -> dict:
     """Run a training script in this process; the time of each optimizer step and the peak RSS."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     if script == PEER:
         install_transforms_standin()
     stamps = []

@@ -30,8 +30,31 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+)
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from align.families.base import cat_conditioning, expand_conditioning, select_conditioning
+from align.families.flux import Flux
+from align.families.sd import StableDiffusion
+from align.families.sd3 import StableDiffusion3
+from align.families.sdxl import StableDiffusionXL
+from align.pipeline import add_lora, disabled_adapter, frozen_copy
+from align.sampling.ddim import sample_with_logprob
+from align.sampling.flow import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
+from align.train.accelerator import keep_default_attention, make_accelerator
+from align.train.ddpo import train_micro_batch
+from align.train.losses import ddpo_clipped_loss, diffusion_dpo_loss, per_sample_mse
 
 # Peak dense bf16 tensor FLOP/s (no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = {
@@ -135,7 +158,6 @@ SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "att
 @dataclass(frozen=True)
 class Arch:
     """A denoiser architecture: its config (full and tiny), its text tokens and native resolution."""
-
     name: str
     kind: str  # "unet" (epsilon prediction, DDPM noise) | "sd3" | "flux" (flow matching: velocity, x = (1-s) x0 + s eps)
     config: dict
@@ -170,10 +192,7 @@ def peak_tflops(device: torch.device, flag: float | None) -> tuple[float | None,
 
 class Models:
     """Random-weight SD v1.5-architecture models from their configs (seeded), plus the DDIM scheduler."""
-
     def __init__(self, tiny: bool, device: torch.device, seed: int = 0):
-        from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
-        from transformers import CLIPTextConfig, CLIPTextModel
 
         torch.manual_seed(seed)
         self.unet_config = TINY_UNET if tiny else SD15_UNET
@@ -187,7 +206,6 @@ class Models:
 
     def fresh_unet(self, seed: int = 0):
         torch.manual_seed(seed)
-        from align.train.accelerator import keep_default_attention
 
         unet = self._unet_class(**self.unet_config).to(self.device)
         keep_default_attention(unet)  # SDPA, as the trainers run it
@@ -212,8 +230,6 @@ def synchronize(device: torch.device) -> None:
 
 def count_flops(step) -> int:
     """FLOPs of one call of ``step`` (forward, backward, recomputation), counted by torch's FlopCounterMode."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     counter = FlopCounterMode(display=False)
     with counter:
         step()
@@ -239,13 +255,11 @@ def latent_side(arch: Arch, tiny: bool, resolution: int | None) -> int:
 
 def build_denoiser(arch: Arch, tiny: bool, device):
     """The architecture's denoiser with random weights, initialised on ``device`` (fast on a GPU; "meta": no memory)."""
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
     model_class = {"unet": UNet2DConditionModel, "sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}[arch.kind]
     with torch.device(device):
         model = model_class(**(arch.tiny_config if tiny else arch.config))
     if arch.kind == "unet":
-        from align.train.accelerator import keep_default_attention
 
         keep_default_attention(model)  # SDPA, as the trainers run it
     return model
@@ -253,11 +267,6 @@ def build_denoiser(arch: Arch, tiny: bool, device):
 
 def family_of_arch(arch: Arch, model):
     """The model family (align.families) whose ``predict`` calls this denoiser."""
-    from align.families.flux import Flux
-    from align.families.sd import StableDiffusion
-    from align.families.sd3 import StableDiffusion3
-    from align.families.sdxl import StableDiffusionXL
-
     if arch.kind == "unet":
         return StableDiffusionXL() if model.config.addition_embed_type == "text_time" else StableDiffusion()
     return StableDiffusion3() if arch.kind == "sd3" else Flux()
@@ -335,11 +344,6 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
     """One Diffusion-DPO LoRA step on ``pairs`` cached-latent pairs of an SDXL / SD3-architecture denoiser: the policy's
     error on winner and loser at the same noise and time, the reference's (adapter off) under the same autocast, and
     align.train.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
-    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
-
-    from align.families.base import cat_conditioning
-    from align.pipeline import add_lora, disabled_adapter
-    from align.train.losses import diffusion_dpo_loss, per_sample_mse
 
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
@@ -384,12 +388,6 @@ def flow_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference
     (timestep_fraction 0.99): the policy's step log-probability (SD3: CFG with the unconditional branch without
     gradient; FLUX: the guidance embedding), the clipped ratio (align.train.losses.ddpo_clipped_loss) and, for SD3, the
     KL to the adapter-off reference. LoRA on the family's targets (align.families), rank 4 when tiny."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
-
-    from align.families.base import expand_conditioning, select_conditioning
-    from align.pipeline import add_lora, disabled_adapter
-    from align.sampling.flow import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
-    from align.train.losses import ddpo_clipped_loss
 
     recipe = FLOW_GRPO_RECIPES[arch.kind]
     device = accelerator.device
@@ -479,9 +477,6 @@ def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak
 
 def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpointing: bool, lora_rank: int):
     """One Diffusion-DPO optimiser step on ``pairs`` pairs, as align/dpo.py's loop computes it."""
-    from align.pipeline import add_lora, disabled_adapter, frozen_copy
-    from align.train.losses import diffusion_dpo_loss, per_sample_mse
-
     unet = models.fresh_unet()
     if finetune == "lora":
         add_lora(unet, rank=lora_rank)
@@ -518,11 +513,6 @@ def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpoint
 def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, checkpointing: bool, lora_rank: int):
     """One DDPO step: sample ``samples`` images with per-step log-probabilities (CFG 5, eta 1, LoRA), decode them,
     then one PPO update on every sampled timestep through align.train.ddpo.train_micro_batch."""
-    from types import SimpleNamespace
-
-    from align.pipeline import add_lora, disabled_adapter
-    from align.sampling.ddim import sample_with_logprob
-    from align.train.ddpo import train_micro_batch
 
     unet = models.fresh_unet()
     add_lora(unet, rank=lora_rank)
@@ -600,8 +590,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.count_forward:
         return count_forwards(args.count_forward)
-
-    from align.train.accelerator import make_accelerator
 
     if not args.tiny and not torch.cuda.is_available():
         print("error: no CUDA GPU here; run with --tiny for the CPU-sized check", file=sys.stderr)

@@ -21,6 +21,32 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from transformers import (
+    BertTokenizer,
+    BlipConfig,
+    BlipForImageTextRetrieval,
+    BlipImageProcessor,
+    BlipProcessor,
+    BlipVisionConfig,
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    CLIPProcessor,
+)
+
+import rewards
+from align.run_folder import atomic_write_text
+from align.testbed.tokenizer import build_tokenizer
+from rewards.checkpoint_keys import ScoreMLP
+from rewards.clip import ClipEmbedder, ClipSimilarity
+from rewards.hps import letterbox_pixels
+from rewards.imagereward import (
+    IMAGE_REWARD_MEAN,
+    IMAGE_REWARD_STD,
+    BlipRewardJudge,
+    ImageRewardModel,
+    text_config_from_med_config,
+)
 
 WORDS = ["a", "red", "blue", "green", "circle", "square", "photo", "of", "cat", "on", "the", "left"]
 
@@ -28,13 +54,11 @@ WORDS = ["a", "red", "blue", "green", "circle", "square", "photo", "of", "cat", 
 # --- tiny models of the real classes --------------------------------------------------------
 
 def clip_tokenizer():
-    from align.testbed.tokenizer import build_tokenizer
 
     return build_tokenizer(WORDS)
 
 
 def tiny_clip_folder(folder: Path, image_size: int = 32, hidden_act: str = "quick_gelu") -> Path:
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     tok = clip_tokenizer()
     config = CLIPConfig(
@@ -52,7 +76,6 @@ def tiny_clip_folder(folder: Path, image_size: int = 32, hidden_act: str = "quic
 
 
 def bert_tokenizer_folder(folder: Path):
-    from transformers import BertTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
@@ -62,7 +85,6 @@ def bert_tokenizer_folder(folder: Path):
 
 
 def tiny_blip_folder(folder: Path) -> Path:
-    from transformers import BlipConfig, BlipForImageTextRetrieval, BlipImageProcessor, BlipProcessor
 
     tok = bert_tokenizer_folder(folder)
     config = BlipConfig(
@@ -79,18 +101,6 @@ def tiny_blip_folder(folder: Path) -> Path:
 
 def tiny_judges(root: Path, batch_size: int) -> dict:
     """name -> judge on tiny weights (hps and imagereward built in memory: their loaders only remap keys)."""
-    import rewards
-    from rewards.checkpoint_keys import ScoreMLP
-    from rewards.clip import ClipEmbedder, ClipSimilarity
-    from rewards.hps import letterbox_pixels
-    from rewards.imagereward import (
-        IMAGE_REWARD_MEAN,
-        IMAGE_REWARD_STD,
-        BlipRewardJudge,
-        ImageRewardModel,
-        text_config_from_med_config,
-    )
-
     opts = dict(device="cpu", dtype="float32", batch_size=batch_size)
     clip = tiny_clip_folder(root / "clip")
     gelu_clip = tiny_clip_folder(root / "clip-gelu", hidden_act="gelu")
@@ -107,7 +117,6 @@ def tiny_judges(root: Path, batch_size: int) -> dict:
     hps_embedder.pixel_fn = lambda imgs: letterbox_pixels(imgs, 32, (0.48145466, 0.4578275, 0.40821073),
                                                           (0.26862954, 0.26130258, 0.27577711))
     judges["hps"] = ClipSimilarity(hps_embedder, "hps", "cosine")
-    from transformers import BlipVisionConfig
 
     tok = bert_tokenizer_folder(root / "bert")
     med = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -133,10 +142,6 @@ def images_per_second(judge, images, prompts, repeats: int) -> float:
 # --- real architectures on the meta device ----------------------------------------------------
 
 def real_parameter_counts() -> dict[str, int]:
-    from transformers import BlipConfig, BlipForImageTextRetrieval, BlipVisionConfig, CLIPConfig, CLIPModel
-
-    from rewards.checkpoint_keys import ScoreMLP
-    from rewards.imagereward import ImageRewardModel, text_config_from_med_config
 
     clip_l14 = CLIPConfig(  # openai/clip-vit-large-patch14
         text_config=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12),
@@ -206,7 +211,6 @@ def main() -> None:
         print(f"{row['judge']:<12} {row['tiny_images_per_s']:>10.1f} {real}")
     print("vpscore: same adapter as imagereward (throughput copied; size assumes ImageReward's layout, unverified)")
     if args.json:  # atomically: a reader never sees half a file
-        from align.run_folder import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(rows, indent=2))
 

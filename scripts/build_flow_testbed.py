@@ -31,7 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers import AutoencoderKL
+from transformers import CLIPTextModel
 
+import rewards
 from align.testbed import flow_models, models
 from align.testbed.scene import render, sample_captions
 from align.testbed.tokenizer import build_tokenizer, grammar_words
@@ -133,7 +136,6 @@ def rectified_flow_loss(transformer, z0, prompt_embeds, pooled, generator) -> to
 
 class EMA:
     """Exponential moving average of parameters (the decay ramps up so early steps are not frozen in)."""
-
     def __init__(self, params, max_decay: float):
         self.params = list(params)
         self.shadow = [p.detach().clone() for p in self.params]
@@ -217,8 +219,6 @@ def sampling_kwargs(settings: dict) -> dict:
 @torch.no_grad()
 def evaluate(folder: Path, captions: list[str], seed: int, batch_size: int = 50) -> dict:
     """Mean shapes-oracle score of one image per held-out caption, loaded the way users load it."""
-    import rewards
-
     settings = json.loads((folder / flow_models.FLOW_SETTINGS_FILE).read_text(encoding="utf-8"))
     pipe = flow_models.load_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)
@@ -239,8 +239,6 @@ def evaluate(folder: Path, captions: list[str], seed: int, batch_size: int = 50)
 
 def load_parts(args, tokenizer):
     """The SD testbed's VAE (frozen) and, if asked, its text encoder's weights for text_encoder."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel
 
     vae = AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae").eval().requires_grad_(False)
     text_encoders = flow_models.build_text_encoders(tokenizer)

@@ -46,11 +46,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers import StableDiffusionPipeline
 
+import rewards
 from align.testbed import models
 from align.testbed.scene import render, sample_captions
 from align.testbed.tokenizer import build_tokenizer, grammar_words, save_tokenizer
 from align.testbed.weights import TESTBED_PIPELINE_DIR, TESTBED_SETTINGS_FILE
+from rewards.shapes_grammar import parse_caption
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +158,6 @@ def warmup_lr(step: int, warmup: int) -> float:
 
 class EMA:
     """Exponential moving average of parameters; the decay ramps up, so early steps are not frozen in."""
-
     def __init__(self, modules, max_decay: float):
         self.params = [p for m in modules for p in m.parameters()]
         self.shadow = [p.detach().clone() for p in self.params]
@@ -291,9 +293,6 @@ def save_pipeline(pipe, out: Path, settings: dict, fp16: bool) -> None:
 @torch.no_grad()
 def evaluate(folder: Path, captions: list[str], settings: dict, seed: int, batch_size: int = 50) -> dict:
     """Mean shapes-oracle score of one generation per held-out caption, loaded the way users load it."""
-    from diffusers import StableDiffusionPipeline
-
-    import rewards
 
     pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -312,7 +311,6 @@ def evaluate(folder: Path, captions: list[str], settings: dict, seed: int, batch
         ).images
         scores.append(torch.as_tensor(oracle.score(chunk, images), dtype=torch.float32))
     scores = torch.cat(scores)
-    from rewards.shapes_grammar import parse_caption
 
     by_category: dict[str, list[float]] = {}
     for caption, score in zip(captions, scores.tolist()):

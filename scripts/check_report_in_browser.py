@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import html as html_lib
 import io
 import json
 import os
@@ -114,7 +115,6 @@ def browser_image_status(report: Path, browser: str, timeout: float = 60.0) -> d
         raise RuntimeError(
             f"the browser did not run the image check (exit {result.returncode}); stderr: {result.stderr[-500:]}"
         )
-    import html as html_lib
 
     return json.loads(html_lib.unescape(match.group(1)))
 

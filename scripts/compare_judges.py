@@ -22,6 +22,7 @@ compare.json, compare.csv and report.html. Finished feedback and runs are reused
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 import time
@@ -29,9 +30,23 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
+import yaml
 
+from align import metrics
 from align.cli import ConfigError, die, option, parse_config
+from align.data.feedback import generate_feedback, make_pipeline_generator
+from align.data.prompt_sets import load_prompt_set
+from align.eval import report
+from align.eval.evaluate import EvalConfig, evaluate
+from align.eval.generation import sampling_settings, slug
+from align.judges import load_judge, split_list
+from align.metrics import outcomes_from_preferences, pairwise_accuracy
+from align.pipeline import load_pipeline
+from align.run_folder import atomic_write_text
+from rewards.images import decode_image
+from rewards.spec import parse_value
 
 TRAINERS = {"dpo": "DPOConfig", "ddpo": "DDPOConfig"}  # align.<trainer> and its config class
 
@@ -71,7 +86,6 @@ class CompareConfig:
                              "output")
 
     def validate(self) -> None:
-        from align.judges import split_list
 
         judges = split_list(self.judges)
         if len(judges) < 2:
@@ -94,10 +108,6 @@ class CompareConfig:
 def shared_generator(config: CompareConfig):
     """generate_images(prompts, seeds) over the base model, memoised: every judge labels the same
     images (same prompts and seeds), so they are generated once for all judges."""
-    from align.data.feedback import make_pipeline_generator
-    from align.eval.evaluate import EvalConfig
-    from align.eval.generation import sampling_settings
-    from align.pipeline import load_pipeline
 
     settings = sampling_settings(EvalConfig(), config.model)  # no flags: the base model's own settings
     pipe = load_pipeline(config.model, device=config.device)
@@ -119,9 +129,6 @@ def shared_generator(config: CompareConfig):
 
 def label_outcomes(path: Path) -> tuple[list[str], list, list, np.ndarray]:
     """Captions, images A/B and A-against-B outcomes (1, 0.5, 0; NaN abstained) of a feedback parquet."""
-    import pyarrow.parquet as pq
-
-    from rewards.images import decode_image
 
     table = pq.read_table(path, columns=["caption", "jpg_0", "jpg_1", "label_0"]).to_pylist()
     captions = [row["caption"] for row in table]
@@ -134,10 +141,6 @@ def label_outcomes(path: Path) -> tuple[list[str], list, list, np.ndarray]:
 def feedback_for_all(config: CompareConfig, judges: list[str], out: Path) -> tuple[dict[str, Path], dict]:
     """Each judge labels the same base-model images (align.data.feedback); its accuracy is the agreement of
     its labels with the oracle's verdicts on the very pairs it labelled (the data its model learns from)."""
-    from align.data.feedback import generate_feedback
-    from align.data.prompt_sets import load_prompt_set
-    from align.judges import load_judge
-    from align.metrics import outcomes_from_preferences, pairwise_accuracy
 
     prompts = load_prompt_set(config.train_prompts).prompts
     generate_images = None
@@ -168,9 +171,6 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
 
     Diffusion-DPO trains on the judge's feedback file; DDPO (online) asks the judge itself.
     """
-    import importlib
-
-    import yaml
 
     module = importlib.import_module(f"align.{config.trainer}")
     config_class = getattr(module, TRAINERS[config.trainer])
@@ -197,8 +197,6 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
 
 def parse_overrides(text: str | None) -> dict:
     """'a=1,b=x' -> {'a': 1, 'b': 'x'} (numbers and booleans parsed)."""
-    from rewards.spec import parse_value
-
     values = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         key, sep, value = item.partition("=")
@@ -255,11 +253,6 @@ def downstream_table(judges: list[str], runs: dict, accuracy: dict, results: dic
 
 
 def compare(config: CompareConfig) -> dict:
-    from align import metrics
-    from align.eval import report
-    from align.eval.evaluate import EvalConfig, evaluate
-    from align.judges import split_list
-    from align.run_folder import atomic_write_text
 
     config.validate()
     judges = split_list(config.judges)
@@ -312,7 +305,6 @@ def compare(config: CompareConfig) -> dict:
 
 
 def slug_name(spec: str) -> str:
-    from align.eval.generation import slug
 
     return slug(spec.replace("shapes-oracle", "oracle"), 40)
 

@@ -13,13 +13,13 @@ import argparse
 import shutil
 from pathlib import Path
 
+from align.pipeline import base_of, load_trained, resolve_model
+from align.run_folder import atomic_folder
+from align.testbed.weights import TESTBED_SETTINGS_FILE
+
 
 def fuse_run(run: str, out: Path, base: str | None = None) -> Path:
     """Save ``run``'s trained pipeline to ``out`` with any LoRA folded into the UNet weights."""
-    from align.pipeline import base_of, load_trained, resolve_model
-    from align.run_folder import atomic_folder
-    from align.testbed.weights import TESTBED_SETTINGS_FILE
-
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} exists and is not empty: choose a new folder")
     pipe = load_trained(run, base=base)

@@ -34,7 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
+from transformers import CLIPModel, CLIPProcessor
 
+import rewards
+from align.data.feedback import make_pipeline_generator
+from align.metrics import outcomes_from_scores, pairwise_accuracy
+from align.pipeline import load_pipeline, testbed_settings
 from align.testbed import models
 from align.testbed.scene import corrupt_caption, render, sample_captions
 from align.testbed.tokenizer import build_tokenizer, grammar_words, save_tokenizer
@@ -156,7 +162,6 @@ def train(model, tokenizer, processor, data, args, generator) -> None:
 
 def save(model, tokenizer_words, processor, out: Path) -> None:
     """Write to a temporary sibling folder, then swap it in."""
-    from transformers import CLIPProcessor
 
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,9 +180,7 @@ def save(model, tokenizer_words, processor, out: Path) -> None:
 
 class FolderClipScorer:
     """Cosine similarity of a saved CLIP folder, loaded with CLIPModel/CLIPProcessor.from_pretrained."""
-
     def __init__(self, folder: Path):
-        from transformers import CLIPModel, CLIPProcessor
 
         self.model = CLIPModel.from_pretrained(folder).eval()
         self.processor = CLIPProcessor.from_pretrained(folder)
@@ -194,7 +197,6 @@ def load_scorers(folder: Path) -> dict:
     """The saved folder through transformers directly and, once it exists, through rewards.load."""
     scorers = {"CLIPModel.from_pretrained": FolderClipScorer(folder)}
     try:
-        import rewards
 
         scorers["rewards.load('shapes-clip')"] = rewards.load("shapes-clip", model=str(folder))
     except ImportError as err:  # rewards/clip.py not written yet
@@ -209,8 +211,6 @@ def score_in_chunks(judge, prompts, images, chunk: int = 100) -> torch.Tensor:
 
 def evaluate_near_misses(scorers, oracle, captions: list[str], seed: int) -> dict:
     """Rendered scene of the caption vs rendered scene of a near miss, both judged against the caption."""
-    from PIL import Image
-
     right = [Image.fromarray(render_array(c, seed + i)) for i, c in enumerate(captions)]
     wrong = [Image.fromarray(render_array(corrupt_caption(c, seed=seed + i)[0], seed + i)) for i, c in enumerate(captions)]
     return accuracy_against_oracle(scorers, oracle, captions, right, wrong)
@@ -219,9 +219,6 @@ def evaluate_near_misses(scorers, oracle, captions: list[str], seed: int) -> dic
 @torch.no_grad()
 def evaluate_generations(scorers, oracle, pipeline_dir: Path, captions: list[str], seed: int) -> dict:
     """Two base-model generations per held-out caption (default testbed settings)."""
-    from align.data.feedback import make_pipeline_generator
-    from align.pipeline import load_pipeline, testbed_settings
-
     settings = testbed_settings(str(pipeline_dir))
     generate = make_pipeline_generator(load_pipeline(str(pipeline_dir)), settings["num_inference_steps"],
                                        settings["guidance_scale"], batch_size=50)
@@ -232,8 +229,6 @@ def evaluate_generations(scorers, oracle, pipeline_dir: Path, captions: list[str
 
 def accuracy_against_oracle(scorers, oracle, captions: list[str], images_a, images_b) -> dict:
     """{name: (pairwise accuracy, pairs)} of each scorer on (a, b) pairs, against the oracle's verdicts."""
-    from align.metrics import outcomes_from_scores, pairwise_accuracy
-
     oracle = outcomes_from_scores(score_in_chunks(oracle, captions, images_a), score_in_chunks(oracle, captions, images_b))
     return {
         name: pairwise_accuracy(
@@ -269,8 +264,6 @@ def main(argv=None) -> None:
         save(model, words, processor, args.out)
         size_mb = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file()) / 2**20
         log(f"saved shapes-clip to {args.out} ({size_mb:.1f} MB) after {train_minutes:.1f} min")
-
-    import rewards
 
     oracle = rewards.load("shapes-oracle")
     scorers = load_scorers(args.out)

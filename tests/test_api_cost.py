@@ -9,8 +9,12 @@ import test_api_trainers
 import torch
 from test_api_trainers import ddpo_command, gpt4o
 
+import rewards
 from align.api_cost import JudgeCalls, guard_api_cost
 from align.cli import ConfigError
+from align.eval import best_of_n, evaluate
+from align.judgebench import benchmark as judgebench
+from align.testing.two_processes import launch_two_cpu_processes
 from align.train import ddpo, dpo
 
 # the fake OpenAI server and the prompt file of the API-trainer tests, shared
@@ -18,7 +22,6 @@ prompt_file, server = test_api_trainers.prompt_file, test_api_trainers.server
 
 
 def test_the_estimate_is_calls_times_tokens_times_the_price(server):
-    import rewards
 
     judge = rewards.load("gpt4o", model="fake-model", base_url=server.base_url)
     # the gpt4o preset's price ($2.50 / $10.00 per million tokens) for a preset pointed elsewhere; pair mode asks
@@ -38,7 +41,6 @@ def test_the_estimate_is_calls_times_tokens_times_the_price(server):
 
 
 def test_answers_in_the_cache_are_free(server, tmp_path):
-    import rewards
 
     judge = rewards.load("gpt4o", model="fake-model", base_url=server.base_url, cache_path=str(tmp_path / "cache.sqlite"))
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +91,6 @@ def test_dpo_feedback_over_the_cap_is_refused_before_any_call(tiny_model, prompt
 
 
 def test_judgebench_counts_cached_answers_as_free(server, tmp_path, capsys):
-    from align.judgebench import benchmark as judgebench
 
     cache = tmp_path / "answers.sqlite"
     spec = f"gpt4o[model=fake-model,base_url={server.base_url},cache_path={cache}]"
@@ -113,7 +114,6 @@ def test_judgebench_counts_cached_answers_as_free(server, tmp_path, capsys):
 
 
 def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(tiny_model, server, tmp_path, capsys):
-    from align.eval import best_of_n, evaluate
 
     judge = gpt4o(server)
     with pytest.raises(SystemExit) as exit_:
@@ -136,7 +136,6 @@ def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(
 
 def test_two_ddpo_processes_both_stop_when_the_main_ones_evaluation_judge_is_over_the_cap(tiny_model, prompt_file, server, tmp_path):
     # only the main process loads the evaluation judge: the other must learn the verdict, not wait for ever
-    from align.testing.two_processes import launch_two_cpu_processes
 
     out = tmp_path / "ddp"
     argv = ["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", prompt_file, "--output-dir", str(out),

@@ -17,7 +17,7 @@ from script_loader import load_script
 
 import rewards
 from align.testing.fake_judge_servers import FakeJudgeServer, position_biased_judge
-from rewards.cache import JudgeCache
+from rewards.cache import JudgeCache, image_hash
 from rewards.images import to_pil
 from rewards.judge_prompts import CRITERIA
 from rewards.mllm import JudgeNotReadyError
@@ -294,7 +294,6 @@ def test_crash_mid_run_then_rerun_repeats_no_call(monkeypatch, tmp_path):
     assert not torch.isnan(scores).any()
     assert len(rerun_calls) == 24 - len(done_keys)  # every cached answer reused, none asked again
     assert judge.stats.cache_hits == len(done_keys)
-    from rewards.cache import image_hash
 
     rerun_hashes = {json.dumps([image_hash(c["images"][0])]) for c in rerun_calls}
     assert not rerun_hashes & {h for _, h in done_prompts}

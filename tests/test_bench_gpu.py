@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from diffusers import AutoencoderKL
 from script_loader import load_script
 
 bench_gpu = load_script("bench_gpu")
@@ -42,7 +43,6 @@ def test_tiny_benchmark_runs_and_counts_the_work_of_each_step(tmp_path, capsys):
     # takes 2 trained steps x 2 images, each a conditional forward + recomputation + backward (~1 forward), an
     # unconditional forward and the reference's two: 5 to 8 forwards (measured: 6.5).
     one_image = tiny_forward_flops("sd35m", 1)
-    from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(**bench_gpu.TINY_SD3_VAE)
     with torch.no_grad():
@@ -68,14 +68,12 @@ def tiny_forward_flops(arch_name: str, batch: int) -> float:
 
 
 def test_peak_flops_from_the_table_or_the_flag():
-    import torch
 
     assert bench_gpu.peak_tflops(torch.device("cpu"), 500.0) == (500.0, "--peak_tflops")
     assert bench_gpu.peak_tflops(torch.device("cpu"), None)[0] is None
 
 
 def test_without_a_gpu_the_full_size_run_is_refused(capsys):
-    import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")

@@ -9,6 +9,8 @@ import torch
 
 from align.cli import ConfigError
 from align.eval import best_of_n as bon
+from align.testbed.models import build_pipeline
+from align.testbed.tokenizer import testbed_tokenizer
 
 
 def test_curve_sizes():
@@ -57,8 +59,6 @@ def test_neighbour_noise_keeps_unit_variance():
 
 @pytest.fixture(scope="module")
 def tiny_pipeline(tmp_path_factory):
-    from align.testbed.models import build_pipeline
-    from align.testbed.tokenizer import testbed_tokenizer
 
     folder = tmp_path_factory.mktemp("bon") / "pipe"
     torch.manual_seed(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,9 +24,14 @@ from PIL import Image
 
 import rewards.score
 from align.eval import best_of_n, evaluate
+from align.eval.best_of_n import BestOfNConfig
+from align.eval.evaluate import EvalConfig
 from align.judgebench import benchmark as judgebench
+from align.run_folder import COMPILED, RunFolder
 from align.train import ddpo, dpo
 from align.train import reward_model as train_reward
+from align.train.dpo_config import DPOConfig
+from align.train.reward_model import RewardTrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PASTED_KEY = "sk-proj-Catalogue0KEY9never1echoed"
@@ -146,7 +152,6 @@ def base(entry: str, ws: Workspace) -> list[str]:
 
 def flags(entry: str, *extra: str, drop: tuple[str, ...] = ()):
     """The base command line of ``entry`` with ``extra`` flags (later ones win), ``drop`` flags removed."""
-
     def build(ws: Workspace) -> list[str]:
         argv = base(entry, ws)
         for name in drop:
@@ -374,11 +379,6 @@ def test_bad_input_through_a_real_process(argv, says, tmp_path):
 
 def test_library_entry_points_raise_the_same_messages(tiny_model, tmp_path):
     """train(config) / evaluate(config) check exactly what the command line does, as ValueError/TypeError."""
-    from align.eval.best_of_n import BestOfNConfig
-    from align.eval.evaluate import EvalConfig
-    from align.train.dpo_config import DPOConfig
-    from align.train.reward_model import RewardTrainConfig
-
     out = str(tmp_path / "out")
     with pytest.raises(ValueError, match="--learning_rate must be a finite number, got nan"):
         dpo.train(DPOConfig(model=tiny_model, reward="shapes-oracle", prompts="testbed:2", learning_rate=float("nan"),
@@ -400,8 +400,6 @@ def test_library_entry_points_raise_the_same_messages(tiny_model, tmp_path):
 
 def test_weights_never_load_through_pickle_code():
     """Weights load from safetensors or torch.load(weights_only=True); no module unpickles anything itself."""
-    import re
-
     calls = []
     for source in [*ROOT.glob("align/**/*.py"), *ROOT.glob("rewards/**/*.py"), *ROOT.glob("scripts/**/*.py")]:
         text = source.read_text(encoding="utf-8")
@@ -419,8 +417,6 @@ def test_weights_never_load_through_pickle_code():
 
 def test_overwrite_leaves_no_compiled_code_in_the_run(tmp_path):
     """Older versions kept compiled sampling code in <run>/compiled/; it is never loaded, and --overwrite removes it."""
-    from align.run_folder import COMPILED, RunFolder
-
     run = tmp_path / "run"
     (run / COMPILED).mkdir(parents=True)
     (run / COMPILED / "sampling_unet.pt2").write_bytes(b"native code from someone else")

@@ -4,6 +4,7 @@ its default; every flag parses from the command line; parse errors are one line 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from script_loader import load_script
 
 from align.cli import GROUPS, first_paragraph, option, parse_config
@@ -20,6 +22,7 @@ from align.judgebench.benchmark import JudgeBenchConfig
 from align.train.ddpo_config import DDPOConfig
 from align.train.dpo_config import DPOConfig
 from align.train.reward_model import RewardTrainConfig
+from rewards.score import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CompareConfig = load_script("compare_judges").CompareConfig
@@ -90,7 +93,6 @@ def test_a_flag_overrides_the_yaml_and_the_yaml_overrides_the_default(tmp_path):
 
 
 def test_a_yaml_env_thread_count_reaches_torch(tmp_path, monkeypatch):
-    import torch
 
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # restored after the test
     before = torch.get_num_threads()
@@ -149,7 +151,6 @@ def test_trainer_help_runs_as_a_script_and_explains_every_flag(script, config_cl
     ("align.train.reward_model", RewardTrainConfig), ("align.train.dpo", DPOConfig), ("align.train.ddpo", DDPOConfig),
 ])
 def test_each_entry_point_help_exits_0(module_name, config_class, capsys, monkeypatch):
-    import importlib
 
     monkeypatch.setenv("COLUMNS", "100")
     module = importlib.import_module(module_name)
@@ -160,7 +161,6 @@ def test_each_entry_point_help_exits_0(module_name, config_class, capsys, monkey
 
 
 def test_score_help_exits_0_with_its_defaults(capsys):
-    from rewards.score import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])

@@ -4,18 +4,21 @@ prompt sets."""
 import io
 import json
 import math
+import subprocess
+import sys
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
 
+from align.data.pair_stream import PairPixels, PlannedBatches, load_pairs, micro_batch_loader, open_pairs
 from align.data.pairs import (
     DataError,
     PairTransform,
     PreferencePair,
-    load_pairs,
     load_prompts,
     pair_pixels,
     write_pairs_parquet,
@@ -126,7 +129,6 @@ def test_clear_errors(tmp_path):
 
 def test_hf_datasets_paths_offline(tmp_path):
     """A save_to_disk folder with datasets Image columns (dicts with bytes) and a Hub-layout parquet folder."""
-    import datasets
 
     features = datasets.Features(
         caption=datasets.Value("string"),
@@ -226,7 +228,6 @@ def test_load_prompts_from_files(tmp_path):
 
 
 def test_load_prompts_from_dataset_folder(tmp_path):
-    import datasets
 
     datasets.Dataset.from_dict({"caption": ["one", "two"]}).save_to_disk(str(tmp_path / "ds"))
     assert load_prompts(str(tmp_path / "ds")) == ["one", "two"]
@@ -271,8 +272,6 @@ def test_write_pairs_parquet_is_atomic_and_round_trips(tmp_path, monkeypatch):
 def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
     # pyarrow costs ~30 MB of resident memory; DDPO with a testbed or text prompt source never needs it
     # (the parquet readers import it themselves).
-    import subprocess
-    import sys
 
     code = (
         "import sys, align.train.ddpo, align.data.pairs;"
@@ -286,7 +285,6 @@ def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
 
 
 def test_open_pairs_indexes_labels_only_and_reads_pairs_from_the_mapped_table(tmp_path):
-    from align.data.pair_stream import open_pairs
 
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
     # Only the labels are read up front: the unreadable row is a pair until it is used.
@@ -307,9 +305,6 @@ def test_open_pairs_indexes_labels_only_and_reads_pairs_from_the_mapped_table(tm
 def test_open_pairs_from_saved_dataset_and_parquet_folder_offline(tmp_path):
     """save_to_disk folders with datasets Image columns and a Hub-layout parquet folder (a Hub id
     goes through the same load_dataset call but cannot be tested offline)."""
-    import datasets
-
-    from align.data.pair_stream import open_pairs
 
     features = datasets.Features(caption=datasets.Value("string"), jpg_0=datasets.Image(), jpg_1=datasets.Image(),
                                  label_0=datasets.Value("float64"), label_1=datasets.Value("float64"),
@@ -328,9 +323,6 @@ def test_open_pairs_from_saved_dataset_and_parquet_folder_offline(tmp_path):
 
 
 def test_open_pairs_refuses_sources_without_the_pick_a_pic_columns(tmp_path):
-    import datasets
-
-    from align.data.pair_stream import open_pairs
 
     pq.write_table(pa.table({"caption": ["x"], "image": [RED]}), tmp_path / "cols.parquet")
     with pytest.raises(DataError, match=r"cols.parquet' lacks the Pick-a-Pic columns jpg_0, jpg_1, label_0, label_1"):
@@ -346,7 +338,6 @@ def test_open_pairs_refuses_sources_without_the_pick_a_pic_columns(tmp_path):
 
 
 def test_planned_batches_restart_at_any_step_and_workers_read_the_same_items(tmp_path):
-    from align.data.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
 
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet", rows=[r for r in ROWS if r[0] != "broken"])),
                        cache_dir=str(tmp_path / "cache"))
@@ -365,7 +356,6 @@ def test_planned_batches_restart_at_any_step_and_workers_read_the_same_items(tmp
 
 
 def test_unreadable_image_reaches_the_trainer_as_one_line(tmp_path):
-    from align.data.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
 
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
     loader = micro_batch_loader(PairPixels(table, 8), PlannedBatches(lambda s, m: [(0, False, False), (2, False, False)], 0, 1, 1), 1)

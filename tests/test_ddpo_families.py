@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from diffusers import DiffusionPipeline, SD3Transformer2DModel
 from safetensors.torch import load_file
 from script_loader import load_experiment
 
+from align.families import family_of_pipeline
+from align.families.base import guided_prediction
+from align.pipeline import add_lora, load_pipeline
 from align.sampling.flow import draw_window
 from align.train import ddpo
 from align.train.ddpo_config import DDPOConfig
@@ -41,7 +45,6 @@ def epochs(run: Path) -> list[dict]:
 
 def diffusers_images(model: str, lora: Path | None) -> torch.Tensor:
     """32 px images from the family's own diffusers pipeline (``pipe.load_lora_weights`` for the LoRA)."""
-    from diffusers import DiffusionPipeline
 
     index = json.loads((Path(model) / "model_index.json").read_text())
     absent = {name: None for name, entry in index.items() if entry in (None, [None, None])}  # SD3 without T5
@@ -131,7 +134,6 @@ def test_bf16_flow_rounds_start_exactly_on_policy(family_models, prompt_file, tm
 
 
 def test_full_fine_tuning_of_a_flow_model_with_the_kl_to_a_frozen_copy(family_models, prompt_file, tmp_path):
-    from diffusers import SD3Transformer2DModel
 
     model = family_models("sd3")
     run = ddpo.train(config(model, prompt_file, tmp_path / "full", finetune="full", kl_coef=0.5, learning_rate=1e-3,
@@ -178,9 +180,6 @@ def test_deterministic_tail_with_random_steps_is_refused_for_ddim_families(famil
 def test_flow_update_differentiates_the_conditional_half_only(family_models):
     # Flow-GRPO's compute_log_prob detaches the unconditional half of classifier-free guidance: the same value,
     # and the gradient of guidance x the conditional prediction alone.
-    from align.families import family_of_pipeline
-    from align.families.base import guided_prediction
-    from align.pipeline import add_lora, load_pipeline
 
     pipe = load_pipeline(family_models("sd3"))
     family = family_of_pipeline(pipe)
@@ -202,7 +201,6 @@ def test_flow_update_differentiates_the_conditional_half_only(family_models):
 
 
 def test_flow_grpo_fast_table_reports_gains_per_cpu_minute_with_paired_errors(tmp_path, capsys):
-    from script_loader import load_experiment
 
     table = load_experiment("flow_grpo_fast")
     for name, rewards, cpu, after in (("grpo", [0.5, 0.5, 0.7, 0.7], 30.0, [0.6, 0.7, 0.8]), ("fast", [0.5, 0.6], 15.0, [0.5, 0.6, 0.7])):

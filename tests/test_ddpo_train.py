@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
+from diffusers import DDIMScheduler, UNet2DConditionModel
 from safetensors.torch import load_file
 from script_loader import load_experiment
 
-from align.pipeline import load_trained
+from align.pipeline import add_lora, disabled_adapter, load_trained
+from align.sampling.ddim import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+from align.testing.tiny_flow import build_tiny_sd3
 from align.testing.two_processes import launch_two_cpu_processes
 from align.train import ddpo
+from align.train.accelerator import end_training
 from align.train.ddpo import DDPOConfig
 from align.train.ddpo_rewards import MixedReward, RewardError, win_rates
+from align.train.losses import ddpo_clipped_loss
 from rewards.base import Judge, Preference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +63,6 @@ def small_config(tiny_model, prompt_file, out, **overrides) -> DDPOConfig:
 @dataclass
 class BrightnessJudge(Judge):
     """Pointwise: mean pixel value."""
-
     name: str = "brightness"
 
     def score(self, prompts, images):
@@ -66,7 +72,6 @@ class BrightnessJudge(Judge):
 @dataclass
 class PairwiseBrightness(Judge):
     """Pairwise-only: prefers the brighter image; records the pairs it was asked about."""
-
     name: str = "pairwise-brightness"
     asked: int = 0
 
@@ -360,11 +365,7 @@ def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
 
 def test_end_training_frees_the_prepared_model_before_the_process_group_goes():
     # A DDP model that outlives its process group deadlocked 2-process gloo runs at exit (align/train/).
-    import weakref
 
-    from accelerate import Accelerator
-
-    from align.train.accelerator import end_training
 
     accelerator = Accelerator()
     model = torch.nn.Linear(2, 2)
@@ -379,7 +380,6 @@ def test_end_training_frees_the_prepared_model_before_the_process_group_goes():
 
 class RecordingOptimizer:
     """Stands in for the optimiser: records the accumulated gradients at each step."""
-
     def __init__(self, params):
         self.params, self.steps = params, []
 
@@ -393,9 +393,6 @@ class RecordingOptimizer:
 
 def _lora_unet_and_samples(tiny_model):
     """A LoRA UNet with B moved off zero and a stored batch of 4 trajectories of 4 steps."""
-    from diffusers import DDIMScheduler, UNet2DConditionModel
-
-    from align.pipeline import add_lora
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
@@ -420,9 +417,6 @@ def _lora_unet_and_samples(tiny_model):
 
 def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef, **overrides):
     """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, every timestep)."""
-    from accelerate import Accelerator
-
-    from align.pipeline import disabled_adapter
 
     config = DDPOConfig(prompts="x", num_inference_steps=samples["timesteps"].shape[1], timestep_fraction=1.0, train_batch_size=2,
                         gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
@@ -446,9 +440,6 @@ def test_batched_timesteps_give_the_same_gradient_as_one_at_a_time(tiny_model, k
 
 def _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range):
     """The formula directly: mean of the PPO terms of every sample at every timestep, zero advantages included."""
-    from align.sampling.ddim import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
-    from align.train.losses import ddpo_clipped_loss
-
     n, steps = samples["timesteps"].shape
     lat = samples["all_latents"][:, :steps].flatten(0, 1)
     nxt = samples["all_latents"][:, 1:].flatten(0, 1)
@@ -463,9 +454,6 @@ def _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range):
 
 def _chosen_terms_gradient(unet, params, scheduler, samples, negative, step_of_sample, clip_range):
     """The formula for one trained step per sample: the mean PPO term over the samples at their steps."""
-    from align.sampling.ddim import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
-    from align.train.losses import ddpo_clipped_loss
-
     rows = torch.arange(len(step_of_sample))
     lat = samples["all_latents"][rows, step_of_sample]
     nxt = samples["all_latents"][rows, step_of_sample + 1]
@@ -513,7 +501,6 @@ def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file,
 
 
 def test_gradient_snr_script_runs_flow_grpo_windows(tmp_path, prompt_file, capsys):
-    from align.testing.tiny_flow import build_tiny_sd3
 
     folder = build_tiny_sd3(tmp_path / "sd3")
     ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")

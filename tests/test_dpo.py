@@ -6,20 +6,25 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import wandb
+from diffusers import StableDiffusionPipeline
 from PIL import Image
 from safetensors.torch import load_file
 from wandb_records import history_rows
 
-from align.pipeline import generate_images, load_pipeline
+from align.cli import parse_config
+from align.pipeline import add_lora, disabled_adapter, generate_images, load_pipeline, load_trained
 from align.testing.two_processes import launch_two_cpu_processes
 from align.train import dpo
 from align.train.dpo import DPOConfig, TrainingStopped
+from align.train.heldout import evaluate_model
 from rewards.images import decode_image, to_tensor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +107,6 @@ def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, pro
     assert (run / "final" / "README.md").is_file() and (run / "report.html").is_file()
 
     # The saved LoRA goes into a plain diffusers pipeline and changes its output.
-    from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
     before = generate_images(pipe, ["a red circle"], [0], num_inference_steps=2, guidance_scale=2.0)
@@ -112,10 +116,6 @@ def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, pro
 
 
 def test_evaluation_batches_with_the_lora_merged_and_scores_as_unbatched_generation(tiny_model, tmp_path):
-    from types import SimpleNamespace
-
-    from align.pipeline import add_lora, disabled_adapter
-    from align.train.heldout import evaluate_model
 
     class PixelProjection:
         """A fixed random projection of the pixels: any change to an image moves its score."""
@@ -160,7 +160,6 @@ def test_dataset_run_full_finetune(tiny_model, pair_parquet, tmp_path):
     assert (run / "final" / "unet" / "config.json").is_file()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
-    from align.pipeline import load_trained
 
     pipe = load_trained(str(run))
     base = load_pipeline(tiny_model)
@@ -223,7 +222,6 @@ def test_wandb_offline_logs_the_same_metrics(tiny_model, pair_parquet, tmp_path,
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = dpo.train(small_config(tiny_model, tmp_path / "run", dataset=pair_parquet, report_to="wandb", max_steps=2))
-    import wandb
 
     wandb.teardown()  # waits for the background writer to flush the run file
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -389,8 +387,6 @@ def test_two_process_cpu_run(tiny_model, pair_parquet, prompts4, tmp_path, feedb
 
 def test_testbed_config_runs_on_the_bundled_model(tmp_path):
     """The README's main command, shrunk: the YAML parses and runs end to end on the bundled testbed."""
-    from align.cli import parse_config
-
     config = parse_config(
         DPOConfig,
         ["--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:4:2",

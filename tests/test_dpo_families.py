@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import diffusers
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -42,7 +43,6 @@ def _images(pipe) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
 def test_lora_dpo_starts_at_ln2_under_bf16_and_its_lora_loads_in_the_familys_pipeline(family, family_models, pairs, tmp_path):
-    import diffusers
 
     model = family_models(family)
     run = dpo.train(small_config(model, tmp_path / "run", dataset=pairs, resolution=RESOLUTION, max_steps=2,

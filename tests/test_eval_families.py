@@ -8,11 +8,16 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 from PIL import Image
+from safetensors.torch import load_file
+from script_loader import load_script
 
+import rewards
+from align.data.feedback import derive_seed, generate_feedback, make_pipeline_generator
 from align.eval import best_of_n as bon
 from align.eval import evaluate as ev
 from align.eval.generation import (
@@ -23,16 +28,17 @@ from align.eval.generation import (
     sampling_settings,
 )
 from align.families import family_of, family_of_pipeline
-from align.pipeline import ModelLoadError, add_lora, generate_images, load_trained
+from align.pipeline import ModelLoadError, add_lora, generate_images, load_trained, save_full_unet
 from align.run_folder import CONFIG_FILE
+from align.testing.tiny_flow import T5_MAX_SEQUENCE_LENGTH, build_tiny_flux, build_tiny_sd3
+from align.testing.tiny_sdxl import build_tiny_sdxl_pipeline
+from rewards.images import decode_image
 
 
 def build(family: str, folder):
     if family == "sdxl":
-        from align.testing.tiny_sdxl import build_tiny_sdxl_pipeline
 
         return build_tiny_sdxl_pipeline(folder)
-    from align.testing.tiny_flow import build_tiny_flux, build_tiny_sd3
 
     return (build_tiny_sd3 if family == "sd3" else build_tiny_flux)(folder)
 
@@ -157,7 +163,6 @@ def test_generation_cache_key_follows_the_base_files_under_a_lora(tmp_path, base
 
 
 def test_load_trained_takes_a_run_with_a_full_denoiser_folder(tmp_path, base_and_run):
-    from align.pipeline import save_full_unet
 
     family, base, _ = base_and_run
     fam = family_of(str(base))
@@ -176,8 +181,6 @@ def test_load_trained_takes_a_run_with_a_full_denoiser_folder(tmp_path, base_and
 @pytest.fixture(scope="module")
 def flow_testbed_like(tmp_path_factory):
     """A tiny SD3 pipeline with a flow testbed's settings file (steps, guidance, resolution, T5 length)."""
-    from align.testing.tiny_flow import T5_MAX_SEQUENCE_LENGTH
-
     base = build("sd3", tmp_path_factory.mktemp("flowtb"))
     settings = {"num_inference_steps": 3, "guidance_scale": 3.0, "resolution": 32,
                 "max_sequence_length": T5_MAX_SEQUENCE_LENGTH}
@@ -186,11 +189,6 @@ def flow_testbed_like(tmp_path_factory):
 
 
 def test_ai_feedback_pairs_from_a_flow_pipeline(tmp_path, flow_testbed_like):
-    import pyarrow.parquet as pq
-
-    import rewards
-    from align.data.feedback import derive_seed, generate_feedback, make_pipeline_generator
-    from rewards.images import decode_image
 
     pipe = load_trained(str(flow_testbed_like))
     generate = make_pipeline_generator(pipe, num_inference_steps=3, guidance_scale=3.0, batch_size=4)
@@ -219,7 +217,6 @@ def test_judge_comparison_on_a_flow_model(tmp_path, flow_testbed_like):
     """scripts/compare_judges.py on a tiny SD3 model, as on the SD testbed: each judge labels the same base
     images, its accuracy against the oracle is measured, Diffusion-DPO (flow-matching loss, LoRA) trains one
     model per judge on its labels, and every model is evaluated downstream."""
-    from script_loader import load_script
 
     cj = load_script("compare_judges")
     out = tmp_path / "compare"
@@ -232,7 +229,6 @@ def test_judge_comparison_on_a_flow_model(tmp_path, flow_testbed_like):
     assert set(rows) == {"shapes-oracle", "random"}
     assert rows["shapes-oracle"]["accuracy vs oracle"] == pytest.approx(1.0)  # the oracle agrees with itself
     assert all(np.isfinite(row["oracle score"]) for row in rows.values())
-    from safetensors.torch import load_file
 
     for run in payload["runs"].values():  # each judge's model: a trained LoRA of the SD3 transformer
         lora = load_file(Path(run) / "final" / "pytorch_lora_weights.safetensors")

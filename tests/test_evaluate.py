@@ -8,7 +8,9 @@ import pandas as pd
 import pytest
 import torch
 from script_loader import load_script
+from transformers import CLIPProcessor
 
+import rewards
 from align import metrics
 from align.cli import ConfigError
 from align.data.prompt_sets import PromptSetError, load_prompt_set
@@ -16,15 +18,16 @@ from align.eval import evaluate as ev
 from align.eval.generation import GenerationCache, ModelEntry, sample_seed
 from align.eval.report import format_value
 from align.judges import split_list
+from align.pipeline import save_full_unet
+from align.testbed.models import build_pipeline, build_shapes_clip, shapes_clip_image_processor
+from align.testbed.scene import render, sample_captions
+from align.testbed.tokenizer import testbed_tokenizer
+from rewards.images import to_tensor
 
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     """A random testbed-architecture pipeline (the base) and a UNet folder with perturbed weights."""
-    from align.pipeline import save_full_unet
-    from align.testbed.models import build_pipeline
-    from align.testbed.tokenizer import testbed_tokenizer
-
     root = tmp_path_factory.mktemp("models")
     torch.manual_seed(0)
     pipe = build_pipeline(testbed_tokenizer())
@@ -37,7 +40,6 @@ def two_models(tmp_path_factory):
 
 class TableParser(HTMLParser):
     """Rows of the table with a given id, as lists of cell texts."""
-
     def __init__(self, table_id):
         super().__init__()
         self.table_id, self.inside, self.rows, self.cell = table_id, False, [], None
@@ -104,7 +106,6 @@ def test_evaluate_two_tiny_models_report_matches_results(tmp_path, two_models, m
     assert csv["jpeg-compressibility mean"].tolist() == pytest.approx([r["jpeg-compressibility mean"] for r in saved["table"]])
 
     # recompute the pointwise judge's numbers by hand from the cached PNGs
-    import rewards
 
     judge = rewards.load("jpeg-compressibility")
     prompts = [p for _ in saved["seeds"] for p in saved["prompts"]]
@@ -229,12 +230,6 @@ def test_compare_judges_gives_every_judge_the_same_trainer_budget(tmp_path):
 def test_fid_and_cmmd_with_shapes_clip_features(tmp_path):
     """The testbed's FID feature network: a CLIP judge's image embeddings (a tiny random CLIP saved
     in the real layout and loaded through rewards.load, as the bundled shapes-clip is)."""
-    from transformers import CLIPProcessor
-
-    from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
-    from align.testbed.scene import render, sample_captions
-    from align.testbed.tokenizer import testbed_tokenizer
-    from rewards.images import to_tensor
 
     tokenizer = testbed_tokenizer()
     torch.manual_seed(0)

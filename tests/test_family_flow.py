@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
 from align.families import family_of_pipeline
 from align.families.base import (
@@ -250,7 +252,6 @@ def test_full_transformer_folder_loads_with_load_trained(built, pipe, tmp_path):
 
 @pytest.mark.parametrize("part", ["transformer", "text_encoder"])
 def test_a_truncated_weights_file_is_one_clear_error(built, tmp_path, part):
-    import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(built[1], broken)
@@ -286,7 +287,6 @@ def test_lora_training_step_reaches_only_the_adapter(pipe):
 
 @pytest.mark.parametrize("built", ["sd3"], indirect=True)
 def test_sd3_with_dynamic_shifting_samples_as_the_pipeline(built, pipe):
-    from diffusers import FlowMatchEulerDiscreteScheduler
 
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=True)
     latents = initial_latents(pipe)
@@ -311,7 +311,6 @@ def test_model_index_of_the_t5_less_folder_has_null_t5(built):
 
 
 def test_flux_packing_is_the_pipelines():
-    from diffusers import FluxPipeline
 
     latents = torch.randn(2, 4, 6, 10)
     packed = pack_latents(latents)

@@ -4,6 +4,7 @@ unconditional side, VAE encode/decode, DDIM sampling through the family, and SD 
 
 import pytest
 import torch
+from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
 from align.families import family_of_pipeline
 from align.families.base import guided_prediction
@@ -18,7 +19,6 @@ PROMPTS = ["a red circle", "two blue squares on the left"]
 def tiny_sd2_model(tiny_model, tmp_path_factory):
     """The tiny SD pipeline made SD 2.1-like: v-prediction DDIM scheduler (SD 2.1's scheduler config) and a UNet
     with linear projections, per-block head sizes and upcast attention (SD 2.x's UNet settings)."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
     torch.manual_seed(1)
@@ -87,7 +87,6 @@ def test_ddim_through_guided_prediction_reproduces_the_pipeline(pipe):
 
 
 def test_sd2_v_prediction_trains_on_the_velocity(tiny_sd2_model):
-    from diffusers import DDPMScheduler
 
     pipe = load_pipeline(tiny_sd2_model)
     family = family_of_pipeline(pipe)

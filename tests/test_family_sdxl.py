@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 import torch
+from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionXLPipeline
+from safetensors.torch import load_file
 
 from align.families import family_of_pipeline
 from align.families.base import LORA_WEIGHTS, ModelLoadError, guided_prediction
@@ -22,7 +24,6 @@ def pipe(tiny_sdxl_model):
 
 def fresh_diffusers_pipeline(folder):
     """Plain diffusers, nothing of ours, with the DDIM scheduler our family samples with."""
-    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
 
     plain = StableDiffusionXLPipeline.from_pretrained(folder)
     plain.scheduler = DDIMScheduler.from_config(plain.scheduler.config)
@@ -166,7 +167,6 @@ def test_a_float16_vae_with_force_upcast_runs_in_float32_and_stays_float16(tiny_
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_training_target_follows_the_prediction_type(pipe, prediction_type):
-    from diffusers import DDPMScheduler
 
     family = family_of_pipeline(pipe)
     scheduler = DDPMScheduler.from_config(pipe.scheduler.config, prediction_type=prediction_type)
@@ -205,7 +205,6 @@ def test_lora_targets_are_the_dreambooth_sdxl_scripts(adapted):
 
 
 def test_the_saved_lora_loads_in_a_fresh_diffusers_sdxl_pipeline(adapted, tiny_sdxl_model):
-    from safetensors.torch import load_file
 
     _, base_images, adapted_images, folder, written = adapted
     assert written == folder / LORA_WEIGHTS

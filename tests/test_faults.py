@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,8 +279,6 @@ def test_a_full_disk_while_saving_leaves_the_previous_files_and_the_run_resumabl
 
 def _broken_copy(tiny_model: str, folder: Path) -> str:
     """The tiny pipeline with its UNet weights cut short: it passes the cheap checks, then fails to load."""
-    import shutil
-
     shutil.copytree(tiny_model, folder)
     weights_file = next((folder / "unet").glob("*.safetensors"))
     weights_file.write_bytes(weights_file.read_bytes()[:200])
@@ -287,7 +286,6 @@ def _broken_copy(tiny_model: str, folder: Path) -> str:
 
 
 def test_overwrite_with_a_model_that_fails_to_load_leaves_the_old_run_byte_for_byte(tiny_model, prompt_file, dpo_straight, tmp_path):
-    import shutil
 
     old = tmp_path / "old"
     shutil.copytree(dpo_straight, old)

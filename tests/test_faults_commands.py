@@ -18,7 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_train_reward import pairs_file, tiny_clip  # noqa: F401 (fixtures used by reward_inputs)
+
+from align.testbed.models import build_pipeline
+from align.testbed.tokenizer import testbed_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
@@ -89,11 +93,6 @@ def _hashes(folder: Path, pattern: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def testbed_model(tmp_path_factory):
     """A random pipeline of the testbed architecture (32 px, as tests/test_best_of_n.py builds it)."""
-    import torch
-
-    from align.testbed.models import build_pipeline
-    from align.testbed.tokenizer import testbed_tokenizer
-
     folder = tmp_path_factory.mktemp("testbed") / "pipe"
     torch.manual_seed(1)
     build_pipeline(testbed_tokenizer()).save_pretrained(folder)

@@ -7,17 +7,21 @@ import random
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from diffusers import StableDiffusionPipeline
 from PIL import Image
 
+import align.data.feedback as feedback
 import rewards
 from align.data.feedback import (
-    FEEDBACK_SCHEMA,
     derive_seed,
+    feedback_schema,
     generate_feedback,
     make_pipeline_generator,
     pairwise_scheme,
 )
-from align.data.pairs import DataError, load_pairs
+from align.data.pair_stream import load_pairs
+from align.data.pairs import DataError
+from align.testing.tiny_sd import build_tiny_pipeline
 from rewards.images import decode_image
 from rewards.rules import jpeg_size_kb
 
@@ -26,7 +30,6 @@ PROMPTS = ["a red circle", "two blue squares", "a green triangle", "a cat", "a d
 
 class FakeGenerator:
     """Draws a coloured square on noise from the seed alone; counts what it was asked for."""
-
     def __init__(self, fail_after_calls: int | None = None):
         self.calls: list[tuple[list[str], list[int]]] = []
         self.fail_after_calls = fail_after_calls
@@ -60,7 +63,7 @@ def test_pointwise_judge_best_vs_worst(tmp_path):
     stats = generate_feedback(
         generate, judge, PROMPTS, out, images_per_prompt=4, seed=3, batch_prompts=2, progress=False
     )
-    assert pq.read_schema(out).names == FEEDBACK_SCHEMA.names
+    assert pq.read_schema(out).names == feedback_schema().names
     rows = read(out)
     assert sorted(r["prompt_index"] for r in rows) == [0, 1, 2, 3, 4]
     assert (stats.labelled, stats.skipped, stats.pairs, stats.images_generated) == (5, 0, 5, 20)
@@ -235,8 +238,6 @@ def test_crash_mid_run_keeps_written_batches_and_rerun_completes(tmp_path):
 
 def test_killed_run_shards_are_merged_on_rerun(tmp_path, monkeypatch):
     """A hard kill (no finally) leaves shards in <out>.parts/; the next run folds them in."""
-    import align.data.feedback as feedback
-
     out = tmp_path / "fb.parquet"
     judge = rewards.load("jpeg-compressibility")
     monkeypatch.setattr(feedback, "_merge_parts", lambda path: None)  # as if killed before any merge
@@ -255,9 +256,6 @@ def test_killed_run_shards_are_merged_on_rerun(tmp_path, monkeypatch):
 
 def test_make_pipeline_generator_seeds_each_image(tmp_path):
     """With the tiny SD pipeline: image i depends on seeds[i] only, whatever batch it is in."""
-    from diffusers import StableDiffusionPipeline
-
-    from align.testing.tiny_sd import build_tiny_pipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(build_tiny_pipeline(tmp_path))
     pipe.set_progress_bar_config(disable=True)

@@ -7,8 +7,12 @@ import json
 import pytest
 import torch
 
+import rewards
+from align.data.prompt_sets import load_prompt_list
+from align.families.base import ModelLoadError
+from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings
 from align.sampling import flow as flow_sampling
-from align.testbed import flow_models
+from align.testbed import flow_models, weights
 from align.testbed.weights import TESTBED_PIPELINE_DIR
 from tests.script_loader import load_experiment, load_script
 
@@ -142,7 +146,6 @@ def test_ceiling_run_trains_on_true_scenes_and_scores_the_same_images_before_and
     assert run["result"]["gain"] == pytest.approx(after["mean"] - before["mean"])
     captions, images = ceiling.render_training_scenes(16, held_out=set(before["prompts"]), seed=0)
     assert not set(captions) & set(before["prompts"])
-    import rewards
 
     assert rewards.load("shapes-oracle").score(captions, (images + 1) / 2).tolist() == [1.0] * 16
 
@@ -156,9 +159,6 @@ def test_ceiling_refuses_a_folder_with_results_before_any_work(ceiling, tmp_path
 
 
 def test_testbed_flow_without_bundled_weights_says_how_to_build_them(monkeypatch, tmp_path):
-    from align.families.base import ModelLoadError
-    from align.pipeline import resolve_model
-    from align.testbed import weights
 
     monkeypatch.setattr(weights, "FLOW_TESTBED_PIPELINE_DIR", tmp_path / "nothing")
     with pytest.raises(ModelLoadError, match="scripts/build_flow_testbed.py"):
@@ -166,15 +166,12 @@ def test_testbed_flow_without_bundled_weights_says_how_to_build_them(monkeypatch
 
 
 def test_testbed_settings_reads_a_flow_testbed_folders_settings(built):
-    from align.pipeline import testbed_settings
 
     out, settings = built
     assert testbed_settings(str(out))["max_sequence_length"] == settings["max_sequence_length"] == 2
 
 
 def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_settings_and_samples_at_its_resolution():
-    from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings
-    from align.testbed import weights
 
     folder = resolve_model("testbed-flow")
     assert folder == str(weights.FLOW_TESTBED_PIPELINE_DIR)
@@ -232,7 +229,6 @@ def test_paired_heldout_gain_reads_captions_consecutively_and_counts_better_and_
 
 
 def test_paired_heldout_gives_every_image_its_own_noise_and_a_model_no_gain_over_itself(tmp_path, capsys):
-    from align.data.prompt_sets import load_prompt_list
 
     paired = load_experiment("paired_heldout")
     paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",

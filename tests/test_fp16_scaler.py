@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+import accelerate
 import pytest
 import torch
 
@@ -48,7 +49,6 @@ class RecordingScaler(torch.amp.GradScaler):
 @pytest.fixture
 def fp16_as_on_a_gpu(monkeypatch):
     """accelerate.Accelerator with a recording GradScaler for fp16, as accelerate sets it up on a GPU."""
-    import accelerate
 
     scalers: list[RecordingScaler] = []
 

@@ -8,18 +8,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from test_ddpo_train import small_config as ddpo_config
 from test_dpo import pair_parquet, prompt_file, small_config  # noqa: F401  (fixtures)
 
+import align.data.feedback
+import align.pipeline
 from align.cli import ConfigError
 from align.eval import evaluate as ev
+from align.pipeline import save_full_unet
+from align.testbed.models import build_pipeline
+from align.testbed.tokenizer import testbed_tokenizer
 from align.train import ddpo, dpo
 from align.train.command import TrainingStopped
 
 
 class _NanGradient(torch.autograd.Function):
     """Identity forward (a finite loss), NaN backward: the next optimiser step writes NaN weights."""
-
     @staticmethod
     def forward(ctx, x):
         return x.clone()
@@ -50,7 +55,6 @@ def test_dpo_stops_on_nan_weights_after_a_step_and_keeps_the_last_good_checkpoin
 
 
 def test_ddpo_stops_on_nan_images_like_a_failed_reward(tiny_model, prompt_file, tmp_path, monkeypatch):  # noqa: F811
-    import align.pipeline
 
     real = align.pipeline.decode_latents
     calls = {"n": 0}
@@ -70,7 +74,6 @@ def test_ddpo_stops_on_nan_images_like_a_failed_reward(tiny_model, prompt_file, 
 
 
 def test_dpo_before_and_after_evaluation_mark_blank_images_instead_of_scoring_them(tiny_model, pair_parquet, prompt_file, tmp_path, monkeypatch):  # noqa: F811
-    import align.pipeline
 
     def black_images(pipe, prompts, seeds, **kwargs):  # what a LoRA full of NaNs gives once clamped and quantised
         return torch.zeros(len(prompts), 3, 16, 16)
@@ -89,10 +92,6 @@ def test_dpo_before_and_after_evaluation_mark_blank_images_instead_of_scoring_th
 @pytest.fixture(scope="module")
 def three_models(tmp_path_factory):
     """A random testbed-architecture base, a perturbed UNet and a diverged one (NaN in a weight)."""
-    from align.pipeline import save_full_unet
-    from align.testbed.models import build_pipeline
-    from align.testbed.tokenizer import testbed_tokenizer
-
     root = tmp_path_factory.mktemp("models")
     torch.manual_seed(0)
     pipe = build_pipeline(testbed_tokenizer())
@@ -133,9 +132,6 @@ def test_evaluation_refuses_a_diverged_base_in_one_line(tmp_path, three_models):
 
 
 def test_dpo_stops_before_judging_degenerate_feedback_images(tiny_model, prompt_file, tmp_path, monkeypatch):  # noqa: F811
-    from PIL import Image
-
-    import align.data.feedback
 
     def black_generator(pipe, **kwargs):  # a base model full of NaNs draws black images once they are PIL images
         return lambda prompts, seeds: [Image.new("RGB", (16, 16)) for _ in prompts]

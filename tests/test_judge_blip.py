@@ -7,7 +7,7 @@ import torch
 from transformers import BlipConfig, BlipForImageTextRetrieval, BlipImageProcessor, BlipProcessor
 
 import rewards
-from align.testing.tiny_judges import WORDS, bert_tokenizer, images_as_tensor, random_images
+from align.testing.tiny_judges import WORDS, bert_tokenizer, images_as_tensor, random_images, save_tiny_clip
 from rewards.weights import MissingWeightsError
 
 PROMPTS = ["a red circle", "a blue square on the left", "a photo of a cat"]
@@ -75,7 +75,6 @@ def test_compare_uses_the_tie_margin(blip_folder):
 def test_blip_errors(blip_folder, tmp_path):
     with pytest.raises(MissingWeightsError, match="nothing-here"):
         rewards.load("blip", model=str(tmp_path / "nothing-here"))
-    from align.testing.tiny_judges import save_tiny_clip
 
     save_tiny_clip(tmp_path / "clip")
     with pytest.raises(ValueError, match="'clip' model"):

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoProcessor
 
 import rewards
 from align.testing.tiny_judges import save_tiny_clip
 from rewards import clip as clip_module
+from rewards.checkpoint_keys import ScoreMLP
 from rewards.preprocess import centre_crop_offset, hps_pixels, open_clip_clean, openai_clip_pixels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +76,6 @@ def test_captions_are_cleaned_like_open_clip(entry):
 def test_clip_family_processors_use_the_pil_backend_whatever_is_installed(tmp_path, monkeypatch):
     folder = tmp_path / "clip"
     save_tiny_clip(folder)
-    from transformers import AutoProcessor
 
     asked = []
     real = AutoProcessor.from_pretrained
@@ -91,7 +92,6 @@ def test_clip_family_processors_use_the_pil_backend_whatever_is_installed(tmp_pa
 
 
 def test_aesthetic_and_hps_judges_use_the_authors_preprocessing(tmp_path):
-    from rewards.checkpoint_keys import ScoreMLP
 
     folder = tmp_path / "clip"
     save_tiny_clip(folder, image_size=32)

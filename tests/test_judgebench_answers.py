@@ -9,6 +9,7 @@ from align.judgebench import answers as A
 from align.judgebench import benchmark as judgebench
 from align.judgebench import metrics as M
 from align.testing.fake_judge_servers import FakeJudgeServer
+from rewards.cache import CachedAnswer, JudgeCache
 from rewards.judge_prompts import CRITERIA, MJBENCH_CRITERIA, JudgeQuestion, render
 
 SECRET = "sk-TEST-answers-3f9a"
@@ -166,7 +167,6 @@ def test_prompt_template_file_is_sent_verbatim_without_a_forced_schema(tmp_path,
 
 
 def test_judge_cache_gives_the_parse_outcome_per_judge_and_question(tmp_path, capsys):
-    from rewards.cache import CachedAnswer, JudgeCache
 
     cache = JudgeCache(tmp_path / "answers.sqlite")
     question = JudgeQuestion("single", protocol="mjbench").key()

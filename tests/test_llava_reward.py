@@ -8,15 +8,29 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import rewards
+from align.testing.tiny_vlms import build_qwen25_vl
+from align.train.reward_losses import bradley_terry_loss
 from rewards.llava_reward import (
+    QWEN_MAX_PIXELS,
+    QWEN_MIN_PIXELS,
     LlavaReward,
     LlavaRewardError,
     LlavaRewardModel,
     check_backbone,
     load_reward_checkpoint,
     phi3v_reward_text,
+    qwen_fetch_image,
+    qwen_fetch_size,
     qwen_reward_text,
 )
 from rewards.trained import write_marker
@@ -27,9 +41,6 @@ PROMPTS = ["a red circle", "two blue square on the left of a red circle", "a blu
 
 
 def tiny_processor(padding_side="left"):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS + SPECIAL)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -46,7 +57,6 @@ def tiny_processor(padding_side="left"):
 
 
 def tiny_qwen(processor, seed=0):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     t = processor.tokenizer
     ids = {name: t.convert_tokens_to_ids(tok) for name, tok in (
@@ -198,7 +208,6 @@ def test_own_save_reloads_by_path_and_general_preference(tmp_path, processor):
 
 
 def test_lora_skipca_and_head_train_with_bradley_terry(processor):
-    from align.train.reward_losses import bradley_terry_loss
 
     model = LlavaRewardModel(tiny_qwen(processor), processor, "qwen2.5-vl", skip_cross_attention=True)
     model.init_reward_head()
@@ -230,13 +239,11 @@ def test_lora_skipca_and_head_train_with_bradley_terry(processor):
     ((20, 10), (84, 56)),          # below 4 x 28 x 28 pixels: grown (ceil) to at least that area
 ])
 def test_qwen_fetch_size_is_the_authors_smart_resize(size, expected):
-    from rewards.llava_reward import qwen_fetch_size
 
     assert qwen_fetch_size(*size) == expected
 
 
 def test_qwen_processor_bounds_are_the_authors():
-    from rewards.llava_reward import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_fetch_size
 
     # a 256 px image: the processor's default bounds (56 x 56 px up) keep 252 x 252 = 81 tokens; the
     # authors' lower bound of 256 tokens of 28 x 28 px grows it to 448 x 448 = 256 tokens
@@ -249,8 +256,6 @@ def test_qwen_processor_bounds_are_the_authors():
 
 
 def test_qwen_backbone_gets_the_authors_pixel_limits_and_fetch_resize(tmp_path):
-    from align.testing.tiny_vlms import build_qwen25_vl
-    from rewards.llava_reward import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_fetch_image
 
     build_qwen25_vl(tmp_path / "qwen")
     model = LlavaRewardModel.from_base(str(tmp_path / "qwen"))

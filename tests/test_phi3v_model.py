@@ -4,13 +4,19 @@ embeddings that experiments/phi3v_reference.py recorded with the remote code (tr
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+import yaml
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
+from rewards.llava_reward import LlavaReward, LlavaRewardModel
 from rewards.phi3v import Phi3VConfig, Phi3VForCausalLM, check_vision_config, load_phi3v, merge_2x2
+from rewards.phi3v_processor import Phi3VInputs
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = json.loads((ROOT / "tests" / "data" / "phi3v_model_reference.json").read_text())
@@ -131,12 +137,6 @@ def tiny_phi_backbone(folder, tokenizer):
 
 
 def test_llava_reward_phi_checkpoint_loads_and_scores_without_remote_code(tmp_path):
-    import yaml
-    from PIL import Image
-    from transformers import AutoTokenizer
-
-    from rewards.llava_reward import LlavaReward, LlavaRewardModel
-    from rewards.phi3v_processor import Phi3VInputs
 
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "rewards" / "weights" / "shapes-clip"))
     base = tiny_phi_backbone(tmp_path / "base", tokenizer)
@@ -179,7 +179,6 @@ def test_llava_reward_phi_checkpoint_loads_and_scores_without_remote_code(tmp_pa
 def test_full_size_hub_config_builds_the_checkpoint_layout(tmp_path):
     """The hub's config.json fields (Phi-3-vision layout: "su" rope with 48 factors, flash-attention
     default, auto_map) build the full-size model (on the meta device) with the remote code's names."""
-    import re
 
     hub = {
         "architectures": ["Phi3VForCausalLM"], "auto_map": {"AutoConfig": "configuration_phi3_v.Phi3VConfig",
@@ -212,7 +211,6 @@ def test_full_size_hub_config_builds_the_checkpoint_layout(tmp_path):
 
 
 def test_checkpoint_that_does_not_fit_is_refused(checkpoint, tmp_path):
-    from safetensors.torch import load_file
 
     state = load_file(str(checkpoint / "model.safetensors"))
     # older checkpoints store CLIP's position_ids buffer: tolerated
@@ -228,11 +226,6 @@ def test_checkpoint_that_does_not_fit_is_refused(checkpoint, tmp_path):
 
 
 def test_llava_reward_phi_trains_lora_and_projector_not_the_vision_tower(tmp_path):
-    from PIL import Image
-    from transformers import AutoTokenizer
-
-    from rewards.llava_reward import LlavaRewardModel
-    from rewards.phi3v_processor import Phi3VInputs
 
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "rewards" / "weights" / "shapes-clip"))
     base = tiny_phi_backbone(tmp_path / "base", tokenizer)

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from diffusers import UNet2DConditionModel
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+from safetensors.torch import load_file
 
 from align.cli import ConfigError
 from align.testing.noise_pairs import write_noise_pairs
 from align.train import ddpo, dpo
 from align.train.accelerator import (
+    keep_default_attention,
     refuse_unsupported_distribution,
     refuse_unsupported_launch,
     resolve_mixed_precision,
@@ -97,10 +104,6 @@ def test_bf16_dpo_first_loss_is_ln2_with_the_reference_run_as_the_policy(tiny_mo
 
 def test_accelerate_launch_mixed_precision_reaches_the_trainer(tiny_model, pairs, tmp_path):
     """The issue's command: `accelerate launch --mixed_precision bf16 align/dpo.py ...` without the trainer's flag."""
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "launched"
     argv = ["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--finetune", "full", "--resolution", "16",
@@ -141,7 +144,6 @@ def test_bf16_ddpo_rounds_start_exactly_on_policy(tiny_model, tmp_path, finetune
 
 
 def test_ddpo_gradient_checkpointing_trains_the_same_weights(tiny_model, tmp_path):
-    from safetensors.torch import load_file
 
     plain = ddpo.train(ddpo_config(tiny_model, tmp_path / "plain", num_epochs=1, checkpointing_epochs=1, mixed_precision="no"))
     saved = ddpo.train(ddpo_config(tiny_model, tmp_path / "ckpt", num_epochs=1, checkpointing_epochs=1, mixed_precision="no",
@@ -157,7 +159,6 @@ def test_ddpo_gradient_checkpointing_trains_the_same_weights(tiny_model, tmp_pat
 
 def test_8bit_adam_without_bitsandbytes_is_refused_before_loading(tiny_model, pairs, tmp_path, capsys):
     try:
-        import bitsandbytes  # noqa: F401
 
         pytest.skip("bitsandbytes is installed here")
     except ImportError:
@@ -170,10 +171,6 @@ def test_8bit_adam_without_bitsandbytes_is_refused_before_loading(tiny_model, pa
 
 
 def test_another_attention_processor_is_put_back_to_sdpa(tiny_model):
-    from diffusers import UNet2DConditionModel
-    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
-
-    from align.train.accelerator import keep_default_attention
 
     unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
     assert all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())  # diffusers' default

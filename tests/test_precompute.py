@@ -9,12 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from test_dpo import small_config
 
 from align.data import precompute
 from align.data.latent_store import StoreLatents, read_manifest, shard_name
 from align.data.pairs import PreferencePair, pair_pixels
 from align.pipeline import encode_images, encode_prompts, load_pipeline
+from align.testing.tiny_sd import build_tiny_pipeline
 from align.train import dpo
 
 
@@ -70,7 +72,6 @@ def test_store_round_trip_holds_the_trainers_latents_for_both_flips(tiny_model, 
 
 
 def test_a_format_1_store_of_text_embeddings_is_still_read(tiny_model, pairs_file, tmp_path):
-    from safetensors.torch import load_file, save_file
 
     store = build(tiny_model, pairs_file, tmp_path / "store")
     new = StoreLatents(store, read_manifest(store))
@@ -139,7 +140,6 @@ def test_latent_store_run_builds_the_runs_store_once_and_trains_as_from_images(t
 
 def test_resume_mid_epoch_from_images_with_workers_is_exact(tiny_model, pairs_file, tmp_path):
     """5 pairs, 2 a step: step 2 starts mid-epoch. The resumed half reads through two workers."""
-    from safetensors.torch import load_file
 
     common = dict(dataset=pairs_file, latent_store="none", max_steps=4)
     straight = dpo.train(small_config(tiny_model, tmp_path / "straight", **common))
@@ -163,7 +163,6 @@ def _fails(capsys, call, *expected):
 
 
 def test_refusals_are_one_line_and_lose_nothing(tiny_model, pairs_file, tmp_path, capsys):
-    from align.testing.tiny_sd import build_tiny_pipeline
 
     store = build(tiny_model, pairs_file, tmp_path / "store")
     before = {p.name: p.read_bytes() for p in store.iterdir()}

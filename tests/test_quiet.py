@@ -6,12 +6,14 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from align import progress
+from align.pipeline import load_pipeline
 from align.quiet import quiet_output
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +82,12 @@ def test_only_the_torchvision_fallback_notice_is_dropped():
 
 @pytest.mark.filterwarnings("error::FutureWarning")
 def test_pipelines_load_in_the_asked_dtype_without_a_deprecation_warning():
-    from align.pipeline import load_pipeline
 
     pipe = load_pipeline("testbed", dtype=torch.bfloat16)
     assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
 
 
 def test_only_peft_s_deprecated_property_read_is_silenced():
-    import warnings
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -10,6 +10,12 @@ import pytest
 from script_loader import load_script
 
 from align.cli import parse_config
+from align.eval.best_of_n import BestOfNConfig
+from align.eval.evaluate import EvalConfig
+from align.judgebench.benchmark import JudgeBenchConfig
+from align.train.ddpo_config import DDPOConfig
+from align.train.dpo_config import DPOConfig
+from align.train.reward_model import RewardTrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -32,22 +38,16 @@ def readme_commands() -> list[str]:
 def config_class(module: str):
     """The dataclass behind an entry point of the README."""
     if module == "align.dpo":
-        from align.train.dpo_config import DPOConfig
         return DPOConfig
     if module == "align.ddpo":
-        from align.train.ddpo_config import DDPOConfig
         return DDPOConfig
     if module == "align.evaluate":
-        from align.eval.evaluate import EvalConfig
         return EvalConfig
     if module == "align.best_of_n":
-        from align.eval.best_of_n import BestOfNConfig
         return BestOfNConfig
     if module == "align.judgebench":
-        from align.judgebench.benchmark import JudgeBenchConfig
         return JudgeBenchConfig
     if module == "align.train_reward":
-        from align.train.reward_model import RewardTrainConfig
         return RewardTrainConfig
     if module == "scripts.compare_judges":
         return load_script("compare_judges").CompareConfig

@@ -14,7 +14,13 @@ import torch
 from PIL import Image
 from script_loader import load_script
 
+from align.cli import parse_config
 from align.eval import report
+from align.metrics import mean_and_sem
+from align.train import dpo
+from align.train.dpo_config import DPOConfig
+from align.train.heldout import save_image_row
+from align.train.report import readable, write_training_report
 
 
 def _decode_data_uris(text):
@@ -106,10 +112,6 @@ def _images_by_alt(text):
 @pytest.fixture(scope="module")
 def tiny_dpo_run(tmp_path_factory):
     """A two-step Diffusion-DPO run on the bundled testbed with held-out evaluations before, during and after."""
-    from align.cli import parse_config
-    from align.train import dpo
-    from align.train.dpo_config import DPOConfig
-
     out = tmp_path_factory.mktemp("dpo-report") / "run"
     config = parse_config(DPOConfig, [
         "--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:3:2",
@@ -120,7 +122,6 @@ def tiny_dpo_run(tmp_path_factory):
 
 
 def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_config(tiny_dpo_run):
-    from align.metrics import mean_and_sem
 
     run = tiny_dpo_run
     text = (run / "report.html").read_text()
@@ -163,9 +164,6 @@ def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_co
 
 def test_trainer_report_of_a_ddpo_style_folder(tmp_path):
     """Epochs, a reward band, captioned samples with rewards; evaluations on other seeds are not paired."""
-    from align.train.heldout import save_image_row
-    from align.train.report import write_training_report
-
     records = [{"step": e, "reward_mean": 0.1 * e, "reward_std": 0.05, "approx_kl": 1e-4 * e} for e in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "config.yaml").write_text("model: testbed\napi_key: '***'\n")
@@ -192,7 +190,6 @@ def test_trainer_report_opens_in_headless_chromium(tiny_dpo_run, tmp_path):
 
 
 def test_small_images_are_enlarged_sharply_and_large_ones_shrunk():
-    from align.train.report import readable
 
     small = Image.new("RGB", (32, 32), (0, 0, 0))
     small.putpixel((0, 0), (255, 0, 0))

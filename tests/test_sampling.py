@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler, UNet2DConditionModel
 from scipy.stats import norm
 
+from align.pipeline import add_lora, merged_adapter
 from align.sampling.ddim import (
     check_scheduler_steps,
     ddim_deterministic_jump,
@@ -209,9 +212,6 @@ def test_a_coarse_deterministic_jump_is_diffusers_step_on_the_coarser_schedule()
 
 
 def test_sampling_with_the_lora_merged_matches_the_adapter_and_restores_the_weights(tiny_unet):
-    import copy
-
-    from align.pipeline import add_lora, merged_adapter
 
     unet = copy.deepcopy(tiny_unet)
     add_lora(unet, rank=4, target_modules=("to_q", "to_k", "to_v", "to_out.0"))

@@ -1,10 +1,14 @@
 """The shapes testbed world: caption grammar, caption sampler, renderer, near-miss scenes."""
 
+import json
 import random
+import time
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
+from align.testbed.pairs import PAIR_COLUMNS, judged_pairs, rendered_pairs, write_parquet
 from align.testbed.scene import (
     CORRUPTIONS,
     applicable_corruptions,
@@ -15,6 +19,9 @@ from align.testbed.scene import (
     sample_caption,
     sample_captions,
 )
+from rewards.images import decode_image
+from rewards.rules import FirstImageJudge
+from rewards.shapes import ShapesOracle
 from rewards.shapes_grammar import (
     BACKGROUND,
     CATEGORIES,
@@ -172,7 +179,6 @@ def test_layouts_fit_do_not_overlap_and_honour_relations(size):
 
 
 def test_render_500_captions_is_fast():
-    import time
 
     start = time.perf_counter()
     for seed, text in enumerate(sample_captions(500, seed=2)):
@@ -215,13 +221,7 @@ def test_render_mismatched_shows_its_corrupted_caption():
 
 
 def test_rendered_pairs_have_the_pick_a_pic_schema_and_balanced_winners(tmp_path):
-    import json
 
-    import pyarrow.parquet as pq
-
-    from align.testbed.pairs import PAIR_COLUMNS, rendered_pairs, write_parquet
-    from rewards.images import decode_image
-    from rewards.shapes import ShapesOracle
 
     table = rendered_pairs(60, seed=0)
     assert list(table.columns) == list(PAIR_COLUMNS) and len(table) == 60
@@ -250,13 +250,6 @@ def test_rendered_pairs_have_the_pick_a_pic_schema_and_balanced_winners(tmp_path
 
 
 def test_judged_pairs_label_generations_with_any_judge():
-    import json
-
-    from align.testbed.pairs import judged_pairs
-    from align.testbed.scene import corrupt_caption
-    from rewards.images import decode_image
-    from rewards.rules import FirstImageJudge
-    from rewards.shapes import ShapesOracle
 
     def generate(prompts, seeds):
         """A stand-in model: right for even seeds, a near miss for odd seeds."""

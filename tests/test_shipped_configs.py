@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from accelerate.commands.config.config_args import load_config_from_file
 from script_loader import load_script
 
 from align.cli import parse_config
@@ -52,7 +53,6 @@ def test_shipped_config_parses_and_validates(name, monkeypatch):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_accelerate_configs_load_and_use_only_supported_modes(path):
-    from accelerate.commands.config.config_args import load_config_from_file
 
     config = load_config_from_file(str(path))
     assert config.mixed_precision == "bf16"

@@ -9,8 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from diffusers import DDIMScheduler, StableDiffusionPipeline
 from script_loader import load_experiment, load_script
+from transformers import CLIPModel, CLIPProcessor, CLIPTokenizer
 
+import rewards
+from align.eval.evaluate import EvalConfig
+from align.eval.generation import sampling_settings
+from align.pipeline import generate_images, load_trained, testbed_settings
 from align.testbed import models, weights
 from align.testbed.scene import corrupt_caption, render, sample_captions
 from align.testbed.tokenizer import (
@@ -47,7 +53,6 @@ def test_tokenizer_rejects_non_letter_words():
 
 
 def test_grammar_captions_round_trip_as_whole_words(tmp_path):
-    from transformers import CLIPTokenizer
 
     tokenizer = save_tokenizer(tmp_path / "tok", grammar_words())
     assert {"vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"} <= {
@@ -86,7 +91,6 @@ def test_every_grammar_word_is_in_the_vocabulary():
 
 
 def test_pipeline_from_configs_saves_and_loads(tmp_path):
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(grammar_words())
@@ -133,12 +137,10 @@ def _bundled_pipeline_or_skip():
 
 
 def test_bundled_pipeline_loads_offline_and_generates_32px():
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
 
     folder = _bundled_pipeline_or_skip()
     size_mb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
     assert size_mb <= 25
-    from align.pipeline import testbed_settings
 
     settings = testbed_settings("testbed")
     assert settings["resolution"] == models.IMAGE_SIZE
@@ -171,7 +173,6 @@ def _held_out_pairs(n: int = 24):
 
 
 def test_bundled_shapes_clip_loads_with_transformers_and_prefers_the_right_scene():
-    from transformers import CLIPModel, CLIPProcessor
 
     folder = _bundled_clip_or_skip()
     model = CLIPModel.from_pretrained(folder, local_files_only=True).eval()
@@ -193,7 +194,6 @@ def test_bundled_shapes_clip_loads_with_transformers_and_prefers_the_right_scene
 def test_bundled_shapes_clip_loads_through_rewards():
     folder = _bundled_clip_or_skip()
     pytest.importorskip("rewards.clip", reason="rewards/clip.py (shapes-clip adapter) not written yet")
-    import rewards
 
     judge = rewards.load("shapes-clip")
     captions, right, wrong = _held_out_pairs(8)
@@ -215,9 +215,6 @@ def test_headroom_script_scores_renders_perfectly_and_the_base_models_generation
 
 
 def test_headroom_scripts_stochastic_sampler_reduces_to_the_pipelines_sampler_without_noisy_steps(capsys):
-    from align.eval.evaluate import EvalConfig
-    from align.eval.generation import sampling_settings
-    from align.pipeline import generate_images, load_trained
 
     testbed_headroom = load_experiment("testbed_headroom")
     pipe = load_trained("testbed")
@@ -273,6 +270,5 @@ def test_build_script_is_deterministic_and_writes_a_loadable_pipeline(tmp_path):
         assert path.read_bytes() == (tmp_path / "b" / path.relative_to(tmp_path / "a")).read_bytes(), path
     settings = json.loads((tmp_path / "a" / "pipeline" / weights.TESTBED_SETTINGS_FILE).read_text())
     assert settings["build"]["caption_noise"] == 0.5
-    from diffusers import StableDiffusionPipeline
 
     StableDiffusionPipeline.from_pretrained(tmp_path / "a" / "pipeline", local_files_only=True)

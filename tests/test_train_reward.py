@@ -9,8 +9,21 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import (
+    BertTokenizerFast,
+    BlipConfig,
+    BlipForImageTextRetrieval,
+    BlipProcessor,
+    CLIPConfig,
+    CLIPModel,
+    CLIPProcessor,
+)
+from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
 
 import rewards
+from align.testbed.models import shapes_clip_image_processor
+from align.testbed.pairs import rendered_pairs, write_parquet
+from align.testbed.tokenizer import grammar_words, testbed_tokenizer
 from align.train.reward_model import RewardTrainConfig, build_model, calibrate, main, train
 from rewards.images import decode_image
 from rewards.reward_model_judge import TrainedRewardJudge
@@ -20,10 +33,6 @@ from rewards.trained import write_marker
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
     """A tiny random CLIPModel + processor saved like any CLIP checkpoint."""
-    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
-
-    from align.testbed.models import shapes_clip_image_processor
-    from align.testbed.tokenizer import testbed_tokenizer
 
     tokenizer = testbed_tokenizer()
     config = CLIPConfig(
@@ -43,7 +52,6 @@ def tiny_clip(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory):
-    from align.testbed.pairs import rendered_pairs, write_parquet
 
     path = tmp_path_factory.mktemp("pairs") / "pairs.parquet"
     table = rendered_pairs(20, seed=0)
@@ -158,10 +166,6 @@ def test_bad_config_fails_with_one_clear_message(argv, message, tmp_path, capsys
 @pytest.fixture(scope="module")
 def tiny_blip(tmp_path_factory):
     """A tiny random BLIP image-text retrieval model + processor (BERT WordPiece tokenizer)."""
-    from transformers import BertTokenizerFast, BlipConfig, BlipForImageTextRetrieval, BlipProcessor
-    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
-
-    from align.testbed.tokenizer import grammar_words
 
     folder = tmp_path_factory.mktemp("blip")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *grammar_words()]

@@ -4,6 +4,21 @@ AutoModelForImageTextToText, then run through the real chat-template + generate 
 
 import pytest
 import torch
+from transformers import (
+    CLIPVisionConfig,
+    Idefics2Config,
+    Idefics2ForConditionalGeneration,
+    Idefics2Processor,
+    InstructBlipConfig,
+    InstructBlipForConditionalGeneration,
+    InstructBlipProcessor,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
+from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.idefics2.image_processing_pil_idefics2 import Idefics2ImageProcessorPil
 
 import rewards
 from align.testing.tiny_vlms import record_generate, text_config, tiny_tokenizer
@@ -22,13 +37,6 @@ IDEFICS2_TEMPLATE = (
 
 
 def build_llava(folder, constant_answer=False):
-    from transformers import (
-        CLIPVisionConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     tok = tiny_tokenizer(["<image>"])
     config = LlavaConfig(
@@ -54,8 +62,6 @@ def build_llava(folder, constant_answer=False):
 
 
 def build_idefics2(folder):
-    from transformers import Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor
-    from transformers.models.idefics2.image_processing_pil_idefics2 import Idefics2ImageProcessorPil
 
     tok = tiny_tokenizer(["<image>", "<fake_token_around_image>", "<end_of_utterance>"])
     config = Idefics2Config(
@@ -77,8 +83,6 @@ def build_idefics2(folder):
 
 def build_instructblip(folder):
     """InstructBLIP: no chat template; the instruction also goes to the Q-Former."""
-    from transformers import InstructBlipConfig, InstructBlipForConditionalGeneration, InstructBlipProcessor
-    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
 
     tok, qformer_tok = tiny_tokenizer(["<image>"]), tiny_tokenizer([])
     config = InstructBlipConfig(

@@ -10,6 +10,8 @@ import json
 import struct
 from pathlib import Path
 
+from wandb.proto import wandb_internal_pb2 as pb
+
 BLOCK = 32768
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
@@ -39,7 +41,6 @@ def _records(data: bytes):
 
 
 def history_rows(run_file: str | Path) -> list[dict]:
-    from wandb.proto import wandb_internal_pb2 as pb
 
     rows = []
     for raw in _records(Path(run_file).read_bytes()):

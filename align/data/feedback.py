@@ -2,7 +2,7 @@
 
 Output: one parquet file in the Pick-a-Pic schema (``caption, jpg_0, jpg_1, label_0, label_1``, PNG
 bytes) plus ``seed_0, seed_1, prompt_index, judge, judge_raw, abstained``, readable by
-``align.data.pairs.load_pairs``.
+``align.data.pair_stream.load_pairs``.
 
 Which images are paired:
 - pointwise judges (``Judge.pointwise``): all K images are scored; the best and the worst
@@ -30,8 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
@@ -43,21 +41,27 @@ from rewards.base import Judge, Preference, preference_from_scores
 from rewards.images import encode_png, to_pil
 from rewards.secrets import scrub_text
 
-FEEDBACK_SCHEMA = pa.schema(
-    [
-        ("caption", pa.string()),
-        ("jpg_0", pa.binary()),
-        ("jpg_1", pa.binary()),
-        ("label_0", pa.float64()),
-        ("label_1", pa.float64()),
-        ("seed_0", pa.int64()),
-        ("seed_1", pa.int64()),
-        ("prompt_index", pa.int64()),
-        ("judge", pa.string()),
-        ("judge_raw", pa.string()),
-        ("abstained", pa.bool_()),
-    ]
-)
+
+def feedback_schema():
+    """The feedback parquet's columns: the Pick-a-Pic schema plus the seeds, the judge and its raw answer."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("caption", pa.string()),
+            ("jpg_0", pa.binary()),
+            ("jpg_1", pa.binary()),
+            ("label_0", pa.float64()),
+            ("label_1", pa.float64()),
+            ("seed_0", pa.int64()),
+            ("seed_1", pa.int64()),
+            ("prompt_index", pa.int64()),
+            ("judge", pa.string()),
+            ("judge_raw", pa.string()),
+            ("abstained", pa.bool_()),
+        ]
+    )
+
 
 GenerateImages = Callable[[list[str], list[int]], list[Image.Image]]
 
@@ -257,6 +261,9 @@ def _labelled_prompts(out_path: Path, prompts, seed: int, images_per_prompt: int
     """Prompt indices already in ``out_path``; refuses a file written for other prompts or seeds."""
     if not out_path.exists():
         return set()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(out_path, columns=["prompt_index", "caption", "seed_0"])
     except (pa.ArrowException, OSError, KeyError) as err:
@@ -286,7 +293,7 @@ def _write_part(out_path: Path, rows: list[dict]) -> None:
     folder = parts_dir(out_path)
     folder.mkdir(parents=True, exist_ok=True)
     number = 1 + max((int(p.stem.split("-")[1]) for p in folder.glob("part-*.parquet")), default=-1)
-    write_pairs_parquet(rows, folder / f"part-{number:06d}.parquet", schema=FEEDBACK_SCHEMA)
+    write_pairs_parquet(rows, folder / f"part-{number:06d}.parquet", schema=feedback_schema())
 
 
 def _merge_parts(out_path: Path) -> None:
@@ -298,12 +305,16 @@ def _merge_parts(out_path: Path) -> None:
         if folder.is_dir():
             shutil.rmtree(folder)
         return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     sources = ([out_path] if out_path.exists() else []) + parts
     seen: set[int] = set()
+    schema = feedback_schema()
     with atomic_path(out_path) as tmp:
-        with pq.ParquetWriter(tmp, FEEDBACK_SCHEMA) as writer:
+        with pq.ParquetWriter(tmp, schema) as writer:
             for source in sources:
-                table = pq.read_table(source).select(FEEDBACK_SCHEMA.names).cast(FEEDBACK_SCHEMA)
+                table = pq.read_table(source).select(schema.names).cast(schema)
                 indices = table.column("prompt_index").to_pylist()
                 keep = [i not in seen for i in indices]
                 writer.write_table(table.filter(pa.array(keep)))
@@ -360,7 +371,7 @@ def make_pipeline_generator(
 
 
 __all__ = [
-    "FEEDBACK_SCHEMA",
+    "feedback_schema",
     "FeedbackStats",
     "derive_seed",
     "generate_feedback",

@@ -1,5 +1,6 @@
-"""Preference pairs at scale: a memory-mapped table, an index of its training pairs, and the
-torch Dataset that DataLoader workers read pixels through.
+"""The one reader of Pick-a-Pic-schema preference sources: a memory-mapped table, an index of its training
+pairs (``open_pairs``), the torch Dataset that DataLoader workers read pixels through, and the same pairs
+decoded into memory for small sets (``load_pairs``).
 
 Nothing here holds a dataset in Python lists. The pairs stay in Arrow files that ``datasets``
 memory-maps (a local parquet file or folder is converted once into its cache, as ``load_dataset``
@@ -26,18 +27,19 @@ import numpy as np
 import torch
 
 from align.data.pairs import (
+    MAX_UNREADABLE_EXAMPLES,
     PAIR_COLUMNS,
     TIE_POLICIES,
     DataError,
     PairStats,
-    _dataset_from_folder,
-    _image_bytes,
-    _load_hf_dataset,
-    _looks_like_path,
+    PreferencePair,
+    dataset_from_folder,
+    image_bytes,
+    load_hf_dataset,
+    looks_like_path,
     pair_pixels,
 )
-from align.data.pairs import PreferencePair as _Pair
-from rewards.images import UnreadableImageError
+from rewards.images import UnreadableImageError, decode_image
 
 
 @dataclass
@@ -64,27 +66,27 @@ class PairTable:
         value = self.dataset.data.column("caption")[int(self.rows[k])].as_py()  # that cell only
         return value if isinstance(value, str) else ""
 
-    def pair(self, k: int) -> _Pair:
+    def pair(self, k: int) -> PreferencePair:
         """Pair k, winner first, with its encoded image bytes (read from the memory-mapped table)."""
 
         row = int(self.rows[k])
         record = self.dataset[row]
         where = f"{self.source}: row {row}"
         try:
-            jpg_0 = _image_bytes(record["jpg_0"], f"{where} jpg_0")
-            jpg_1 = _image_bytes(record["jpg_1"], f"{where} jpg_1")
+            jpg_0 = image_bytes(record["jpg_0"], f"{where} jpg_0")
+            jpg_1 = image_bytes(record["jpg_1"], f"{where} jpg_1")
         except UnreadableImageError as err:
             raise DataError(f"{err}; fix or remove that row (valid: PNG/JPEG bytes)") from None
         caption = record["caption"] if isinstance(record["caption"], str) else ""
         chosen, rejected = (jpg_1, jpg_0) if self.swap[k] else (jpg_0, jpg_1)
-        return _Pair(caption, chosen=chosen, rejected=rejected, source_index=row)
+        return PreferencePair(caption, chosen=chosen, rejected=rejected, source_index=row)
 
     def pixels(self, k: int, resolution: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Winner and loser pixels of pair k: resized, centre-cropped, flipped if asked, in [-1, 1].
         An image that does not decode stops with one line naming the row."""
         return self.pair_pixels(self.pair(k), resolution, flip)
 
-    def pair_pixels(self, pair: _Pair, resolution: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair_pixels(self, pair: PreferencePair, resolution: int, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             return pair_pixels(pair, resolution, flip)
         except UnreadableImageError as err:
@@ -126,6 +128,40 @@ def open_pairs(
     return PairTable(str(source), dataset, rows, swap, stats, hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
+def load_pairs(
+    source: str,
+    split: str = "train",
+    tie_policy: str = "drop",
+    max_pairs: int | None = None,
+    validate_images: bool = True,
+    cache_dir: str | None = None,
+) -> tuple[list[PreferencePair], PairStats]:
+    """The pairs of ``open_pairs`` held in memory, winner first (reward-model training, small sets).
+
+    validate_images: decode every image once now; a pair with an unreadable image is skipped and counted
+    instead of failing later mid-training.
+    """
+    table = open_pairs(source, split=split, tie_policy=tie_policy, max_pairs=max_pairs, cache_dir=cache_dir)
+    stats, pairs = table.stats, []
+    for k in range(len(table)):
+        try:
+            pair = table.pair(k)
+            if validate_images:
+                chosen, rejected = ("jpg_1", "jpg_0") if table.swap[k] else ("jpg_0", "jpg_1")
+                for data, column in sorted([(pair.chosen, chosen), (pair.rejected, rejected)], key=lambda item: item[1]):
+                    decode_image(data, f"row {pair.source_index} {column}")
+        except (DataError, UnreadableImageError) as err:
+            stats.unreadable += 1
+            stats.kept -= 1
+            if len(stats.unreadable_examples) < MAX_UNREADABLE_EXAMPLES:
+                stats.unreadable_examples.append((int(table.rows[k]), str(err)))
+            continue
+        pairs.append(pair)
+    if not pairs:
+        raise DataError(f"no usable preference pairs in {source!r}: {stats.summary()}")
+    return pairs, stats
+
+
 def _open_table(source: str, split: str, cache_dir: str | None):
     import datasets
 
@@ -139,13 +175,13 @@ def _open_table(source: str, split: str, cache_dir: str | None):
         except Exception as err:  # the library raises many types
             raise DataError(f"cannot read {source!r} as a parquet dataset: {type(err).__name__}: {err}") from err
     if path.is_dir():
-        return _dataset_from_folder(path, split, cache_dir)
-    if _looks_like_path(source) or source.lower().endswith(".parquet"):
+        return dataset_from_folder(path, split, cache_dir)
+    if looks_like_path(source) or source.lower().endswith(".parquet"):
         raise DataError(
             f"preference source {source!r} not found; give a .parquet file, a folder of parquet files, "
             "a datasets save_to_disk folder, or a Hugging Face dataset id"
         )
-    return _load_hf_dataset(source, split, "preference dataset", cache_dir)
+    return load_hf_dataset(source, split, "preference dataset", cache_dir)
 
 
 def _check_parquet(path: Path) -> None:
@@ -283,4 +319,4 @@ def _collate(items: list[dict]) -> dict:
     return batch
 
 
-__all__ = ["PairPixels", "PairTable", "PlannedBatches", "micro_batch_loader", "open_pairs"]
+__all__ = ["PairPixels", "PairTable", "PlannedBatches", "load_pairs", "micro_batch_loader", "open_pairs"]

@@ -7,8 +7,9 @@ As in the official Diffusion-DPO code, ties are dropped by default and each pair
 first. Unreadable images are found up front (each image is decoded once), counted and reported, so
 a long run never dies on a bad image halfway through.
 
-``load_pairs`` holds the pairs in memory (reward-model training, small sets). The DPO trainer reads
-pairs through ``align.data.pair_stream`` instead: memory-mapped, decoded by DataLoader workers.
+This module holds the pair records, their pixels and the readers' shared pieces; the one reader of a
+Pick-a-Pic source is ``align.data.pair_stream`` (``open_pairs``: memory-mapped, decoded by DataLoader workers;
+``load_pairs``: the same pairs decoded into memory, for reward-model training and small sets).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,20 +62,20 @@ def load_prompts(source: str, column: str = "caption") -> list[str]:
                 f"valid: {', '.join(PROMPT_FILE_SUFFIXES)} or a Hugging Face dataset id"
             )
     elif path.is_dir():
-        dataset = _dataset_from_folder(path, "train")
+        dataset = dataset_from_folder(path, "train")
         if column not in dataset.column_names:
             raise DataError(
                 f"prompt dataset folder {source!r} has no column {column!r}; its columns: {', '.join(dataset.column_names)}"
             )
         prompts = _clean_prompts(dataset[column], source)
-    elif _looks_like_path(str(source)):
+    elif looks_like_path(str(source)):
         raise DataError(
             f"prompt file {source!r} not found; give an existing {'/'.join(PROMPT_FILE_SUFFIXES)} file "
             "or a Hugging Face dataset id ('id' or 'id:split')"
         )
     else:
         dataset_id, _, split = str(source).partition(":")
-        dataset = _load_hf_dataset(dataset_id, split or "train", what="prompt set")
+        dataset = load_hf_dataset(dataset_id, split or "train", what="prompt set")
         if column not in dataset.column_names:
             raise DataError(
                 f"prompt dataset {source!r} has no column {column!r}; its columns: {', '.join(dataset.column_names)}"
@@ -136,7 +136,7 @@ def _read_table_column(path: Path, column: str) -> list:
     return values
 
 
-def _looks_like_path(source: str) -> bool:
+def looks_like_path(source: str) -> bool:
     """True when ``source`` is meant as a local path rather than a Hub dataset id ("owner/name")."""
     return (
         source.startswith((".", "/", "~"))
@@ -146,7 +146,7 @@ def _looks_like_path(source: str) -> bool:
     )
 
 
-def _load_hf_dataset(
+def load_hf_dataset(
     dataset_id: str, split: str, what: str, cache_dir: str | None = None, streaming: bool = False
 ):
     import datasets
@@ -198,82 +198,7 @@ class PairStats:
         return text
 
 
-def load_pairs(
-    source: str,
-    split: str = "train",
-    tie_policy: str = "drop",
-    max_pairs: int | None = None,
-    validate_images: bool = True,
-    cache_dir: str | None = None,
-    streaming: bool = False,
-) -> tuple[list[PreferencePair], PairStats]:
-    """Preference pairs, winner first, from a Pick-a-Pic-schema source.
-
-    source: a .parquet file, a folder (parquet files in the Hub layout, or a ``save_to_disk`` folder)
-        or a Hugging Face dataset id (e.g. ``yuvalkirstain/pickapic_v2``).
-    tie_policy: "drop" (official Diffusion-DPO) or "keep_first" (ties kept as wins of image 0, as
-        the diffusers LoRA script does).
-    max_pairs: stop reading once this many pairs are kept.
-    validate_images: decode every image once now; pairs with an unreadable image are skipped and
-        counted instead of failing later mid-training.
-    streaming: for Hub ids, read rows lazily (useful with ``max_pairs`` on Pick-a-Pic's 300+ GB).
-    """
-    if tie_policy not in TIE_POLICIES:
-        raise DataError(f"tie_policy {tie_policy!r} is not valid; choose one of {', '.join(TIE_POLICIES)}")
-    if max_pairs is not None and max_pairs < 1:
-        raise DataError(f"max_pairs must be a positive number of pairs (or None for all), got {max_pairs}")
-    stats = PairStats(source=str(source))
-    pairs: list[PreferencePair] = []
-    for index, row in enumerate(_iter_rows(str(source), split, cache_dir, streaming)):
-        stats.total += 1
-        pair = _row_to_pair(row, index, tie_policy, validate_images, stats)
-        if pair is not None:
-            pairs.append(pair)
-            stats.kept += 1
-            if max_pairs is not None and len(pairs) >= max_pairs:
-                break
-    if not pairs:
-        raise DataError(f"no usable preference pairs in {source!r}: {stats.summary()}")
-    return pairs, stats
-
-
-def _row_to_pair(
-    row: dict, index: int, tie_policy: str, validate: bool, stats: PairStats
-) -> PreferencePair | None:
-    label_0, label_1 = _as_float(row["label_0"]), _as_float(row["label_1"])
-    if row.get("abstained") or math.isnan(label_0) or math.isnan(label_1):
-        stats.unlabelled += 1
-        return None
-    if label_0 == label_1:
-        if tie_policy == "drop":
-            stats.ties_dropped += 1
-            return None
-        stats.ties_kept += 1
-    try:
-        jpg_0 = _image_bytes(row["jpg_0"], f"row {index} jpg_0")
-        jpg_1 = _image_bytes(row["jpg_1"], f"row {index} jpg_1")
-        if validate:
-            decode_image(jpg_0, f"row {index} jpg_0")
-            decode_image(jpg_1, f"row {index} jpg_1")
-    except UnreadableImageError as err:
-        stats.unreadable += 1
-        if len(stats.unreadable_examples) < MAX_UNREADABLE_EXAMPLES:
-            stats.unreadable_examples.append((index, str(err)))
-        return None
-    caption = row["caption"] if isinstance(row["caption"], str) else ""
-    if label_1 > label_0:  # winner first
-        return PreferencePair(caption, chosen=jpg_1, rejected=jpg_0, source_index=index)
-    return PreferencePair(caption, chosen=jpg_0, rejected=jpg_1, source_index=index)
-
-
-def _as_float(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _image_bytes(value, where: str) -> bytes:
+def image_bytes(value, where: str) -> bytes:
     """Encoded bytes from raw bytes, a datasets Image dict {"bytes", "path"} or a PIL image."""
     if isinstance(value, dict):
         data = value.get("bytes")
@@ -292,55 +217,12 @@ def _image_bytes(value, where: str) -> bytes:
     )
 
 
-def _iter_rows(source: str, split: str, cache_dir: str | None, streaming: bool) -> Iterator[dict]:
-    path = Path(source).expanduser()
-    if path.is_file():
-        if path.suffix.lower() != ".parquet":
-            raise DataError(f"preference file {source!r} must be a .parquet file (Pick-a-Pic schema)")
-        yield from _iter_parquet(path)
-    elif path.is_dir():
-        yield from _iter_dataset(_dataset_from_folder(path, split, cache_dir), source)
-    elif _looks_like_path(source) or source.lower().endswith(".parquet"):
-        raise DataError(
-            f"preference source {source!r} not found; give a .parquet file, a folder of parquet files, "
-            "a datasets save_to_disk folder, or a Hugging Face dataset id"
-        )
-    else:
-        yield from _iter_dataset(
-            _load_hf_dataset(source, split, "preference dataset", cache_dir, streaming), source
-        )
-
-
-def _missing_columns_error(source: str, names) -> DataError:
-    return DataError(
-        f"preference source {source!r} lacks the Pick-a-Pic columns "
-        f"{', '.join(c for c in PAIR_COLUMNS if c not in names)}; needed: {', '.join(PAIR_COLUMNS)} "
-        f"(found: {', '.join(names)})"
-    )
-
-
-def _iter_parquet(path: Path, batch_rows: int = 64) -> Iterator[dict]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as err:
-        raise DataError(f"cannot read {path} as parquet: {err}") from err
-    names = parquet.schema_arrow.names
-    if any(c not in names for c in PAIR_COLUMNS):
-        raise _missing_columns_error(str(path), names)
-    columns = list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else [])
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
-        yield from batch.to_pylist()
-
-
-def _dataset_from_folder(path: Path, split: str, cache_dir: str | None = None):
+def dataset_from_folder(path: Path, split: str, cache_dir: str | None = None):
     """A ``save_to_disk`` folder, or a folder of parquet files (Hub layout) read by load_dataset."""
     if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
         return _load_from_disk(path, split)
     if any(path.rglob("*.parquet")):
-        return _load_hf_dataset(str(path), split, "dataset folder", cache_dir)
+        return load_hf_dataset(str(path), split, "dataset folder", cache_dir)
     raise DataError(f"folder {str(path)!r} holds no .parquet files and is not a datasets save_to_disk folder")
 
 
@@ -353,23 +235,6 @@ def _load_from_disk(path: Path, split: str):
             raise DataError(f"dataset folder {path} has no split {split!r}; its splits: {', '.join(loaded)}")
         return loaded[split]
     return loaded
-
-
-def _iter_dataset(dataset, source: str, batch_rows: int = 64) -> Iterator[dict]:
-    import datasets
-
-    names = dataset.column_names or list((dataset.features or {}).keys())
-    if any(c not in names for c in PAIR_COLUMNS):
-        raise _missing_columns_error(source, names)
-    dataset = dataset.select_columns(list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else []))
-    for column in ("jpg_0", "jpg_1"):
-        if dataset.features is not None and isinstance(dataset.features[column], datasets.Image):
-            # keep the encoded bytes: decoding happens once, in validation or the transform
-            dataset = dataset.cast_column(column, datasets.Image(decode=False))
-    for batch in dataset.iter(batch_size=batch_rows):
-        keys = list(batch)
-        for values in zip(*(batch[k] for k in keys)):
-            yield dict(zip(keys, values))
 
 
 # --------------------------------------------------------------------------------- pairs: pixels
@@ -472,7 +337,6 @@ __all__ = [
     "PairStats",
     "PairTransform",
     "PreferencePair",
-    "load_pairs",
     "load_prompts",
     "pair_pixels",
     "write_pairs_parquet",

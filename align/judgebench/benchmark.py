@@ -349,7 +349,7 @@ def guard_benchmark_cost(judge_specs: list[str], pairs, bias, base_dir, config: 
             continue  # a local judge: free, and not loaded twice
         try:
             judge = load_benchmark_judge(spec, config)
-        except Exception:  # noqa: BLE001 - the benchmark loop reports it and skips the judge
+        except Exception:
             continue
         if not is_paid(judge):
             judge.close()

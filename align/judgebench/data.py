@@ -182,7 +182,7 @@ def _read_local(path: Path) -> list[dict]:
 
 
 def _read_hub(repo_id: str, revision: str, subsets: tuple[str, ...], limit: int | None) -> list[BenchSample]:
-    from datasets import load_dataset
+    from datasets import load_dataset  # noqa: PLC0415 - the hub path only: --help and local files stay without datasets
 
     samples = []
     for subset in subsets:

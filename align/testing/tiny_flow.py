@@ -18,6 +18,23 @@ import string
 from pathlib import Path
 
 import torch
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
 from align.testbed.flow_models import FLOW_SETTINGS_FILE
 from align.testing.tiny_sd import build_tiny_vae, write_char_tokenizer
@@ -30,7 +47,6 @@ VAE_SHIFT, VAE_SCALE = 0.0609, 1.5035  # diffusers' own SD3/FLUX test VAE values
 
 
 def _clip_tokenizer(folder: Path):
-    from transformers import CLIPTokenizer
 
     write_char_tokenizer(folder)
     tokenizer = CLIPTokenizer.from_pretrained(folder)
@@ -40,8 +56,6 @@ def _clip_tokenizer(folder: Path):
 
 def _t5_tokenizer():
     """A T5 tokenizer (Unigram over single characters, ``</s>`` appended, ``<pad>`` = 0), built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
 
     chars = list(string.ascii_lowercase + string.digits + ".,'-")
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
@@ -55,14 +69,12 @@ def _t5_tokenizer():
 
 
 def _t5_encoder(vocab_size: int):
-    from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(T5Config(vocab_size=vocab_size, d_model=JOINT_DIM, d_kv=8, d_ff=64, num_layers=1,
                                    num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0))
 
 
 def _clip_config(tokenizer, hidden: int = CLIP_HIDDEN):
-    from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
@@ -94,8 +106,6 @@ def build_tiny_sd3(folder: str | Path, t5: bool = False, seed: int = 0, settings
     ``T5_MAX_SEQUENCE_LENGTH`` beside it (without it the SD3 default, 256, applies). ``shift`` is
     the scheduler's static shift (SD3/SD3.5 use 3.0).
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextModelWithProjection
 
     folder = Path(folder)
     torch.manual_seed(seed)
@@ -127,8 +137,6 @@ def build_tiny_flux(folder: str | Path, guidance_embeds: bool = True, seed: int 
     ``settings_file`` writes ``flow_testbed.json`` with ``max_sequence_length`` = ``T5_MAX_SEQUENCE_LENGTH``
     (without it FLUX's default, 512, applies). The scheduler shifts dynamically with the resolution, as FLUX's.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel
 
     folder = Path(folder)
     torch.manual_seed(seed)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from transformers import BertTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
 from align.testbed.tokenizer import build_tokenizer
 
@@ -25,7 +26,6 @@ def clip_tokenizer():
 
 
 def tiny_clip_config(tokenizer, image_size: int = 32, patch_size: int = 8, hidden_act: str = "quick_gelu"):
-    from transformers import CLIPConfig
 
     text = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -41,7 +41,6 @@ def tiny_clip_config(tokenizer, image_size: int = 32, patch_size: int = 8, hidde
 
 
 def tiny_clip_model(tokenizer, seed: int = 0, **config_kwargs):
-    from transformers import CLIPModel
 
     torch.manual_seed(seed)
     model = CLIPModel(tiny_clip_config(tokenizer, **config_kwargs)).eval()
@@ -53,7 +52,6 @@ def tiny_clip_model(tokenizer, seed: int = 0, **config_kwargs):
 
 def clip_processor(tokenizer, image_size: int = 32):
     """CLIP's preprocessing (shortest side -> size, bicubic, centre crop, CLIP mean/std) at ``image_size``."""
-    from transformers import CLIPImageProcessor, CLIPProcessor
 
     images = CLIPImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
@@ -72,7 +70,6 @@ def save_tiny_clip(folder: Path, seed: int = 0, image_size: int = 32, **config_k
 
 def bert_tokenizer(folder: Path):
     """A lowercasing BertTokenizer (vocab.txt) like bert-base-uncased, over the test words."""
-    from transformers import BertTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "."]

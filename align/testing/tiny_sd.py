@@ -11,6 +11,8 @@ import string
 from pathlib import Path
 
 import torch
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 
 def write_char_tokenizer(folder: Path) -> None:
@@ -31,7 +33,6 @@ def write_char_tokenizer(folder: Path) -> None:
 
 def build_tiny_unet(sample_size: int = 8):
     """The tiny pipeline's random UNet (SD v1.5's block types, UpBlock2D after the mid block)."""
-    from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(
         sample_size=sample_size,
@@ -51,7 +52,6 @@ def build_tiny_unet(sample_size: int = 8):
 def build_tiny_vae(sample_size: int, **config):
     """A two-block AutoencoderKL (8x downsampling would be too much for 16-32 px: this one halves once);
     ``config`` overrides or adds config entries (latent channels, scaling and shift factors, ...)."""
-    from diffusers import AutoencoderKL
 
     return AutoencoderKL(**{
         "in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
@@ -62,8 +62,6 @@ def build_tiny_vae(sample_size: int, **config):
 
 def build_tiny_pipeline(folder: str | Path, seed: int = 0, sample_size: int = 8):
     """Save a tiny random SD pipeline (16 px images, 4x8x8 latents) to ``folder`` and return the path."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     folder = Path(folder)
     torch.manual_seed(seed)

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 
 import torch
+from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from align.testing.tiny_sd import build_tiny_vae, write_char_tokenizer
 
@@ -27,7 +29,6 @@ IMAGE_SIDE = 32  # default resolution: the UNet's sample_size (16) x the VAE's s
 
 
 def _text_config(width: int, pad_token_id: int, projection_dim: int | None = None):
-    from transformers import CLIPTextConfig
 
     extra = {"projection_dim": projection_dim} if projection_dim else {}
     return CLIPTextConfig(
@@ -46,7 +47,6 @@ def _write_second_tokenizer(folder: Path) -> None:
 
 
 def build_tiny_sdxl_unet():
-    from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(
         sample_size=IMAGE_SIDE // 2,
@@ -69,8 +69,6 @@ def build_tiny_sdxl_unet():
 
 def build_tiny_sdxl_pipeline(folder: str | Path, seed: int = 0, force_zeros_for_empty_prompt: bool = True):
     """Save a tiny random SDXL pipeline (32 px images, 4x16x16 latents) under ``folder``; return its path."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     folder = Path(folder)
     torch.manual_seed(seed)

@@ -15,7 +15,19 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    CLIPVisionConfig,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 # Index 0 is what a model with an all-zero final norm emits greedily (all logits equal -> argmax 0).
 WORDS = ["7", "<unk>", "<s>", "</s>", "<pad>", "USER", "ASSISTANT", ":", "Rating", "Good", "User", "Assistant", "user",
@@ -72,8 +84,6 @@ QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end
 
 def build_qwen25_vl(folder, constant_answer: bool = False) -> None:
     """Qwen2.5-VL: 14 px patches merged 2x2; every image is resized to 56x56 -> 16 patches, 4 tokens."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = tiny_tokenizer(QWEN_SPECIALS)
     ids = tok.convert_tokens_to_ids
@@ -96,8 +106,6 @@ def build_qwen25_vl(folder, constant_answer: bool = False) -> None:
 
 def build_llava_next(folder, constant_answer: bool = False) -> None:
     """LLaVA-NeXT (anyres): a 28 px base view plus the tiles of the best grid pinpoint, 2x2 patches each."""
-    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
-    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     tok = tiny_tokenizer(["<image>", "<|im_start|>", "<|im_end|>"])
     pinpoints = [[28, 28], [28, 56], [56, 28]]
@@ -123,8 +131,6 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "c
 
 def build_internvl(folder, constant_answer: bool = False) -> None:
     """InternVL (transformers-native, ``-hf`` layout): 28 px tiles of 2x2 patches, pixel-shuffled to 1 token."""
-    from transformers import InternVLConfig, InternVLForConditionalGeneration
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     tok = tiny_tokenizer(["<|im_start|>", "<|im_end|>"], named=INTERNVL_TOKENS)
     config = InternVLConfig(

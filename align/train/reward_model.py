@@ -28,7 +28,8 @@ import torch
 
 import rewards
 from align.cli import ConfigError, option
-from align.data.pairs import PAIR_COLUMNS, DataError, load_pairs
+from align.data.pair_stream import load_pairs
+from align.data.pairs import PAIR_COLUMNS, DataError
 from align.eval.report import Section, img_tag, table_html
 from align.run_folder import (
     RunFolder,
