@@ -172,7 +172,7 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
     Diffusion-DPO trains on the judge's feedback file; DDPO (online) asks the judge itself.
     """
 
-    module = importlib.import_module(f"align.{config.trainer}")
+    module = importlib.import_module(f"align.train.{config.trainer}")
     config_class = getattr(module, TRAINERS[config.trainer])
     values = yaml.safe_load(Path(config.trainer_config).read_text()) if config.trainer_config else {}
     values.pop("env", None)  # a trainer YAML's environment (OMP_NUM_THREADS): this script sets its own threads
