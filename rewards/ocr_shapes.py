@@ -38,7 +38,7 @@ def read_scenes(images) -> list[Lines]:
     return [[(text, 1.0)] if (text := transcribe(pixels)) else [] for pixels in _as_arrays(images)]
 
 
-def testbed_target(prompt: str) -> str:
+def caption_target(prompt: str) -> str:
     """The quoted text when there is one, else the testbed caption's canonical text."""
     if '"' in prompt:
         return quoted_text(prompt)
@@ -50,4 +50,4 @@ def testbed_target(prompt: str) -> str:
 
 def shapes_ocr(tie_margin: float = 0.0) -> OcrJudge:
     """Flow-GRPO's OCR reward with the testbed's transcribing stand-in engine."""
-    return OcrJudge(name="shapes-ocr", read=read_scenes, target=testbed_target, tie_margin=tie_margin)
+    return OcrJudge(name="shapes-ocr", read=read_scenes, target=caption_target, tie_margin=tie_margin)
