@@ -279,8 +279,10 @@ class GenEvalJudge(Judge):
     def score(self, prompts: list[str], images: Images) -> torch.Tensor:
         return self.score_with_details(prompts, images)[0]
 
-    def breakdown(self, prompts: list[str], scores: Sequence[float]) -> dict:
-        """GenEval's per-task table of one model's images (scores from ``rule=geneval``: 1 correct, 0 not)."""
+    def breakdown(self, prompts: list[str], scores: Sequence[float]) -> dict | None:
+        """GenEval's per-task table of one model's images (for the 0/1 rules; the partial reward has none)."""
+        if self.rule == "flow-grpo":
+            return None
         tags = [self.lookup(p)["tag"] for p in prompts]
         keep = [i for i, s in enumerate(scores) if not np.isnan(s)]
         return task_table([tags[i] for i in keep], [scores[i] >= 0.5 for i in keep])
