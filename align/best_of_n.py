@@ -40,7 +40,7 @@ from align.generation import (
     resolve_device,
     sampling_settings,
 )
-from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
+from align.judges import check_judge_names, check_judge_prompts, compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
 from align.pipeline import ModelLoadError, check_model
 from align.progress import progress_bar
@@ -246,6 +246,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
     out = Path(config.output_dir)
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
+    for spec, judge in [(config.reward, selector), *others.items()]:
+        check_judge_prompts(judge, prompts, spec)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(best_of_n_api_plan(selector, others, len(prompts), config.n, len(curve_sizes(config.n)),
                                       config.search == "zero-order"), config.max_api_cost)

@@ -44,7 +44,7 @@ from align.generation import (
 )
 from align.health import degenerate_reason
 from align.judge_tasks import format_task_table, task_breakdown, task_rows
-from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
+from align.judges import check_judge_names, check_judge_prompts, compare_shuffled, load_judge, split_list
 from align.metrics import CI_METHODS, FeatureNetwork
 from align.pipeline import ModelLoadError, resolve_model, run_base_model
 from align.prompt_sets import PromptSetError, load_prompt_set
@@ -308,6 +308,8 @@ def evaluate(config: EvalConfig) -> dict:
     models, prompt_set = check_inputs(config)
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
+    for spec, judge in loaded.items():
+        check_judge_prompts(judge, prompt_set.prompts, spec)
     seeds = parse_seeds(config.seeds)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)

@@ -257,6 +257,11 @@ class GenEvalJudge(Judge):
                 "or pass geneval[metadata=<jsonl with prompt, tag, include>]"
             ) from None
 
+    def check_prompts(self, prompts: list[str]) -> None:
+        """Raise ValueError for a prompt without GenEval metadata (commands call this before generating)."""
+        for prompt in dict.fromkeys(prompts):
+            self.lookup(prompt)
+
     def score_with_details(self, prompts: list[str], images: Images) -> tuple[torch.Tensor, list[dict]]:
         metas = [self.lookup(p) for p in prompts]  # every prompt known before any model runs
         scores, details = [], []

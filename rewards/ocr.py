@@ -43,6 +43,11 @@ class OcrJudge(Judge):
     read: Callable[[list[Image.Image]], list[Lines]] | None = None
     target: Callable[[str], str] = quoted_text
 
+    def check_prompts(self, prompts: list[str]) -> None:
+        """Raise ValueError for a prompt with no text to read (commands call this before generating)."""
+        for prompt in dict.fromkeys(prompts):
+            self.target(prompt)
+
     def score_with_details(self, prompts: list[str], images: Images) -> tuple[torch.Tensor, list[dict]]:
         targets = [self.target(p) for p in prompts]  # a prompt with nothing to read fails before the engine runs
         lines = self.read(to_pil(images))

@@ -64,3 +64,19 @@ def test_judge_benchmark_ranks_the_stand_ins(tmp_path):
     assert set(rows) == {"geneval-shapes", "shapes-ocr", "random"}
     for name in ("geneval-shapes", "shapes-ocr"):
         assert 0.0 <= float(rows[name]["alignment_acc_with_ties"]) <= 1.0
+
+
+@pytest.mark.parametrize("command", ["evaluate", "best_of_n", "ddpo"])
+def test_prompts_a_judge_cannot_read_stop_before_generation(tmp_path, capsys, command):
+    out = tmp_path / "out"
+    argv = {
+        "evaluate": (ev.main, ["--models", "testbed", "--judges", "geneval-shapes", "--prompts", "animals"]),
+        "best_of_n": (bon.main, ["--model", "testbed", "--reward", "shapes-ocr", "--prompts", "animals"]),
+        "ddpo": (ddpo.main, ["--model", "testbed", "--reward", "geneval-shapes", "--prompts", "animals"]),
+    }[command]
+    with pytest.raises(SystemExit) as exit_:
+        argv[0]([*argv[1], "--output_dir", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot judge these prompts" in err and "Traceback" not in err
+    assert not out.exists()
