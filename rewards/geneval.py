@@ -63,6 +63,14 @@ COLOUR_TEMPLATES = ("a photo of a {c} {classname}", "a photo of a {c}-colored {c
 CROP_BACKGROUND = "#999"
 
 
+def _missing(source: str, err, option: str):
+    """The weights error, naming this judge's option for the model that is missing."""
+    from rewards.weights import MissingWeightsError, offline_hint
+
+    return MissingWeightsError(f"judge 'geneval': cannot load weights from {source!r}: {err}{offline_hint()}. "
+                               f"Pass {option}=<hub id or local folder> to use other weights.")
+
+
 # ---------------------------------------------------------------- metadata
 
 
@@ -143,7 +151,7 @@ class Mask2FormerDetector:
     def load(cls, source: str | Path, device=None, dtype=None) -> Mask2FormerDetector:
         from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
 
-        from rewards.weights import missing, resolve_device, resolve_dtype
+        from rewards.weights import resolve_device, resolve_dtype
 
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
@@ -151,7 +159,7 @@ class Mask2FormerDetector:
             processor = AutoImageProcessor.from_pretrained(str(source))
             model = Mask2FormerForUniversalSegmentation.from_pretrained(str(source), dtype=dtype)
         except OSError as err:
-            raise missing("geneval", str(source), err) from err
+            raise _missing(str(source), err, "detector") from err
         names = object_names()
         if model.config.num_labels != len(names):
             raise ValueError(f"geneval: detector {source} has {model.config.num_labels} classes; GenEval needs COCO's {len(names)}")
@@ -207,8 +215,12 @@ class ClipColours:
 def load_clip_colours(source: str | Path, device=None, dtype=None) -> ClipColours:
     from rewards.clip import ClipEmbedder
     from rewards.preprocess import open_clip_clean, openai_clip_pixels
+    from rewards.weights import MissingWeightsError
 
-    embedder = ClipEmbedder.load(source, None, device=device, dtype=dtype, judge="geneval")
+    try:
+        embedder = ClipEmbedder.load(source, None, device=device, dtype=dtype, judge="geneval")
+    except MissingWeightsError as err:
+        raise _missing(str(source), err.__cause__ or err, "clip_model") from err
     # open_clip's transform for the OpenAI weights: PIL bicubic resize, rounding centre crop
     size = embedder.model.config.vision_config.image_size
     mean, std = embedder.processor.image_processor.image_mean, embedder.processor.image_processor.image_std

@@ -169,3 +169,38 @@ def test_geneval_shapes_scores_renders_by_the_rules():
     # one red square where two are asked: count term 1 - 1/2, colour term 0 -> 0.25
     assert reward.score(["two red squares"], [render("a red square", seed=0)]).tolist() == [pytest.approx(0.25)]
     assert isinstance(judge, GenEvalJudge)
+
+
+def test_missing_weights_name_the_option_to_pass(tmp_path, tiny_models):
+    from rewards.weights import MissingWeightsError
+
+    with pytest.raises(MissingWeightsError, match="Pass detector="):
+        rewards.load("geneval", detector=str(tmp_path / "none"), clip_model=str(tiny_models / "clip"))
+    with pytest.raises(MissingWeightsError, match="Pass clip_model="):
+        rewards.load("geneval", detector=str(tiny_models / "detector"), clip_model=str(tmp_path / "none"))
+
+
+def test_agreement_script_compares_with_the_authors_results(tmp_path, tiny_models, monkeypatch):
+    import json
+    import sys
+
+    from script_loader import load_experiment
+
+    script = load_experiment("geneval_agreement")
+    rows = []
+    for i, (prompt, correct) in enumerate([("a photo of a bench", True), ("a photo of two clocks", False)]):
+        Image.new("RGB", (40, 32), "gray").save(tmp_path / f"{i}.png")
+        meta = bundled_metadata()[prompt]
+        rows.append({"filename": f"{i}.png", "tag": meta["tag"], "prompt": prompt, "correct": correct,
+                     "reason": "", "metadata": json.dumps(meta)})
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "agreement.json"
+    monkeypatch.setattr(sys, "argv", ["geneval_agreement", str(tmp_path / "results.jsonl"), "--image-root",
+                                      str(tmp_path), "--detector", str(tiny_models / "detector"), "--clip-model",
+                                      str(tiny_models / "clip"), "--device", "cpu", "--out", str(out)])
+    script.main()
+    table = json.loads(out.read_text())["table"]
+    assert table["all"]["images"] == 2 and table["all"]["authors_accuracy"] == 0.5
+    assert set(table) == {"single_object", "counting", "all"}
+    by_hand = script.agreement_table([{"tag": "a", "authors": True, "ours": False}, {"tag": "a", "authors": True, "ours": True}])
+    assert by_hand["a"]["agreement"] == 0.5 and by_hand["all"]["ours_accuracy"] == 0.5
