@@ -15,7 +15,8 @@ colours and OCR lines, and everything after them is the authors' code as written
 OCR lines are drawn by this script (seeded) to cover every branch of the rules; they are not outputs
 of a real detector. The OCR reference needs the ``Levenshtein`` package (python-Levenshtein).
 
-Writes geneval_rules_reference.json and ocr_rule_reference.json into --out.
+Writes geneval_rules_reference.json and ocr_rule_reference.json into --out; ``--only colour`` writes
+geneval_colour_reference.json (the authors' colour classification on a tiny CLIP; needs clip_benchmark).
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def main() -> None:
     parser.add_argument("--cases-per-tag", type=int, default=12)
     parser.add_argument("--ocr-prompts", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=["geneval", "ocr"], default=None)
+    parser.add_argument("--only", choices=["geneval", "ocr", "colour"], default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -306,6 +307,94 @@ def main() -> None:
         data = ocr_reference(args.authors, prompts, args.seed)
         (args.out / "ocr_rule_reference.json").write_text(json.dumps(data, indent=1) + "\n")
         print(f"ocr: {len(data['cases'])} cases")
+    if args.only == "colour":  # needs clip_benchmark and scikit-learn: run on its own
+        data = colour_reference(args.authors, args.seed)
+        (args.out / "geneval_colour_reference.json").write_text(json.dumps(data) + "\n")
+        print(f"colour: {len(data['cases'])} images")
+
+
+
+# ---------------------------------------------------------------- GenEval's colour classifier
+
+
+def colour_reference(authors: Path, seed: int) -> dict:
+    """The authors' color_classification (their ImageCrops, clip_benchmark's zero-shot classifier and
+    run_classification, unchanged) on a tiny CLIP built from tests/tiny_judges.py, whose transformers model is
+    wrapped in open_clip's encode_text / encode_image interface. Needs clip_benchmark (and scikit-learn, which
+    it imports); the crops' pixels go through the project's open_clip preprocessing in both."""
+    import base64
+    import io
+
+    import torch
+    from clip_benchmark.metrics import zeroshot_classification as zsc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_judges import save_tiny_clip
+
+    from rewards.geneval import load_clip_colours
+
+    folder = Path(tempfile.mkdtemp()) / "clip"
+    save_tiny_clip(folder, seed=0)
+    ours = load_clip_colours(folder, device="cpu")
+    embedder = ours.embedder
+
+    class OpenClipInterface(torch.nn.Module):
+        def encode_text(self, ids):
+            return embedder.model.get_text_features(input_ids=ids).pooler_output
+
+        def encode_image(self, pixels):
+            return embedder.model.get_image_features(pixel_values=pixels).pooler_output
+
+    def tokenizer(texts):
+        return embedder.processor.tokenizer([embedder.clean_text(t) for t in texts], padding="max_length",
+                                            max_length=embedder.max_tokens, return_tensors="pt")["input_ids"]
+
+    record: dict = {}
+    _install_stubs(record)
+    sys.modules["clip_benchmark.metrics.zeroshot_classification"] = zsc  # the real one for this part
+    classnames = [line.strip() for line in (authors / "object_names.txt").read_text().splitlines()]
+    namespace = load_geneval_module(authors, record, classnames)
+    # float32 throughout: the authors ran these under CUDA autocast (float16), clip_benchmark 1.6.2 would
+    # autocast to bfloat16 on the CPU; the comparison is of the computation, the precision is a documented difference
+    zsc_fp32 = types.SimpleNamespace(
+        zero_shot_classifier=lambda *a, **k: zsc.zero_shot_classifier(*a, **{**k, "amp": False}),
+        run_classification=lambda *a, **k: zsc.run_classification(*a, **{**k, "amp": False}))
+    namespace.update(zsc=zsc_fp32, clip_model=OpenClipInterface(), tokenizer=tokenizer, DEVICE="cpu",
+                     transform=lambda image: embedder.pixel_fn([image])[0], args=argparse.Namespace(options={}))
+    rng = np.random.default_rng(seed)
+    cases = []
+    for index in range(6):
+        height, width = int(rng.integers(40, 72)), int(rng.integers(40, 72))
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels)
+        objects = []
+        for _ in range(int(rng.integers(1, 4))):
+            x0, y0 = int(rng.integers(0, width - 12)), int(rng.integers(0, height - 12))
+            x1, y1 = int(rng.integers(x0 + 8, width + 1)), int(rng.integers(y0 + 8, height + 1))
+            mask = np.zeros((height, width), dtype=bool)
+            mask[y0:y1, x0:x1] = rng.random((y1 - y0, x1 - x0)) < 0.7
+            # a list, not mmdet's numpy row: Pillow 11+ compares a crop box with a tuple, which a numpy row refuses
+            objects.append(([float(x0), float(y0), float(x1), float(y1), 0.9], mask if index % 2 == 0 else None))
+        classname = ["cat", "photo", "red circle"][index % 3]
+        colours = namespace["color_classification"](image, objects, classname)
+        clf = namespace["COLOR_CLASSIFIERS"][classname]
+        loader = torch.utils.data.DataLoader(namespace["ImageCrops"](image, objects), batch_size=16, num_workers=0)
+        logits, _ = zsc_fp32.run_classification(namespace["clip_model"], clf, loader, "cpu")
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        cases.append({
+            "image_png": base64.b64encode(buffer.getvalue()).decode(),
+            "classname": classname,
+            "objects": [{"box": [float(v) for v in row[:4]],
+                         "mask": None if mask is None else np.packbits(mask).tolist(), "shape": [height, width]}
+                        for row, mask in objects],
+            "colours": colours,
+            "logits": logits.tolist(),
+        })
+    return {"source": "djghosh13/geneval@af4902f color_classification with clip_benchmark 1.6.2's zero-shot classifier "
+                      "on tests/tiny_judges.save_tiny_clip(seed=0) (experiments/rules_reference.py)",
+            "cases": cases}
 
 
 if __name__ == "__main__":

@@ -204,3 +204,33 @@ def test_agreement_script_compares_with_the_authors_results(tmp_path, tiny_model
     assert set(table) == {"single_object", "counting", "all"}
     by_hand = script.agreement_table([{"tag": "a", "authors": True, "ours": False}, {"tag": "a", "authors": True, "ours": True}])
     assert by_hand["a"]["agreement"] == 0.5 and by_hand["all"]["ours_accuracy"] == 0.5
+
+
+def test_colour_classification_matches_the_authors_code_on_a_tiny_clip(tmp_path):
+    """tests/data/geneval_colour_reference.json: GenEval's color_classification (its crops, clip_benchmark's
+    classifier and classification, float32) on save_tiny_clip(seed=0), run by experiments/rules_reference.py."""
+    import base64
+    import io
+    import json
+    from pathlib import Path
+
+    reference = json.loads((Path(__file__).parent / "data" / "geneval_colour_reference.json").read_text())
+    save_tiny_clip(tmp_path / "clip", seed=0)
+    colours = load_clip_colours(tmp_path / "clip", device="cpu")
+    for case in reference["cases"]:
+        image = Image.open(io.BytesIO(base64.b64decode(case["image_png"]))).convert("RGB")
+        found = []
+        for obj in case["objects"]:
+            mask = None
+            if obj["mask"] is not None:
+                h, w = obj["shape"]
+                mask = np.unpackbits(np.array(obj["mask"], dtype=np.uint8))[: h * w].reshape(h, w).astype(bool)
+            found.append(Detection(tuple(obj["box"]), 0.9, mask))
+        crops = [colour_crop(image, d) for d in found]
+        logits = 100.0 * colours.embedder.image_embeddings(crops) @ colours.classifier(case["classname"]).T
+        expected = torch.tensor(case["logits"])
+        spread = float(expected.max() - expected.min())
+        assert (logits - expected).abs().max() <= 1e-5 * spread, (logits, expected)  # 1e-5 of the score spread
+        margins = expected.sort(dim=1).values[:, -1] - expected.sort(dim=1).values[:, -2]
+        predicted = colours(image, case["classname"], found)
+        assert [p for p, m in zip(predicted, margins) if m > 1e-3] == [c for c, m in zip(case["colours"], margins) if m > 1e-3]
