@@ -15,6 +15,11 @@ colours and OCR lines, and everything after them is the authors' code as written
 OCR lines are drawn by this script (seeded) to cover every branch of the rules; they are not outputs
 of a real detector. The OCR reference needs the ``Levenshtein`` package (python-Levenshtein).
 
+Side environment used for the pinned values: this project's Python (torch 2.13 CPU, transformers 5) plus
+``pip install python-Levenshtein==0.27.5 clip_benchmark==1.6.2 scikit-learn`` (clip_benchmark with --no-deps:
+its torchvision and webdataset are not imported by the functions used). GenEval's and the reward server's
+files need no change; their CUDA assert at import is satisfied by reporting CUDA as available while they load.
+
 Writes geneval_rules_reference.json and ocr_rule_reference.json into --out; ``--only colour`` writes
 geneval_colour_reference.json (the authors' colour classification on a tiny CLIP; needs clip_benchmark).
 """
