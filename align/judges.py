@@ -39,6 +39,17 @@ def load_judge(spec: str | rewards.JudgeSpec, **options):
     return judge
 
 
+def check_judge_prompts(judge, prompts: list[str], spec: str) -> None:
+    """A judge that can only read some prompts (GenEval's metadata, OCR's quoted text) says so before any image
+    is generated: one ConfigError naming the judge and the first prompt it cannot judge."""
+    check = getattr(judge, "check_prompts", None)
+    if callable(check):
+        try:
+            check(list(prompts))
+        except ValueError as err:
+            raise ConfigError(f"judge {spec!r} cannot judge these prompts: {err}") from None
+
+
 def compare_shuffled(judge, prompts: list[str], images_a: torch.Tensor, images_b: torch.Tensor, rng) -> np.ndarray:
     """Outcomes of A against B, each pair shown in a random order, so a position bias cancels out."""
     swap = torch.from_numpy(rng.random(len(prompts)) < 0.5)

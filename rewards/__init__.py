@@ -46,6 +46,11 @@ _REGISTRY: dict[str, str] = {
     "instructblip": "rewards.vlm:instructblip",
     "qwen2.5-vl-7b": "rewards.vlm:qwen25_vl_7b",
     "internvl": "rewards.vlm:internvl",
+    # rule rewards of the flow-RL papers on detectors / OCR (docs/judges_rules.md), and their testbed stand-ins
+    "geneval": "rewards.geneval:geneval",
+    "ocr": "rewards.ocr:ocr",
+    "geneval-shapes": "rewards.geneval_shapes:geneval_shapes",
+    "shapes-ocr": "rewards.ocr_shapes:shapes_ocr",
 }
 
 # "prefix:<model>" names, e.g. openai:gpt-4.1-mini for any OpenAI-compatible server (vLLM too).

@@ -8,6 +8,9 @@
     drawbench                   DrawBench (sayakpaul/drawbench, column Prompts, 200 prompts)
     pickapic-val                Pick-a-Pic v2 validation_unique captions (500)
     hpsv2 | hpsv2-<style>       HPSv2 benchmark prompts (anime, concept-art, paintings, photo; 800 each)
+    geneval                     GenEval's 553 prompts, categories = its tasks (bundled with its metadata)
+    flow-grpo-ocr               Flow-GRPO's OCR test prompts, text to render in quotes (1,018, bundled)
+    flow-grpo-pickscore[-test]  Flow-GRPO's PickScore prompts from Pick-a-Pic v1 (25,432 train / 2,048 test, bundled)
     path/to/file                .txt (one per line; "## category" lines start a group), .csv/.tsv/.parquet/.jsonl/.json
 
 A hub set takes ``[source=<local file in the same schema>]`` to load offline, e.g.
@@ -23,12 +26,19 @@ from pathlib import Path
 from align.cli import ConfigError
 from align.testbed.scene import sample_captions
 from align.validation import read_text_file
+from rewards.geneval import DATA, METADATA_FILE, read_metadata
 from rewards.shapes_grammar import parse_caption
 from rewards.spec import parse_spec
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 MJBENCH_PARTS = ("alignment", "safety", "quality", "bias")
 HPSV2_STYLES = ("anime", "concept-art", "paintings", "photo")
+# bundled sets of the flow-RL papers (sources and licences: align/data/prompts/SOURCES.md)
+BUNDLED_FILES = {
+    "flow-grpo-ocr": "flow_grpo_ocr_test.txt",
+    "flow-grpo-pickscore": "flow_grpo_pickscore_train.txt",
+    "flow-grpo-pickscore-test": "flow_grpo_pickscore_test.txt",
+}
 TABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".jsonl", ".json")
 
 
@@ -75,7 +85,8 @@ class PromptSet:
 
 
 def known_sets() -> list[str]:
-    names = ["testbed", "mjbench", *[f"mjbench-{p}" for p in MJBENCH_PARTS], "animals", *HUB_SETS, "hpsv2"]
+    names = ["testbed", "mjbench", *[f"mjbench-{p}" for p in MJBENCH_PARTS], "animals", "geneval", *BUNDLED_FILES,
+             *HUB_SETS, "hpsv2"]
     return names + [f"hpsv2-{s}" for s in HPSV2_STYLES]
 
 
@@ -104,6 +115,11 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
         return PromptSet(name, sum((m.prompts for m in merged), []), sum((m.categories for m in merged), [])).head(num_prompts)
     if name == "animals":
         return read_text_prompts(PROMPTS_DIR / "animals.txt").head(num_prompts)
+    if name == "geneval":
+        return _geneval().head(num_prompts)
+    if name in BUNDLED_FILES:
+        bundled = read_text_prompts(PROMPTS_DIR / BUNDLED_FILES[name])
+        return PromptSet(name, bundled.prompts, bundled.categories).head(num_prompts)
     if name in HUB_SETS:
         return _hub_set(name, HUB_SETS[name], options).head(num_prompts)
     if name == "hpsv2" or name.startswith("hpsv2-"):
@@ -134,6 +150,12 @@ def load_prompt_list(spec: str) -> list[str]:
 def _testbed(n: int, seed: int) -> PromptSet:
     prompts = sample_captions(n, seed=seed)
     return PromptSet("testbed", prompts, [parse_caption(p).category for p in prompts])
+
+
+def _geneval() -> PromptSet:
+
+    rows = list(read_metadata(DATA / METADATA_FILE).values())  # the file's order
+    return PromptSet("geneval", [r["prompt"] for r in rows], [r["tag"] for r in rows])
 
 
 def read_text_prompts(path: Path) -> PromptSet:

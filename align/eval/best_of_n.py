@@ -42,7 +42,7 @@ from align.eval.generation import (
 )
 from align.eval.report import png_bytes
 from align.families import family_of_pipeline
-from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
+from align.judges import check_judge_names, check_judge_prompts, compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
 from align.pipeline import ModelLoadError, check_model, load_trained
 from align.progress import progress_bar
@@ -244,6 +244,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
     out = Path(config.output_dir)
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
+    for spec, judge in [(config.reward, selector), *others.items()]:
+        check_judge_prompts(judge, prompts, spec)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(best_of_n_api_plan(selector, others, len(prompts), config.n, len(curve_sizes(config.n)),
                                       config.search == "zero-order"), config.max_api_cost)

@@ -44,8 +44,9 @@ from align.eval.generation import (
     settings_per_model,
     slug,
 )
+from align.eval.judge_tasks import format_task_table, task_breakdown, task_rows
 from align.health import degenerate_reason
-from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
+from align.judges import check_judge_names, check_judge_prompts, compare_shuffled, load_judge, split_list
 from align.metrics import CI_METHODS, FeatureNetwork
 from align.pipeline import ModelLoadError, resolve_model, run_base_model
 from align.quiet import quiet_output
@@ -223,6 +224,7 @@ def evaluate_judge(judge, spec: str, names: list[str], prompts: list[str], num_p
         "per_model": per_model,
         "ranks": ranks.tolist(),
         "scores": None if scores is None else scores.tolist(),
+        "tasks": task_breakdown(judge, prompts, scores, names),  # a judge's own table (GenEval's per-task), or None
     }
 
 
@@ -306,6 +308,8 @@ def evaluate(config: EvalConfig) -> dict:
     models, prompt_set = check_inputs(config)
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
+    for spec, judge in loaded.items():
+        check_judge_prompts(judge, prompt_set.prompts, spec)
     seeds = parse_seeds(config.seeds)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
@@ -494,6 +498,8 @@ def write_eval_report(path: Path, results: dict, images: dict, names: list[str],
             body += report.img_tag(plot, alt=f"win rate {spec}")
         if judge["scores"] is not None and any(results["categories"]):
             body += category_table(judge["scores"], names, results["categories"], len(prompts))
+        if judge.get("tasks"):
+            body += report.paragraph("the judge's own per-task table") + report.table_html(task_rows(judge["tasks"]))
         sections.append(report.Section(f"Judge: {spec}", body))
     if results["overall"]:
         plot = report.bar_plot(names, [results["overall"][n]["avg_rank"] for n in names], title="average rank over all judges (lower is better)", ylabel="average rank")
@@ -544,6 +550,9 @@ def main(argv: list[str] | None = None) -> None:
     for model in results["models"]:
         if model.get("degenerate"):
             print(f"  {model['name']}: not ranked, degenerate images ({model['degenerate']})")
+    for spec, judge in results["judges"].items():
+        if judge.get("tasks"):
+            print(format_task_table(spec, judge["tasks"]))
 
 
 if __name__ == "__main__":

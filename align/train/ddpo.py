@@ -53,7 +53,7 @@ from align.families.base import (
 )
 from align.families.sd import StableDiffusion
 from align.health import images_finite
-from align.judges import check_judge_names, load_judge
+from align.judges import check_judge_names, check_judge_prompts, load_judge
 from align.pipeline import (
     add_lora,
     check_model,
@@ -307,6 +307,8 @@ def train(config: DDPOConfig) -> Path:
         require_pointwise_eval_judge(eval_reward.spec, not eval_reward.needs_groups)
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
+    for member in reward_fn.members:
+        check_judge_prompts(member.judge, prompts, config.reward)
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
     eval_members = eval_judge.reward.members if eval_judge is not None else []  # the main process's only
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
