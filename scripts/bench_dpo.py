@@ -29,6 +29,7 @@ from PIL import Image
 
 from align.data.pairs import write_pairs_parquet
 from align.pipeline import add_lora, disabled_adapter, frozen_copy
+from align.testing.sd15 import SD15_UNET
 from align.testing.tiny_sd import build_tiny_pipeline
 from align.train import dpo
 from align.train.losses import diffusion_dpo_loss, per_sample_mse
@@ -36,19 +37,6 @@ from rewards.images import encode_png
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# UNet2DConditionModel config of SD v1.5 (runwayml/stable-diffusion-v1-5 unet/config.json values).
-SD15_UNET = dict(
-    sample_size=64,
-    in_channels=4,
-    out_channels=4,
-    layers_per_block=2,
-    block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=768,
-    attention_head_dim=8,
-    norm_num_groups=32,
-)
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -41,13 +41,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from bench_dpo import SD15_UNET
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+from align.testing.sd15 import SD15_UNET
 from align.testing.tiny_sd import write_char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -52,6 +52,7 @@ from align.families.sdxl import StableDiffusionXL
 from align.pipeline import add_lora, disabled_adapter, frozen_copy
 from align.sampling.ddim import sample_with_logprob
 from align.sampling.flow import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
+from align.testing.sd15 import SD15_UNET
 from align.train.accelerator import keep_default_attention, make_accelerator
 from align.train.ddpo import train_micro_batch
 from align.train.losses import ddpo_clipped_loss, diffusion_dpo_loss, per_sample_mse
@@ -67,12 +68,6 @@ PEAK_BF16_TFLOPS = {
 }
 
 # SD v1.5's architecture (the configs in stable-diffusion-v1-5/stable-diffusion-v1-5).
-SD15_UNET = dict(
-    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32,
-)
 SD15_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, block_out_channels=(128, 256, 512, 512),
     down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
