@@ -46,6 +46,10 @@ _REGISTRY: dict[str, str] = {
     "instructblip": "rewards.vlm:instructblip",
     "qwen2.5-vl-7b": "rewards.vlm:qwen25_vl_7b",
     "internvl": "rewards.vlm:internvl",
+    # issue 50: VQAScore (P("Yes")), UnifiedReward, HPSv3
+    "vqascore-qwen2.5-vl-7b": "rewards.vqascore:qwen25_vl_7b",
+    "vqascore-llava-1.5-7b": "rewards.vqascore:llava_15_7b",
+    "vqascore-internvl": "rewards.vqascore:internvl",
 }
 
 # "prefix:<model>" names, e.g. openai:gpt-4.1-mini for any OpenAI-compatible server (vLLM too).
@@ -54,6 +58,9 @@ _PREFIXES: dict[str, str] = {
     "anthropic": "rewards.api:anthropic_model",
     "google": "rewards.api:gemini_model",
     "hf-vlm": "rewards.vlm:hf_vlm",
+    # issue 50: VQAScore (P("Yes")), UnifiedReward
+    "vqascore-hf": "rewards.vqascore:vqascore_hf",
+    "vqascore-openai": "rewards.vqascore:vqascore_openai",
 }
 
 # A folder written by ``align.train_reward`` carries this file and loads by path.

@@ -22,9 +22,11 @@ WORDS = ["7", "<unk>", "<s>", "</s>", "<pad>", "USER", "ASSISTANT", ":", "Rating
          "assistant"]
 
 
-def tiny_tokenizer(specials: list[str], named: dict[str, str] | None = None) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer; ``named`` tokens also become attributes (``tok.start_image_token``...)."""
-    vocab = {w: i for i, w in enumerate(WORDS)}
+def tiny_tokenizer(specials: list[str], named: dict[str, str] | None = None,
+                   words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer; ``named`` tokens also become attributes (``tok.start_image_token``...);
+    ``words`` are more ordinary words (e.g. "Yes", "No" for probability judges)."""
+    vocab = {w: i for i, w in enumerate([*WORDS, *words])}
     for token in [*specials, *(named or {}).values()]:
         vocab.setdefault(token, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -70,12 +72,13 @@ def save_checkpoint(folder, model, tok, image_processor, processor_class: str, t
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def build_qwen25_vl(folder, constant_answer: bool = False) -> None:
-    """Qwen2.5-VL: 14 px patches merged 2x2; every image is resized to 56x56 -> 16 patches, 4 tokens."""
+def build_qwen25_vl(folder, constant_answer: bool = False, words: tuple[str, ...] = (), logit_scale: float = 1.0) -> None:
+    """Qwen2.5-VL: 14 px patches merged 2x2; every image is resized to 56x56 -> 16 patches, 4 tokens.
+    ``logit_scale`` multiplies the output head, so that random answers' probabilities spread more."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok = tiny_tokenizer(QWEN_SPECIALS)
+    tok = tiny_tokenizer(QWEN_SPECIALS, words=words)
     ids = tok.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
@@ -88,6 +91,8 @@ def build_qwen25_vl(folder, constant_answer: bool = False) -> None:
     )
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2,
                                                temporal_patch_size=2)
     template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
@@ -152,3 +157,18 @@ def record_generate(judge) -> list[dict]:
 
     judge._model.generate = generate
     return seen
+
+
+def build_vqascore_qwen(folder) -> None:
+    """The tiny Qwen2.5-VL that VQAScore's pinned reference (tests/data/vqascore_reference.json) was made on."""
+    build_qwen25_vl(folder, words=("Yes", "No", "Does", "this", "figure", "show", "Please", "answer", "or"),
+                    logit_scale=12.0)
+
+
+def vqascore_images(n: int = 4):
+    """Deterministic 56x56 RGB test images (a multiple of 28: qwen-vl-utils and the processor leave them as they are)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, size=(56, 56, 3), dtype=np.uint8)) for _ in range(n)]
