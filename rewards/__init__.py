@@ -50,6 +50,7 @@ _REGISTRY: dict[str, str] = {
     "vqascore-qwen2.5-vl-7b": "rewards.vqascore:qwen25_vl_7b",
     "vqascore-llava-1.5-7b": "rewards.vqascore:llava_15_7b",
     "vqascore-internvl": "rewards.vqascore:internvl",
+    "unifiedreward": "rewards.unifiedreward:unifiedreward",
 }
 
 # "prefix:<model>" names, e.g. openai:gpt-4.1-mini for any OpenAI-compatible server (vLLM too).
@@ -61,6 +62,8 @@ _PREFIXES: dict[str, str] = {
     # issue 50: VQAScore (P("Yes")), UnifiedReward
     "vqascore-hf": "rewards.vqascore:vqascore_hf",
     "vqascore-openai": "rewards.vqascore:vqascore_openai",
+    "unifiedreward-hf": "rewards.unifiedreward:unifiedreward_hf",
+    "unifiedreward-openai": "rewards.unifiedreward:unifiedreward_openai",
 }
 
 # A folder written by ``align.train_reward`` carries this file and loads by path.
