@@ -51,6 +51,7 @@ _REGISTRY: dict[str, str] = {
     "vqascore-llava-1.5-7b": "rewards.vqascore:llava_15_7b",
     "vqascore-internvl": "rewards.vqascore:internvl",
     "unifiedreward": "rewards.unifiedreward:unifiedreward",
+    "hpsv3": "rewards.hpsv3:HpsV3",
 }
 
 # "prefix:<model>" names, e.g. openai:gpt-4.1-mini for any OpenAI-compatible server (vLLM too).
