@@ -115,3 +115,17 @@ def test_best_of_n_runs_with_the_tiny_unifiedreward_judge(tiny_unifiedreward, tm
               "--n", "2", "--num_inference_steps", "2", "--device", "cpu", "--output_dir", str(tmp_path / "bon")])
     saved = json.loads((tmp_path / "bon" / "results.json").read_text())
     assert next(iter(saved["scores"].values())) == [[7.0, 7.0], [7.0, 7.0]]
+
+
+def test_judgebench_runs_the_pairwise_server_judge_on_the_testbed(tmp_path):
+    import csv
+
+    from align import judgebench
+
+    with FakeJudgeServer("openai", answer=_brighter_is_better) as server:
+        name = f"unifiedreward-openai:fake-model[base_url={server.base_url},mode=pair,timeout=5]"
+        judgebench.main(["--judges", name, "--data", "testbed", "--output_dir", str(tmp_path / "jb"),
+                         "--testbed_pairs", "2", "--testbed_bias_groups", "1", "--batch_size", "8"])
+        assert server.calls and all(len(call["images"]) == 2 for call in server.calls)
+    row = next(csv.DictReader((tmp_path / "jb" / "leaderboard.csv").open()))
+    assert row["judge"] == name and float(row["order_consistency"]) > 0.0
