@@ -25,10 +25,19 @@ DEFAULT_ID = "CodeGoat24/UnifiedReward-qwen-7b"
 MODES = ("single", "pair")
 
 
-def _question(mode: str) -> JudgeQuestion:
+def _question(mode: str, prompt_template: str | None = None) -> JudgeQuestion:
+    """The authors' question for ``mode``; a benchmark's --protocol does not change it, a template file is refused."""
+    if prompt_template:
+        raise ValueError("UnifiedReward asks its authors' questions (the model was trained on them); "
+                         "prompt_template= does not apply")
     if mode not in MODES:
         raise ValueError(f"UnifiedReward mode={mode!r}; valid: {', '.join(MODES)} (the authors' pointwise or pairwise question)")
     return JudgeQuestion(mode, template=POINT_TEMPLATE if mode == "single" else PAIR_TEMPLATE)
+
+
+def _refuse_protocol(judge) -> None:
+    if judge.protocol != "project":
+        raise ValueError(f"judge {judge.name!r} asks UnifiedReward's own questions; protocol={judge.protocol!r} does not apply")
 
 
 def parse_unifiedreward(raw: str | None, mode: str) -> Parsed:
@@ -54,8 +63,12 @@ class HfUnifiedReward(HfVlmJudge):
     max_tokens: int = 512  # the authors' max_new_tokens
     batch_size: int = 1
 
+    def __post_init__(self):
+        _refuse_protocol(self)
+        super().__post_init__()
+
     def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _question(self.mode)
+        self.question = _question(self.mode, prompt_template)
         self.protocol, self.prompt_template = "project", None
 
     @property
@@ -88,6 +101,7 @@ class ApiUnifiedReward(ApiJudge):
     max_tokens: int = 4096  # the authors' server requests
 
     def __post_init__(self):
+        _refuse_protocol(self)
         if self.provider != "openai":
             raise ValueError(f"judge {self.name!r} needs an OpenAI-compatible server, not provider {self.provider!r}")
         super().__post_init__()
@@ -95,7 +109,7 @@ class ApiUnifiedReward(ApiJudge):
                                            key_envs=self.key_envs)
 
     def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _question(self.mode)
+        self.question = _question(self.mode, prompt_template)
         self.protocol, self.prompt_template = "project", None
 
     @property

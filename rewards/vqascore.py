@@ -47,7 +47,11 @@ PRESETS = {
 AUDIT_TOP = 5  # top tokens kept beside a local model's probability (what else it would have said)
 
 
-def _template_question(template: str) -> JudgeQuestion:
+def _template_question(template: str, prompt_template: str | None = None) -> JudgeQuestion:
+    """The judge's question; a benchmark's --protocol does not change it, a prompt_template file is refused."""
+    if prompt_template:
+        raise ValueError("VQAScore asks its authors' question: pass question_template=... (with {caption}), "
+                         "not prompt_template=")
     if "{caption}" not in template:
         raise ValueError(f"question_template {template!r} has no {{caption}} field")
     return JudgeQuestion("single", template=template)
@@ -73,6 +77,8 @@ class HfVqaScore(HfVlmJudge):
     batch_size: int = 1  # the authors score one image at a time; larger batches pad (float noise ~1e-7)
 
     def __post_init__(self):
+        if self.protocol != "project":
+            raise ValueError(f"judge {self.name!r} asks VQAScore's question; protocol={self.protocol!r} does not apply")
         if self.mode != "single":
             raise ValueError(f"judge {self.name!r} scores one image at a time (mode='single'), not {self.mode!r}")
         super().__post_init__()
@@ -81,7 +87,7 @@ class HfVqaScore(HfVlmJudge):
             raise ValueError(f"answer {self.answer!r} encodes to no token with this tokenizer")
 
     def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _template_question(self.question_template)
+        self.question = _template_question(self.question_template, prompt_template)
         self.protocol, self.prompt_template = "project", None
 
     @property
@@ -162,6 +168,8 @@ class ApiVqaScore(ApiJudge):
     max_tokens: int = 1
 
     def __post_init__(self):
+        if self.protocol != "project":
+            raise ValueError(f"judge {self.name!r} asks VQAScore's question; protocol={self.protocol!r} does not apply")
         if self.mode != "single":
             raise ValueError(f"judge {self.name!r} scores one image at a time (mode='single'), not {self.mode!r}")
         if not 1 <= int(self.top_logprobs) <= 20:
@@ -173,7 +181,7 @@ class ApiVqaScore(ApiJudge):
                                               key_envs=self.key_envs, top_logprobs=int(self.top_logprobs))
 
     def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _template_question(self.question_template)
+        self.question = _template_question(self.question_template, prompt_template)
         self.protocol, self.prompt_template = "project", None
 
     @property

@@ -129,3 +129,10 @@ def test_judgebench_runs_the_pairwise_server_judge_on_the_testbed(tmp_path):
         assert server.calls and all(len(call["images"]) == 2 for call in server.calls)
     row = next(csv.DictReader((tmp_path / "jb" / "leaderboard.csv").open()))
     assert row["judge"] == name and float(row["order_consistency"]) > 0.0
+
+
+def test_options_that_would_change_the_authors_question_are_refused(tiny_unifiedreward):
+    with pytest.raises(ValueError, match="does not apply"):
+        rewards.load(f"unifiedreward-hf:{tiny_unifiedreward}", protocol="mjbench")
+    with pytest.raises(ValueError, match="does not apply"):
+        rewards.load(f"unifiedreward-hf:{tiny_unifiedreward}", prompt_template="x.txt")

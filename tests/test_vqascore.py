@@ -122,3 +122,21 @@ def test_best_of_n_runs_with_the_tiny_vqascore_judge(tiny_qwen, tmp_path):
     saved = json.loads((tmp_path / "bon" / "results.json").read_text())
     scores = saved["scores"][f"vqascore-hf:{tiny_qwen}"]
     assert len(scores) == 2 and all(0.0 < s < 1.0 for row in scores for s in row)
+
+
+@pytest.mark.parametrize("builder", ["build_llava_next", "build_internvl"])
+def test_other_families_score_the_full_vocabulary_softmax(builder, tmp_path):
+    import tiny_vlms
+
+    getattr(tiny_vlms, builder)(tmp_path, words=("Yes", "No"))
+    judge = rewards.load(f"vqascore-hf:{tmp_path}")
+    images, captions = vqascore_images(2), ["a red cube", "a cat"]
+    scores = judge.score(captions, images)
+    # the same probability from a plain forward pass: softmax over the whole vocabulary at the last position
+    yes = judge._processor.tokenizer.convert_tokens_to_ids("Yes")
+    for caption, image, score in zip(captions, images, scores):
+        text = judge._chat_text(judge._request(caption, [image]))
+        inputs = judge._processor(images=[image], text=[text], return_tensors="pt")
+        with torch.no_grad():
+            logits = judge._model(**inputs).logits[0, -1]
+        assert score.item() == pytest.approx(torch.softmax(logits.double(), -1)[yes].item(), rel=1e-5)

@@ -99,12 +99,12 @@ def build_qwen25_vl(folder, constant_answer: bool = False, words: tuple[str, ...
     save_checkpoint(folder, model, tok, image_processor, "Qwen2_5_VLProcessor", template, constant_answer)
 
 
-def build_llava_next(folder, constant_answer: bool = False) -> None:
+def build_llava_next(folder, constant_answer: bool = False, words: tuple[str, ...] = ()) -> None:
     """LLaVA-NeXT (anyres): a 28 px base view plus the tiles of the best grid pinpoint, 2x2 patches each."""
     from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    tok = tiny_tokenizer(["<image>", "<|im_start|>", "<|im_end|>"])
+    tok = tiny_tokenizer(["<image>", "<|im_start|>", "<|im_end|>"], words=words)
     pinpoints = [[28, 28], [28, 56], [56, 28]]
     config = LlavaNextConfig(
         vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -126,12 +126,12 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "c
                    "video_token": "<video>"}
 
 
-def build_internvl(folder, constant_answer: bool = False) -> None:
+def build_internvl(folder, constant_answer: bool = False, words: tuple[str, ...] = ()) -> None:
     """InternVL (transformers-native, ``-hf`` layout): 28 px tiles of 2x2 patches, pixel-shuffled to 1 token."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-    tok = tiny_tokenizer(["<|im_start|>", "<|im_end|>"], named=INTERNVL_TOKENS)
+    tok = tiny_tokenizer(["<|im_start|>", "<|im_end|>"], named=INTERNVL_TOKENS, words=words)
     config = InternVLConfig(
         vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                        "image_size": [28, 28], "patch_size": [14, 14]},
