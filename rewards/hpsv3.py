@@ -30,11 +30,12 @@ from rewards.base import Judge
 from rewards.checkpoint_keys import check_exact
 from rewards.images import Images, num_images, to_pil
 from rewards.weights import (
+    MissingWeightsError,
     batched,
     check_batch_size,
     check_prompts,
     load_state_dict,
-    missing,
+    offline_hint,
     resolve_device,
     resolve_dtype,
     resolve_file,
@@ -130,14 +131,19 @@ class HpsV3(Judge):
 
         super().__init__(name="hpsv3", tie_margin=tie_margin)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        # bfloat16 on a GPU, as the authors run it (float16 risks Qwen2-VL overflow); float32 on a CPU
+        self.dtype = resolve_dtype(dtype if dtype is not None or self.device.type != "cuda" else "bfloat16", self.device)
         self.batch_size = check_batch_size(batch_size)
         self.pixels = int(pixels)
         try:
             config = AutoConfig.from_pretrained(str(base))
             self.processor = load_processor(str(base))
         except (OSError, ValueError) as err:
-            raise missing("hpsv3", str(base), err, what="the Qwen2-VL base config and processor") from err
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise MissingWeightsError(
+                f"judge 'hpsv3': cannot load the Qwen2-VL base config and processor from {str(base)!r}: {first_line}"
+                f"{offline_hint()}. Pass base=<hub id or local folder of {HPSV3_BASE}>."
+            ) from err
         if config.model_type != "qwen2_vl":
             raise ValueError(f"judge 'hpsv3': base {str(base)!r} is a {config.model_type!r} model; HPSv3 needs its "
                              f"Qwen2-VL base ({HPSV3_BASE})")
