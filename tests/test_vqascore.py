@@ -140,3 +140,21 @@ def test_other_families_score_the_full_vocabulary_softmax(builder, tmp_path):
         with torch.no_grad():
             logits = judge._model(**inputs).logits[0, -1]
         assert score.item() == pytest.approx(torch.softmax(logits.double(), -1)[yes].item(), rel=1e-5)
+
+
+def test_the_checkpoints_logits_processors_apply_as_in_t2v_metrics(tiny_qwen):
+    # t2v_metrics reads generate's processed scores: a generation_config repetition_penalty changes P("Yes")
+    captions, images = ["Yes Yes", "a cat"], vqascore_images(2)
+    judge = rewards.load(f"vqascore-hf:{tiny_qwen}")
+    plain = judge.score(captions, images)
+    judge._model.generation_config.repetition_penalty = 1.5
+    penalised = judge.score(captions, images)
+    yes = judge._processor.tokenizer.convert_tokens_to_ids("Yes")
+    text = judge._chat_text(judge._request(captions[0], [images[0]]))
+    inputs = judge._processor(images=[images[0]], text=[text], return_tensors="pt")
+    with torch.no_grad():
+        logits = judge._model(**inputs).logits[0, -1].double()
+    seen = torch.unique(inputs["input_ids"][0])
+    logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.5, logits[seen] * 1.5)
+    assert penalised[0].item() == pytest.approx(torch.softmax(logits, -1)[yes].item(), rel=1e-5)
+    assert penalised[0].item() != pytest.approx(plain[0].item(), rel=1e-3)
