@@ -46,7 +46,7 @@ _REGISTRY: dict[str, str] = {
     "instructblip": "rewards.vlm:instructblip",
     "qwen2.5-vl-7b": "rewards.vlm:qwen25_vl_7b",
     "internvl": "rewards.vlm:internvl",
-    # issue 50: VQAScore (P("Yes")), UnifiedReward, HPSv3
+    # the flow-RL papers' VLM rewards (docs/judges_vlm_rewards.md): VQAScore's P("Yes"), UnifiedReward, HPSv3
     "vqascore-qwen2.5-vl-7b": "rewards.vqascore:qwen25_vl_7b",
     "vqascore-llava-1.5-7b": "rewards.vqascore:llava_15_7b",
     "vqascore-internvl": "rewards.vqascore:internvl",
@@ -60,7 +60,7 @@ _PREFIXES: dict[str, str] = {
     "anthropic": "rewards.api:anthropic_model",
     "google": "rewards.api:gemini_model",
     "hf-vlm": "rewards.vlm:hf_vlm",
-    # issue 50: VQAScore (P("Yes")), UnifiedReward
+    # VQAScore and UnifiedReward on any local checkpoint or OpenAI-compatible server (docs/judges_vlm_rewards.md)
     "vqascore-hf": "rewards.vqascore:vqascore_hf",
     "vqascore-openai": "rewards.vqascore:vqascore_openai",
     "unifiedreward-hf": "rewards.unifiedreward:unifiedreward_hf",

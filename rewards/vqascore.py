@@ -166,6 +166,7 @@ class ApiVqaScore(ApiJudge):
     mode: str = "single"
     structured: str | None = "none"
     max_tokens: int = 1
+    temperature: float | None = None  # not sent, as t2v_metrics's request
 
     def __post_init__(self):
         if self.protocol != "project":

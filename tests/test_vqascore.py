@@ -79,6 +79,7 @@ def test_server_scores_from_token_logprobs(tmp_path):
         judge.close()
         body = server.calls[0]["body"]
         assert body["logprobs"] is True and body["top_logprobs"] == 2 and body["max_tokens"] == 1
+        assert "temperature" not in body  # as t2v_metrics asks
         assert [part["type"] for part in body["messages"][0]["content"]] == ["text", "image_url"]
         assert sorted(call["prompt"] for call in server.calls) == [QUESTION_TEMPLATE.format(caption=c) for c in "abc"]
         again = rewards.load(spec, cache_path=str(tmp_path / "cache.sqlite"), **FAST)
