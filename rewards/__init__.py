@@ -51,6 +51,12 @@ _REGISTRY: dict[str, str] = {
     "ocr": "rewards.ocr:ocr",
     "geneval-shapes": "rewards.geneval_shapes:geneval_shapes",
     "shapes-ocr": "rewards.ocr_shapes:shapes_ocr",
+    # the flow-RL papers' VLM rewards (docs/judges_vlm_rewards.md): VQAScore's P("Yes"), UnifiedReward, HPSv3
+    "vqascore-qwen2.5-vl-7b": "rewards.vqascore:qwen25_vl_7b",
+    "vqascore-llava-1.5-7b": "rewards.vqascore:llava_15_7b",
+    "vqascore-internvl": "rewards.vqascore:internvl",
+    "unifiedreward": "rewards.unifiedreward:unifiedreward",
+    "hpsv3": "rewards.hpsv3:HpsV3",
 }
 
 # "prefix:<model>" names, e.g. openai:gpt-4.1-mini for any OpenAI-compatible server (vLLM too).
@@ -59,6 +65,11 @@ _PREFIXES: dict[str, str] = {
     "anthropic": "rewards.api:anthropic_model",
     "google": "rewards.api:gemini_model",
     "hf-vlm": "rewards.vlm:hf_vlm",
+    # VQAScore and UnifiedReward on any local checkpoint or OpenAI-compatible server (docs/judges_vlm_rewards.md)
+    "vqascore-hf": "rewards.vqascore:vqascore_hf",
+    "vqascore-openai": "rewards.vqascore_server:vqascore_openai",
+    "unifiedreward-hf": "rewards.unifiedreward:unifiedreward_hf",
+    "unifiedreward-openai": "rewards.unifiedreward_server:unifiedreward_openai",
 }
 
 # A folder written by ``align.train.reward_model`` carries this file and loads by path.

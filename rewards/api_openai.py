@@ -78,13 +78,18 @@ class OpenAIBackend:
                 f"the server at {where} does not know model {self.model!r}{listing}; pass a valid id with model=..."
             )
 
-    async def complete(self, client, prompt: str, images_b64: list[str], question: JudgeQuestion, *,
-                       temperature: float | None, max_tokens: int, structured: str) -> CachedAnswer:
+    def message_content(self, prompt: str, images_b64: list[str]) -> list[dict]:
+        """The user message: the question, then each image (labelled when there are several)."""
         content: list[dict] = [{"type": "text", "text": prompt}]
         for label, data in zip(_image_labels(len(images_b64)), images_b64):
             if label:
                 content.append({"type": "text", "text": label})
             content.append({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}})
+        return content
+
+    async def complete(self, client, prompt: str, images_b64: list[str], question: JudgeQuestion, *,
+                       temperature: float | None, max_tokens: int, structured: str) -> CachedAnswer:
+        content = self.message_content(prompt, images_b64)
         kwargs: dict = {} if temperature is None else {"temperature": temperature}
         if structured == "json_schema":
             kwargs["response_format"] = {

@@ -125,6 +125,10 @@ class MllmJudge(Judge):
     def check_ready(self) -> None:
         """Fail fast (JudgeNotReadyError) before any expensive work; cheap when ready."""
 
+    def parse(self, raw: str | None) -> Parsed:
+        """One raw answer -> rating or verdict; judges with their authors' own answer format override this."""
+        return parse_answer(raw, self.question)
+
     # ---- the protocol -------------------------------------------------------------------------
     def score(self, prompts: list[str], images: Images) -> torch.Tensor:
         if self.mode == "pair":
@@ -175,7 +179,7 @@ class MllmJudge(Judge):
             hit = self._cache.get(req.key) if self._cache is not None else None
             if hit is not None:
                 self.stats.add(cache_hits=1)
-                answers[i] = Answer(hit.raw, parse_answer(hit.raw, self.question), cached=True)
+                answers[i] = Answer(hit.raw, self.parse(hit.raw), cached=True)
             elif req.key in seen:  # the same question twice in one batch: ask once
                 duplicates.append((i, seen[req.key]))
             else:
@@ -193,7 +197,7 @@ class MllmJudge(Judge):
                 req = requests[i]
                 self._cache.put(req.key, judge=self.judge_id, question=self.question.key(), prompt=req.prompt,
                                 image_hashes=req.image_hashes, decoding=self.decoding(), answer=result)
-            answers[i] = Answer(result.raw, parse_answer(result.raw, self.question))
+            answers[i] = Answer(result.raw, self.parse(result.raw))
 
         if todo:
             self._generate([requests[i] for i in todo], on_answer)

@@ -122,8 +122,9 @@ class HfVlmJudge(MllmJudge):
             self._model = AutoModelForImageTextToText.from_pretrained(
                 self.model, dtype=DTYPES[self.dtype], trust_remote_code=self.trust_remote_code
             )
-        except OSError as err:
-            raise JudgeNotReadyError(f"cannot load VLM judge {self.model!r}: {err}") from err
+        except OSError as err:  # one line: the hub's messages run over several
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise JudgeNotReadyError(f"cannot load VLM judge {self.model!r}: {first_line}") from err
         self._model.to(_pick_device(self.device)).eval()
         tokenizer = getattr(self._processor, "tokenizer", None)
         if tokenizer is not None:

@@ -64,7 +64,7 @@ class FakeJudgeServer:
     def __init__(self, kind: str, answer=brightness_judge, latency: float = 0.0,
                  models: tuple[str, ...] = ("fake-model",), api_key: str | None = None,
                  timeout_sleep: float = 2.0, decode_images: bool = True, retrieve_endpoint: bool = True,
-                 port: int = 0, reuse_port: bool = False):
+                 port: int = 0, reuse_port: bool = False, logprobs=None):
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} not in {KINDS}")
         self.kind, self.answer, self.latency, self.models = kind, answer, latency, set(models)
@@ -73,6 +73,9 @@ class FakeJudgeServer:
         self.decode_images = decode_images
         # retrieve_endpoint=False: like vLLM, GET /v1/models/{id} is 404 and only the list exists
         self.retrieve_endpoint = retrieve_endpoint
+        # logprobs(prompt, images) -> [(token, logprob), ...]: the first answer token's top logprobs, sent when a
+        # request asks for logprobs (an OpenAI-compatible server like vLLM); None: a server that sends none
+        self.logprobs = logprobs
         self.faults: deque[str] = deque()
         self.calls: list[dict] = []  # generation requests, in arrival order
         self.model_checks: list[str] = []
@@ -251,7 +254,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, b'{"choices": [ this is not json')
         refusal = fault == "refusal"
         text = "The picture has lots of colours and shapes." if fault == "garbage" else state.answer(prompt, images)
-        self._send(200, self._success(model, body, text, refusal, len(images)))
+        payload = self._success(model, body, text, refusal, len(images))
+        if state.kind == "openai" and body.get("logprobs") and state.logprobs is not None:
+            top = state.logprobs(prompt, images)[:int(body.get("top_logprobs") or 0) or 1]
+            entries = [{"token": t, "logprob": lp, "bytes": None} for t, lp in top]
+            payload["choices"][0]["logprobs"] = {"content": [{**entries[0], "top_logprobs": entries}]}
+        self._send(200, payload)
 
     def _success(self, model: str, body: dict, text: str, refusal: bool, n_images: int) -> dict:
         kind = self.server_state.kind

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     CLIPVisionConfig,
@@ -34,9 +36,11 @@ WORDS = ["7", "<unk>", "<s>", "</s>", "<pad>", "USER", "ASSISTANT", ":", "Rating
          "assistant"]
 
 
-def tiny_tokenizer(specials: list[str], named: dict[str, str] | None = None) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer; ``named`` tokens also become attributes (``tok.start_image_token``...)."""
-    vocab = {w: i for i, w in enumerate(WORDS)}
+def tiny_tokenizer(specials: list[str], named: dict[str, str] | None = None,
+                   words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer; ``named`` tokens also become attributes (``tok.start_image_token``...);
+    ``words`` are more ordinary words (e.g. "Yes", "No" for probability judges)."""
+    vocab = {w: i for i, w in enumerate([*WORDS, *words])}
     for token in [*specials, *(named or {}).values()]:
         vocab.setdefault(token, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -82,10 +86,11 @@ def save_checkpoint(folder, model, tok, image_processor, processor_class: str, t
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def build_qwen25_vl(folder, constant_answer: bool = False) -> None:
-    """Qwen2.5-VL: 14 px patches merged 2x2; every image is resized to 56x56 -> 16 patches, 4 tokens."""
+def build_qwen25_vl(folder, constant_answer: bool = False, words: tuple[str, ...] = (), logit_scale: float = 1.0) -> None:
+    """Qwen2.5-VL: 14 px patches merged 2x2; every image is resized to 56x56 -> 16 patches, 4 tokens.
+    ``logit_scale`` multiplies the output head, so that random answers' probabilities spread more."""
 
-    tok = tiny_tokenizer(QWEN_SPECIALS)
+    tok = tiny_tokenizer(QWEN_SPECIALS, words=words)
     ids = tok.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
@@ -98,16 +103,18 @@ def build_qwen25_vl(folder, constant_answer: bool = False) -> None:
     )
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2,
                                                temporal_patch_size=2)
     template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
     save_checkpoint(folder, model, tok, image_processor, "Qwen2_5_VLProcessor", template, constant_answer)
 
 
-def build_llava_next(folder, constant_answer: bool = False) -> None:
+def build_llava_next(folder, constant_answer: bool = False, words: tuple[str, ...] = ()) -> None:
     """LLaVA-NeXT (anyres): a 28 px base view plus the tiles of the best grid pinpoint, 2x2 patches each."""
 
-    tok = tiny_tokenizer(["<image>", "<|im_start|>", "<|im_end|>"])
+    tok = tiny_tokenizer(["<image>", "<|im_start|>", "<|im_end|>"], words=words)
     pinpoints = [[28, 28], [28, 56], [56, 28]]
     config = LlavaNextConfig(
         vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -129,10 +136,10 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "c
                    "video_token": "<video>"}
 
 
-def build_internvl(folder, constant_answer: bool = False) -> None:
+def build_internvl(folder, constant_answer: bool = False, words: tuple[str, ...] = ()) -> None:
     """InternVL (transformers-native, ``-hf`` layout): 28 px tiles of 2x2 patches, pixel-shuffled to 1 token."""
 
-    tok = tiny_tokenizer(["<|im_start|>", "<|im_end|>"], named=INTERNVL_TOKENS)
+    tok = tiny_tokenizer(["<|im_start|>", "<|im_end|>"], named=INTERNVL_TOKENS, words=words)
     config = InternVLConfig(
         vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                        "image_size": [28, 28], "patch_size": [14, 14]},
@@ -158,3 +165,16 @@ def record_generate(judge) -> list[dict]:
 
     judge._model.generate = generate
     return seen
+
+
+def build_vqascore_qwen(folder) -> None:
+    """The tiny Qwen2.5-VL that VQAScore's pinned reference (tests/data/vqascore_reference.json) was made on."""
+    build_qwen25_vl(folder, words=("Yes", "No", "Does", "this", "figure", "show", "Please", "answer", "or"),
+                    logit_scale=12.0)
+
+
+def vqascore_images(n: int = 4):
+    """Deterministic 56x56 RGB test images (a multiple of 28: qwen-vl-utils and the processor leave them as they are)."""
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, size=(56, 56, 3), dtype=np.uint8)) for _ in range(n)]

@@ -1,0 +1,96 @@
+"""VQAScore from an OpenAI-compatible server's first-token top logprobs (vLLM, SGLang, OpenAI): the authors'
+API rule (rewards.vqascore_rules), on the API judges' cache, concurrency, retries and cost guard. Kept apart from
+rewards.vqascore so that the local judges need no OpenAI SDK."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import openai
+from openai.types.chat import ChatCompletion
+
+from rewards.api import ApiJudge
+from rewards.api_openai import OpenAIBackend, map_error
+from rewards.cache import CachedAnswer
+from rewards.concurrency import FatalCallError, RetryableError
+from rewards.parsing import Parsed
+from rewards.vqascore import _parse_probability, _template_question
+from rewards.vqascore_rules import ANSWER, QUESTION_TEMPLATE, raw_from_top_logprobs
+
+
+class OpenAILogprobsBackend(OpenAIBackend):
+    """Chat completions with ``logprobs``: the first answer token's top logprobs are the answer."""
+
+    def __init__(self, *args, top_logprobs: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.top_logprobs = top_logprobs
+
+    async def complete(self, client, prompt, images_b64, question, *, temperature, max_tokens, structured):
+        content: list[dict] = [{"type": "text", "text": prompt}]  # text then image, as t2v_metrics sends it
+        content += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}} for data in images_b64]
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "logprobs": True, "top_logprobs": self.top_logprobs}
+        if temperature is not None:
+            body["temperature"] = temperature
+        try:
+            response = await client.post("/chat/completions", cast_to=ChatCompletion, body=body)
+        except (openai.APIError, ValueError) as err:
+            raise map_error(err) from err
+        try:
+            choice = response.choices[0]
+        except (AttributeError, TypeError, IndexError) as err:
+            raise RetryableError(f"malformed response body: {type(err).__name__}") from err
+        content_lp = getattr(getattr(choice, "logprobs", None), "content", None)
+        if not content_lp:
+            where = self.base_url or "api.openai.com"
+            raise FatalCallError(f"the server at {where} returned no token logprobs for {self.model!r}; VQAScore needs "
+                                 "a server that returns them (vLLM, SGLang: logprobs=True, top_logprobs)", abort_run=True)
+        top = [(t.token, float(t.logprob)) for t in (content_lp[0].top_logprobs or [])]
+        usage = response.usage
+        return CachedAnswer(raw_from_top_logprobs(top), input_tokens=getattr(usage, "prompt_tokens", 0) or 0,
+                            output_tokens=getattr(usage, "completion_tokens", 0) or 0)
+
+
+@dataclass
+class ApiVqaScore(ApiJudge):
+    """P(answer) from an OpenAI-compatible server's first-token top logprobs (the authors' API rule)."""
+
+    question_template: str = QUESTION_TEMPLATE
+    answer: str = ANSWER
+    top_logprobs: int = 2  # t2v_metrics's default; vLLM allows up to 20 unless started with more
+    mode: str = "single"
+    structured: str | None = "none"
+    max_tokens: int = 1
+    temperature: float | None = None  # not sent, as t2v_metrics's request
+
+    def __post_init__(self):
+        if self.protocol != "project":
+            raise ValueError(f"judge {self.name!r} asks VQAScore's question; protocol={self.protocol!r} does not apply")
+        if self.mode != "single":
+            raise ValueError(f"judge {self.name!r} scores one image at a time (mode='single'), not {self.mode!r}")
+        if not 1 <= int(self.top_logprobs) <= 20:
+            raise ValueError(f"top_logprobs={self.top_logprobs!r}: 1 to 20 (the OpenAI API's limit)")
+        if self.provider != "openai":
+            raise ValueError(f"judge {self.name!r} needs an OpenAI-compatible server, not provider {self.provider!r}")
+        super().__post_init__()
+        self._backend = OpenAILogprobsBackend(model=self.model, base_url=self.base_url, timeout=float(self.timeout),
+                                              key_envs=self.key_envs, top_logprobs=int(self.top_logprobs))
+
+    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
+        self.question = _template_question(self.question_template, prompt_template)
+        self.protocol, self.prompt_template = "project", None
+
+    @property
+    def judge_id(self) -> str:
+        return f"vqascore-openai:{self.model}"
+
+    def decoding(self) -> dict:
+        return {**super().decoding(), "rule": "top-logprobs", "top_logprobs": int(self.top_logprobs)}
+
+    def parse(self, raw: str | None) -> Parsed:
+        return _parse_probability(raw, self.answer)
+
+
+def vqascore_openai(model: str, **options) -> ApiVqaScore:
+    options.setdefault("name", f"vqascore-openai:{model}")
+    return ApiVqaScore(provider="openai", model=model, **options)
