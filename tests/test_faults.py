@@ -127,7 +127,7 @@ def _count(n):
 
 
 def _labelling_fails_after_one_batch(monkeypatch):
-    real = align.data.feedback.generate_feedback
+    real = dpo.generate_feedback
 
     def generate_feedback(generate_images, *args, **kwargs):
         done = {"n": 0}
@@ -140,7 +140,7 @@ def _labelling_fails_after_one_batch(monkeypatch):
 
         return real(generate_then_fail, *args, **kwargs)
 
-    monkeypatch.setattr(align.data.feedback, "generate_feedback", generate_feedback)
+    monkeypatch.setattr(dpo, "generate_feedback", generate_feedback)
 
 
 def _half_written_lora(unet, folder, family=None):
@@ -179,7 +179,7 @@ def test_dpo_interrupted_at_each_stage_finishes_with_resume_latest(tiny_model, p
 
 
 def _decode_fails_in_epoch_two(mp):
-    mp.setattr(align.pipeline, "decode_latents", _fail_when(align.pipeline, "decode_latents", _count(3))[1])
+    mp.setattr(ddpo, "decode_latents", _fail_when(ddpo, "decode_latents", _count(3))[1])
 
 
 DDPO_STAGES = {
@@ -190,8 +190,8 @@ DDPO_STAGES = {
         align.pipeline, "save_lora", lambda *a: True, partial=_half_written_lora)[1]),
     "after-evaluation": lambda mp: mp.setattr(ddpo, "evaluate_model", _fail_when(
         ddpo, "evaluate_model", lambda *a: a[-1] == "after")[1]),
-    "report": lambda mp: mp.setattr(align.train.report, "write_training_report", _fail_when(
-        align.train.report, "write_training_report", lambda *a, **k: True)[1]),
+    "report": lambda mp: mp.setattr(ddpo, "write_training_report", _fail_when(
+        ddpo, "write_training_report", lambda *a, **k: True)[1]),
 }
 
 

@@ -12,8 +12,7 @@ from PIL import Image
 from test_ddpo_train import small_config as ddpo_config
 from test_dpo import pair_parquet, prompt_file, small_config  # noqa: F401  (fixtures)
 
-import align.data.feedback
-import align.pipeline
+import align.train.heldout
 from align.cli import ConfigError
 from align.eval import evaluate as ev
 from align.pipeline import save_full_unet
@@ -56,7 +55,7 @@ def test_dpo_stops_on_nan_weights_after_a_step_and_keeps_the_last_good_checkpoin
 
 def test_ddpo_stops_on_nan_images_like_a_failed_reward(tiny_model, prompt_file, tmp_path, monkeypatch):  # noqa: F811
 
-    real = align.pipeline.decode_latents
+    real = ddpo.decode_latents
     calls = {"n": 0}
 
     def nan_in_epoch_two(pipe, latents):
@@ -64,7 +63,7 @@ def test_ddpo_stops_on_nan_images_like_a_failed_reward(tiny_model, prompt_file, 
         images = real(pipe, latents)
         return images * float("nan") if calls["n"] > 2 else images  # two sampling batches per epoch
 
-    monkeypatch.setattr(align.pipeline, "decode_latents", nan_in_epoch_two)
+    monkeypatch.setattr(ddpo, "decode_latents", nan_in_epoch_two)
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match="non-finite generated images at epoch 1") as stopped:
         ddpo.train(ddpo_config(tiny_model, prompt_file, out))
@@ -78,7 +77,7 @@ def test_dpo_before_and_after_evaluation_mark_blank_images_instead_of_scoring_th
     def black_images(pipe, prompts, seeds, **kwargs):  # what a LoRA full of NaNs gives once clamped and quantised
         return torch.zeros(len(prompts), 3, 16, 16)
 
-    monkeypatch.setattr(align.pipeline, "generate_images", black_images)
+    monkeypatch.setattr(align.train.heldout, "generate_images", black_images)
     run = dpo.train(small_config(tiny_model, tmp_path / "run", dataset=pair_parquet, max_steps=2,
                                  eval_prompts=prompt_file, eval_judge="jpeg-compressibility"))
     for name in ("eval_before.json", "eval_after.json"):
@@ -136,7 +135,7 @@ def test_dpo_stops_before_judging_degenerate_feedback_images(tiny_model, prompt_
     def black_generator(pipe, **kwargs):  # a base model full of NaNs draws black images once they are PIL images
         return lambda prompts, seeds: [Image.new("RGB", (16, 16)) for _ in prompts]
 
-    monkeypatch.setattr(align.data.feedback, "make_pipeline_generator", black_generator)
+    monkeypatch.setattr(dpo, "make_pipeline_generator", black_generator)
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match=r"degenerate images while labelling feedback \(6 of 6 images are blank"):
         dpo.train(small_config(tiny_model, out, reward="jpeg-compressibility", prompts=prompt_file))
