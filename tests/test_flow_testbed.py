@@ -10,7 +10,7 @@ import torch
 import rewards
 from align.data.prompt_sets import load_prompt_list
 from align.families.base import ModelLoadError
-from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings
+from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings as read_testbed_settings
 from align.sampling import flow as flow_sampling
 from align.testbed import flow_models, weights
 from align.testbed.weights import TESTBED_PIPELINE_DIR
@@ -168,7 +168,7 @@ def test_testbed_flow_without_bundled_weights_says_how_to_build_them(monkeypatch
 def test_testbed_settings_reads_a_flow_testbed_folders_settings(built):
 
     out, settings = built
-    assert testbed_settings(str(out))["max_sequence_length"] == settings["max_sequence_length"] == 2
+    assert read_testbed_settings(str(out))["max_sequence_length"] == settings["max_sequence_length"] == 2
 
 
 def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_settings_and_samples_at_its_resolution():
@@ -177,7 +177,7 @@ def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_setting
     assert folder == str(weights.FLOW_TESTBED_PIPELINE_DIR)
     # small enough to ship inside the package (the SD testbed's pipeline is ~8 MB)
     assert sum(f.stat().st_size for f in weights.FLOW_TESTBED_PIPELINE_DIR.rglob("*.safetensors")) < 15e6
-    settings = testbed_settings("testbed-flow")
+    settings = read_testbed_settings("testbed-flow")
     assert settings["resolution"] == 32 and settings["max_sequence_length"] == flow_models.MAX_SEQUENCE_LENGTH
     assert settings["scheduler"] == "FlowMatchEulerDiscreteScheduler" and 0 < settings["evaluation"]["mean_oracle_score"] < 1
     pipe = load_pipeline("testbed-flow")

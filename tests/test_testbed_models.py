@@ -16,7 +16,7 @@ from transformers import CLIPModel, CLIPProcessor, CLIPTokenizer
 import rewards
 from align.eval.evaluate import EvalConfig
 from align.eval.generation import sampling_settings
-from align.pipeline import generate_images, load_trained, testbed_settings
+from align.pipeline import generate_images, load_trained, testbed_settings as read_testbed_settings
 from align.testbed import models, weights
 from align.testbed.scene import corrupt_caption, render, sample_captions
 from align.testbed.tokenizer import (
@@ -142,7 +142,7 @@ def test_bundled_pipeline_loads_offline_and_generates_32px():
     size_mb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
     assert size_mb <= 25
 
-    settings = testbed_settings("testbed")
+    settings = read_testbed_settings("testbed")
     assert settings["resolution"] == models.IMAGE_SIZE
     pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, local_files_only=True)
     assert isinstance(pipe.scheduler, DDIMScheduler)
