@@ -42,13 +42,13 @@ from align.generation import (
 )
 from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import mean_and_sem
-from align.pipeline import ModelLoadError, check_model
+from align.pipeline import ModelLoadError, check_model, check_sampling_steps
 from align.progress import progress_bar
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
 from align.report import png_bytes
 from align.runs import atomic_write_bytes, atomic_write_text
-from align.validation import check_common_inputs, check_weight_files, check_writable_dir
+from align.validation import check_common_inputs, check_not_a_training_run, check_weight_files, check_writable_dir
 from rewards.base import is_pointwise
 
 SEARCHES = ("random", "zero-order")
@@ -90,6 +90,7 @@ class BestOfNConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_not_a_training_run(self, "align.best_of_n")
         check_generation_dtype(self.dtype)
         if self.cache_dir:
             check_writable_dir("cache_dir", self.cache_dir)
@@ -220,6 +221,7 @@ def check_inputs(config: BestOfNConfig):
     try:
         if not (Path(config.model).expanduser() / "final").is_dir():
             check_model(config.model)
+            check_sampling_steps(config.model, config.num_inference_steps)
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
     check_weight_files("--model", config.model)  # a truncated file is named before any generation

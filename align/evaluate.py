@@ -45,12 +45,12 @@ from align.generation import (
 from align.health import degenerate_reason
 from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
 from align.metrics import CI_METHODS, FeatureNetwork
-from align.pipeline import ModelLoadError, resolve_model, run_base_model
+from align.pipeline import ModelLoadError, check_model, check_sampling_steps, resolve_model, run_base_model
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
 from align.runs import atomic_write_text
 from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
-from align.validation import check_common_inputs, check_weight_files
+from align.validation import check_common_inputs, check_not_a_training_run, check_weight_files
 from rewards.base import is_pointwise
 from rewards.images import load_image, to_tensor
 
@@ -101,6 +101,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_not_a_training_run(self, "align.evaluate")
         check_generation_dtype(self.dtype)
 
         if not split_list(self.models):
@@ -289,6 +290,12 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
             raise ConfigError(f"model {model.name!r}: no such folder {model.path!r}")
         if local:
             check_weight_files(f"--models {model.name}", path)  # a truncated file is named before any generation
+        try:
+            if local and (Path(path).expanduser() / "model_index.json").is_file():
+                check_model(path)  # an edited model_index.json (a list, SD weights labelled SDXL) is named here
+                check_sampling_steps(path, config.num_inference_steps)
+        except ModelLoadError as err:
+            raise ConfigError(f"model {model.name!r}: {err}") from None
     check_judge_names(split_list(config.judges), "--judges")
     features = ((config.fid_feature, config.fid_reference), (config.cmmd_feature, config.cmmd))
     check_judge_names([f for f, used in features if used and f not in FID_FEATURES_BUILTIN], "feature network")

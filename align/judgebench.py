@@ -47,7 +47,7 @@ from align.quiet import quiet_output
 from align.report import write_report
 from align.runs import atomic_write_bytes, atomic_write_text, scrub_secrets
 from align.testbed.mjbench import write_benchmark
-from align.validation import check_common_inputs
+from align.validation import check_common_inputs, check_not_a_training_run
 from rewards.judge_prompts import PROTOCOLS, load_template
 from rewards.secrets import check_key_env_name, scrub_text
 
@@ -118,6 +118,7 @@ def split_judges(text: str) -> list[str]:
 def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
     """Validate everything cheap before any data is generated or any judge is loaded; ConfigError (one line) if not."""
     check_common_inputs(config)
+    check_not_a_training_run(config, "align.judgebench")
     judges = split_judges(config.judges)
     if not judges:
         raise ConfigError("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")

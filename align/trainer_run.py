@@ -13,7 +13,7 @@ from pathlib import Path
 from align import pipeline  # save_lora / save_full_unet looked up at call time: tests replace them
 from align.cli import ConfigError, die, parse_config
 from align.data import DataError
-from align.pipeline import ModelLoadError, check_model
+from align.pipeline import ModelLoadError, check_model, check_sampling_steps
 from align.quiet import quiet_output
 from align.runs import CHECKPOINT_STATE, RunFolder, RunFolderError, atomic_folder, atomic_write_text
 from align.training import TrainingStopped, adamw_class
@@ -85,6 +85,7 @@ def check_config_and_model(config) -> None:
     adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
     try:
         check_weight_files("--model", check_model(config.model))
+        check_sampling_steps(config.model, getattr(config, "num_inference_steps", None))
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
 
