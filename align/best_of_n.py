@@ -48,7 +48,12 @@ from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
 from align.report import png_bytes
 from align.runs import atomic_write_bytes, atomic_write_text
-from align.validation import check_common_inputs, check_not_a_training_run, check_weight_files, check_writable_dir
+from align.validation import (
+    check_common_inputs,
+    check_not_a_training_run,
+    check_weight_files,
+    check_writable_dir,
+)
 from rewards.base import is_pointwise
 
 SEARCHES = ("random", "zero-order")

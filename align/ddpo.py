@@ -79,6 +79,7 @@ from align.sampling import (  # noqa: E402
 )
 from align.trainer_run import (  # noqa: E402
     check_config_and_model,
+    check_resume_settings,
     run_trainer,
     save_final_weights,
     start_run,
@@ -292,6 +293,7 @@ def train(config: DDPOConfig) -> Path:
     check_inputs(config)
     family = resolve_family(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
         config.mixed_precision, "ddpo", log_with=log_with, project_dir=str(run.path))

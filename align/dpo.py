@@ -38,6 +38,7 @@ from align.runs import (  # noqa: E402
 )
 from align.trainer_run import (  # noqa: E402
     check_config_and_model,
+    check_resume_settings,
     resume_from_checkpoint,
     run_trainer,
     save_final_weights,
@@ -203,7 +204,12 @@ def check_latent_store(config: DPOConfig, table, resolution: int) -> None:
         return  # built after the model loads
     complete = table is None or read_manifest(config.store_folder).get("complete", False)
     check_store(config.store_folder, model_fingerprint(config.model), resolution,
-                table.fingerprint if table is not None else None, need_complete=complete)
+                table_fingerprints(table), need_complete=complete)
+
+
+def table_fingerprints(table) -> tuple[str, ...] | None:
+    """The fingerprints a store of these pairs may hold: their content's, or (stores built before it) the older one."""
+    return None if table is None else (table.fingerprint, table.legacy_fingerprint)
 
 
 def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, store: Path | None):
@@ -229,7 +235,7 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
                 print(f"[latents] encoding {len(table):,} pairs (both flips) into {store}", flush=True)
                 build_store(pipe, table, store, spec, log=lambda line: print(line, flush=True))
         accelerator.wait_for_everyone()
-    manifest = check_store(store, model_fp, resolution, table.fingerprint if table is not None else None)
+    manifest = check_store(store, model_fp, resolution, table_fingerprints(table))
     return StoreLatents(store, manifest), PairOrder(manifest["num_pairs"], config.seed)
 
 
@@ -283,6 +289,7 @@ def train(config: DPOConfig) -> Path:
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
         config.mixed_precision, "dpo", gradient_accumulation_steps=config.gradient_accumulation_steps,

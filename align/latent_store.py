@@ -134,9 +134,10 @@ def read_manifest(store: str | Path) -> dict | None:
     return manifest
 
 
-def check_store(store: str | Path, model_fp: str, resolution: int, dataset_fp: str | None = None,
+def check_store(store: str | Path, model_fp: str, resolution: int, dataset_fp: str | tuple[str, ...] | None = None,
                 need_complete: bool = True) -> dict:
-    """The manifest of a store that fits this model, resolution (and dataset); else one clear line."""
+    """The manifest of a store that fits this model, resolution (and dataset: its content fingerprint, or any of a
+    tuple of accepted ones: a store built before content fingerprints holds the older one); else one clear line."""
     manifest = read_manifest(store)
     if manifest is None:
         raise DataError(f"latent store {str(store)!r} not found (no {MANIFEST}); build it with python -m align.precompute")
@@ -150,10 +151,11 @@ def check_store(store: str | Path, model_fp: str, resolution: int, dataset_fp: s
             f"latent store {str(store)!r} holds {manifest['resolution']} px latents but this run trains at "
             f"{resolution} px; pass --resolution {manifest['resolution']} or rebuild the store"
         )
-    if dataset_fp is not None and manifest["dataset_fingerprint"] != dataset_fp:
+    accepted = (dataset_fp,) if isinstance(dataset_fp, str) else tuple(filter(None, dataset_fp or ()))
+    if accepted and manifest["dataset_fingerprint"] not in accepted:
         raise DataError(
             f"latent store {str(store)!r} was built from other pairs (dataset fingerprint "
-            f"{manifest['dataset_fingerprint']}, this --dataset/--tie_policy/--max_pairs gives {dataset_fp})"
+            f"{manifest['dataset_fingerprint']}, this --dataset/--tie_policy/--max_pairs gives {accepted[0]})"
         )
     if need_complete and not manifest.get("complete"):
         raise DataError(

@@ -52,7 +52,7 @@ from align.runs import (  # noqa: E402
 )
 from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
 from align.testbed.tokenizer import testbed_tokenizer
-from align.trainer_run import resume_from_checkpoint, run_trainer, start_run  # noqa: E402
+from align.trainer_run import check_resume_settings, resume_from_checkpoint, run_trainer, start_run  # noqa: E402
 from align.training import (  # noqa: E402
     TrainingStopped,
     end_training,
@@ -399,6 +399,7 @@ def train(config: RewardTrainConfig) -> Path:
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
         config.mixed_precision, "reward", gradient_accumulation_steps=config.gradient_accumulation_steps,
         log_with=None if config.report_to == "none" else config.report_to, project_dir=str(run.path),
