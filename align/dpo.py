@@ -212,31 +212,49 @@ def table_fingerprints(table) -> tuple[str, ...] | None:
     return None if table is None else (table.fingerprint, table.legacy_fingerprint)
 
 
-def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, store: Path | None):
+def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, store: Path | None, start: int = 0,
+                  end: int | None = None):
     """The torch Dataset of this round's pairs and its epoch order. With a store (--latent_store: a store
-    folder, or the run folder's) items are latents read from disk, else decoded images;
-    a missing or interrupted store is first built (resumably) by the main process."""
-    from align.latent_store import StoreLatents, StoreSpec, build_store, check_store, model_fingerprint
+    folder, or the run folder's) items are latents read from disk, else decoded images. A store folder that is
+    missing or interrupted is first built whole; the run's own store (--latent_store run) is a write-through cache:
+    the pairs that steps [start, end) read and it lacks are encoded first (a short run encodes a few pairs, not
+    the dataset), by the main process, resumably."""
+    from align.latent_store import StoreLatents, StoreSpec, build_store, check_store, model_fingerprint, read_manifest
     from align.pair_stream import PairPixels
 
     if store is None:
         return PairPixels(table, resolution), PairOrder(len(table), config.seed)
     model_fp = model_fingerprint(config.model)
+    own_store = config.store_folder is None
     if table is not None:
-        dtype = "float32" if config.store_folder is None else "float16"
+        dtype = "float32" if own_store else "float16"
         spec = StoreSpec(model_fp, resolution, table.fingerprint, len(table), 1024, dtype)
         if accelerator.is_main_process:
-            from align.latent_store import read_manifest
-
             held = read_manifest(store)
-            if held is None or not held.get("complete"):
-                if held is not None:  # an interrupted build: finish it with its own settings
-                    spec = StoreSpec(**{k: held[k] for k in spec.as_dict()})
-                print(f"[latents] encoding {len(table):,} pairs (both flips) into {store}", flush=True)
-                build_store(pipe, table, store, spec, log=lambda line: print(line, flush=True))
+            if held is not None:  # an earlier (or interrupted) build: go on with its own settings
+                check_store(store, model_fp, resolution, table_fingerprints(table), need_complete=False)
+                spec = StoreSpec(**{k: held[k] for k in spec.as_dict()})
+            if own_store or held is None or not held.get("complete"):
+                wanted = consumed_pairs(PairOrder(len(table), config.seed), config, start, end, accelerator.num_processes)
+                reads = f"{len(table):,}" if wanted is None else f"{len(wanted):,} of the {len(table):,}"
+                print(f"[latents] this run reads {reads} pairs: those not yet in {store} are encoded first (both flips; "
+                      "the time left is printed after the first shard); --latent_store none skips this (each step "
+                      "then encodes its own images)", flush=True)
+                build_store(pipe, table, store, spec, log=lambda line: print(line, flush=True),
+                            pairs=wanted if own_store else None)
         accelerator.wait_for_everyone()
-    manifest = check_store(store, model_fp, resolution, table_fingerprints(table))
+    manifest = check_store(store, model_fp, resolution, table_fingerprints(table), need_complete=not own_store)
     return StoreLatents(store, manifest), PairOrder(manifest["num_pairs"], config.seed)
+
+
+def consumed_pairs(order: PairOrder, config: DPOConfig, start: int, end: int | None, processes: int):
+    """The pair indices steps [start, end) read (micro_batch_keys' counters), or None when that is every pair."""
+    per_step = config.train_batch_size * config.gradient_accumulation_steps * processes
+    end = config.max_steps if end is None else end
+    first, last = start * per_step, end * per_step
+    if last - first >= order.num_pairs:
+        return None
+    return torch.tensor([order.index(counter) for counter in range(first, last)], dtype=torch.int64).unique()
 
 
 def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start: int, end: int):
@@ -392,8 +410,9 @@ def train(config: DPOConfig) -> Path:
 
     def round_batches(table, step):
         """The data of the round holding ``step``, read from ``step`` to the round's end."""
-        data, order = training_data(accelerator, pipe, table, resolution, config, store_of_round(step // steps_per_round))
         end = (step // steps_per_round + 1) * steps_per_round
+        data, order = training_data(accelerator, pipe, table, resolution, config, store_of_round(step // steps_per_round),
+                                    step, end)
         return micro_batches(data, order, config, accelerator, step, end), order
 
     if training_left:
