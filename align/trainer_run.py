@@ -5,6 +5,7 @@ folder with its model card. Each trainer still reads top to bottom; these are th
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Callable
 from dataclasses import asdict
@@ -36,6 +37,12 @@ def run_trainer(config_class: type, train: Callable, argv: list[str] | None, des
         die(str(err))
     except stopped as err:
         die(str(err), code=3)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        die(f"no space left on the device while writing {err.filename or 'the run folder'} (what was being written "
+            "is discarded; the files and checkpoints written before are intact): free some space and rerun with "
+            "--resume latest", code=3)
 
 
 def save_final_weights(accelerator, unet, run_path: Path, finetune: str, write_card: Callable[[Path], None],
