@@ -219,7 +219,14 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
     missing or interrupted is first built whole; the run's own store (--latent_store run) is a write-through cache:
     the pairs that steps [start, end) read and it lacks are encoded first (a short run encodes a few pairs, not
     the dataset), by the main process, resumably."""
-    from align.latent_store import StoreLatents, StoreSpec, build_store, check_store, model_fingerprint, read_manifest
+    from align.latent_store import (
+        StoreLatents,
+        StoreSpec,
+        build_store,
+        check_store,
+        model_fingerprint,
+        read_manifest,
+    )
     from align.pair_stream import PairPixels
 
     if store is None:

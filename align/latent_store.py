@@ -300,7 +300,7 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
             save_file({COND_PREFIX + key: stored(value[0], dtype) for key, value in empty.items()}, str(tmp))
     wanted = torch.arange(spec.num_pairs) if pairs is None else torch.as_tensor(pairs, dtype=torch.int64).unique()
     missing = wanted[~torch.isin(wanted, held_pairs(store, manifest))]
-    chunks = missing.split(spec.shard_size)
+    chunks = [chunk for chunk in missing.split(spec.shard_size) if len(chunk)]
     started = time.perf_counter()
     for number, chunk in enumerate(chunks):
         shard = len(records)
