@@ -247,8 +247,11 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
                 print(f"[latents] this run reads {reads} pairs: those not yet in {store} are encoded first (both flips; "
                       "the time left is printed after the first shard); --latent_store none skips this (each step "
                       "then encodes its own images)", flush=True)
+                # The run's store encodes one pair per call: which pairs a run encodes together depends on where
+                # it started, and a batch's latents differ in the last bits with its company (a resumed run must
+                # equal an uninterrupted one bit for bit).
                 build_store(pipe, table, store, spec, log=lambda line: print(line, flush=True),
-                            pairs=wanted if own_store else None)
+                            pairs=wanted if own_store else None, batch_size=1 if own_store else 8)
         accelerator.wait_for_everyone()
     manifest = check_store(store, model_fp, resolution, table_fingerprints(table), need_complete=not own_store)
     return StoreLatents(store, manifest), PairOrder(manifest["num_pairs"], config.seed)
