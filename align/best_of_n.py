@@ -40,7 +40,13 @@ from align.generation import (
     resolve_device,
     sampling_settings,
 )
-from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
+from align.judges import (
+    check_judge_names,
+    check_judges_take_prompts,
+    compare_shuffled,
+    load_judge,
+    split_list,
+)
 from align.metrics import mean_and_sem
 from align.pipeline import ModelLoadError, check_model, check_sampling_steps
 from align.progress import progress_bar
@@ -253,6 +259,7 @@ def best_of_n(config: BestOfNConfig) -> dict:
     out = Path(config.output_dir)
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
+    check_judges_take_prompts([selector, *others.values()], prompts, "--prompts")
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(best_of_n_api_plan(selector, others, len(prompts), config.n, len(curve_sizes(config.n)),
                                       config.search == "zero-order"), config.max_api_cost)

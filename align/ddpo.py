@@ -63,7 +63,7 @@ from align.families.sd import StableDiffusion
 from align.flow_sampling import draw_window, flow_grpo_kl, sample_flow_with_logprob, sde_step
 from align.flow_sampling import gaussian_log_prob as flow_gaussian_log_prob
 from align.health import images_finite
-from align.judges import check_judge_names, load_judge  # noqa: E402
+from align.judges import check_judge_names, check_judges_take_prompts, load_judge  # noqa: E402
 from align.losses import ddpo_clipped_loss, gaussian_mean_kl  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
 from align.runs import (  # noqa: E402
@@ -314,6 +314,9 @@ def train(config: DDPOConfig) -> Path:
         require_pointwise_eval_judge(eval_reward.spec, not eval_reward.needs_groups)
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
+    check_judges_take_prompts([reward_fn], prompts, "--prompts")  # a rule judge that cannot parse one stops here
+    if eval_judge is not None:
+        check_judges_take_prompts([eval_judge.reward], load_prompt_list(config.eval_prompts), "--eval_prompts")
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
     eval_members = eval_judge.reward.members if eval_judge is not None else []  # the main process's only
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0

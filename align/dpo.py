@@ -29,7 +29,7 @@ from align.api_cost import dpo_api_plan, guard_api_cost  # noqa: E402
 from align.cli import ConfigError  # noqa: E402
 from align.dpo_config import RUN_STORE, DPOConfig  # noqa: E402
 from align.families.base import cat_conditioning, conditioning_to  # noqa: E402
-from align.judges import check_judge_names, load_judge  # noqa: E402
+from align.judges import check_judge_names, check_judges_take_prompts, load_judge  # noqa: E402
 from align.losses import diffusion_dpo_loss, per_sample_mse  # noqa: E402
 from align.progress import progress_bar  # noqa: E402
 from align.runs import (  # noqa: E402
@@ -333,6 +333,11 @@ def train(config: DPOConfig) -> Path:
     if config.eval_prompts and eval_judge_spec:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
         require_pointwise_eval_judge(eval_judge_spec, is_pointwise(eval_judge))
+
+    if judge is not None:  # a rule judge that cannot parse a prompt stops here, not while labelling
+        check_judges_take_prompts([judge], load_prompt_list(config.prompts), "--prompts")
+    if eval_judge is not None:
+        check_judges_take_prompts([eval_judge], load_prompt_list(config.eval_prompts), "--eval_prompts")
 
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
     feedback_prompts = len(load_prompt_list(config.prompts)) if judge is not None else 0

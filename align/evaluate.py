@@ -43,7 +43,13 @@ from align.generation import (
     slug,
 )
 from align.health import degenerate_reason
-from align.judges import check_judge_names, compare_shuffled, load_judge, split_list
+from align.judges import (
+    check_judge_names,
+    check_judges_take_prompts,
+    compare_shuffled,
+    load_judge,
+    split_list,
+)
 from align.metrics import CI_METHODS, FeatureNetwork
 from align.pipeline import ModelLoadError, check_model, check_sampling_steps, resolve_model, run_base_model
 from align.prompt_sets import PromptSetError, load_prompt_set
@@ -313,6 +319,7 @@ def evaluate(config: EvalConfig) -> dict:
     models, prompt_set = check_inputs(config)
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
+    check_judges_take_prompts(loaded.values(), prompt_set.prompts, "--prompts")
     seeds = parse_seeds(config.seeds)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)

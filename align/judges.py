@@ -26,6 +26,20 @@ def check_judge_names(specs, flag: str, allow_mix: bool = False) -> None:
             raise ConfigError(f"{flag}: {err}") from None
 
 
+def check_judges_take_prompts(judges, prompts: list[str], flag: str) -> None:
+    """Every judge (or weighted mix: its members) can judge every prompt of ``prompts`` (a rule judge parses its
+    captions): one line naming the prompt, before the run folder is written or an image made."""
+    for judge in judges:
+        for member in getattr(judge, "members", None) or [judge]:
+            check = getattr(getattr(member, "judge", member), "check_prompts_supported", None)
+            if check is None:
+                continue
+            try:
+                check(list(prompts))
+            except ValueError as err:
+                raise ConfigError(f"{flag}: {err}") from None
+
+
 def load_judge(spec: str, **options):
     """Load a judge and let it fail fast: a missing API key or weights, a model id the server rejects, a missing
     SDK or an option the judge does not take stop here with one message (ConfigError), before any generation."""

@@ -103,6 +103,10 @@ class Judge:
         scores_b = self.score(prompts, images_b).detach().float().cpu()
         return [preference_from_scores(float(a), float(b), self.tie_margin) for a, b in zip(scores_a, scores_b)]
 
+    def check_prompts_supported(self, prompts: list[str]) -> None:
+        """Raise ValueError naming the first prompt this judge cannot judge at all, before any image is made (a rule
+        judge that parses its captions); most judges take any text and check nothing."""
+
     def close(self) -> None:
         """Release resources (clients, caches). Safe to call twice."""
 

@@ -61,12 +61,13 @@ FILES = {
     "nan_yaml": "nan.yaml", "corrupt_parquet": "corrupt.parquet", "wrong_columns": "wrong_columns.parquet",
     "png": "circle.png", "truncated_png": "truncated.png", "text_as_png": "text.png", "not_a_model": "not_a_model",
     "a_file": "a_file.txt", "existing_run": "existing_run", "missing": "no_such_file.txt", "empty_dir": "empty_dir",
-    "zero_rows": "zero_rows.parquet", "locked_run": "locked_run",
+    "zero_rows": "zero_rows.parquet", "locked_run": "locked_run", "odd_prompts": "odd.txt",
 }
 
 
 def make_files(root: Path) -> None:
     (root / FILES["prompts"]).write_text("a red circle\na blue square\n")
+    (root / FILES["odd_prompts"]).write_text("a red circle\nthe weather is nice\n")  # shapes-oracle cannot parse line 2
     (root / FILES["latin1_prompts"]).write_bytes("a red circle\nun carré bleu\n".encode("latin-1"))
     (root / FILES["empty_prompts"]).write_text("")
     (root / FILES["blank_prompts"]).write_text("\n# only a comment\n\n")
@@ -374,6 +375,14 @@ CASES = [
     Case("ddpo-testbed-prompts-huge", "ddpo", flags("ddpo", "--prompts", "testbed:99999999999"), ("testbed:",)),
     Case("dpo-dataset-zero-rows", "dpo", flags("dpo", "--dataset", path("zero_rows"), drop=("--reward",)),
          ("no usable preference pairs",)),
+    Case("dpo-prompts-the-judge-cannot-parse", "dpo", flags("dpo", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1", "the weather is nice")),
+    Case("ddpo-prompts-the-judge-cannot-parse", "ddpo", flags("ddpo", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1",)),
+    Case("eval-prompts-the-judge-cannot-parse", "evaluate", flags("evaluate", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1",)),
+    Case("bon-prompts-the-judge-cannot-parse", "best_of_n", flags("best_of_n", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1",)),
     # --- an edited model_index.json: one line in every entry point ---
     Case("dpo-index-is-a-list", "dpo", flags("dpo", "--model", lambda ws: ws.list_index_model), ("model_index.json",)),
     Case("ddpo-index-is-a-list", "ddpo", flags("ddpo", "--model", lambda ws: ws.list_index_model), ("model_index.json",)),

@@ -225,3 +225,26 @@ def test_a_key_in_a_variable_named_by_api_key_env_is_masked_in_the_benchmarks_fi
     for db in (p for p in written if p.suffix == ".sqlite"):
         rows = sqlite3.connect(db).execute("SELECT raw FROM answers").fetchall()
         assert rows and all(key not in raw for (raw,) in rows)
+
+
+# ------------------------------------------------------------------ a full disk, through the command
+
+
+def test_a_full_disk_while_writing_a_checkpoint_ends_in_one_line(tiny_model, pair_parquet, tmp_path, monkeypatch, capsys):  # noqa: F811
+    import errno
+
+    real = os.replace
+
+    def full_at_the_checkpoint(src, dst):
+        if Path(dst).name == "step_0000001":
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_at_the_checkpoint)
+    out = tmp_path / "run"
+    line = _main_fails(capsys, ["--model", tiny_model, "--dataset", pair_parquet, "--output_dir", str(out),
+                                "--report_to", "none", "--max_steps", "1", "--finetune", "lora", "--lora_rank", "4",
+                                "--resolution", "16", "--train_batch_size", "2", "--gradient_accumulation_steps", "1"],
+                       "no space left", "--resume latest", code=3)
+    assert "step_0000001" in line
+    assert not (out / "checkpoints" / "step_0000001").exists()
