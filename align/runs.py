@@ -38,7 +38,7 @@ JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so
 CHECKPOINT_STATE = "state.json"  # written last into a checkpoint: its step and the manifest of its files
 SET_ASIDE = ".overwritten_run"  # --overwrite: the old run's outputs, until the new run has a checkpoint
 _SET_ASIDE_LIST = "moved.json"  # inside SET_ASIDE: which outputs were being moved there
-LOCK_FILE = ".run.lock"  # pid, host and start of the process whose run writes into the folder (run_lock.py's rules)
+LOCK_FILE = ".run.lock"  # pid, host and start of the process whose run writes into the folder (see "the lock")
 # Everything a run writes into its folder (other files, e.g. the user's notes, are never touched).
 RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED,
