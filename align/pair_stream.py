@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,12 +304,22 @@ class PlannedBatches(torch.utils.data.Sampler):
         return (self.end - self.start) * self.accumulation
 
 
+def capped_workers(requested: int) -> int:
+    """DataLoader workers, at most one per CPU (each is a process: 100,000 of them would bring the machine to a
+    halt), said in one line when capped."""
+    cpus = os.cpu_count() or 1
+    if requested <= cpus:
+        return requested
+    print(f"[data] --dataloader_num_workers {requested} is more than this machine's {cpus} CPUs; using {cpus}", flush=True)
+    return cpus
+
+
 def micro_batch_loader(dataset, sampler: PlannedBatches, num_workers: int) -> torch.utils.data.DataLoader:
     """A DataLoader over planned micro-batches; workers decode, crop and flip (or read latents)."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        num_workers=num_workers,
+        num_workers=capped_workers(num_workers),
         collate_fn=_collate,
         persistent_workers=False,
     )

@@ -102,9 +102,6 @@ def check_int_size(name: str, value: int) -> None:
         raise ConfigError(f"{flag(name)} must be at most {INT_LIMIT:,} in size, got {value}")
     if name in SIZE_LIMITS and value > SIZE_LIMITS[name]:
         raise ConfigError(f"{flag(name)} must be at most {SIZE_LIMITS[name]}, got {value}")
-    if name == "dataloader_num_workers" and value > (os.cpu_count() or 1):
-        raise ConfigError(f"{flag(name)} {value} is more than this machine's {os.cpu_count()} CPUs; give at most "
-                          f"{os.cpu_count()} (each worker is a process)")
 
 
 def check_range(name: str, value, low=None, high=None, *, low_open: bool = False, high_open: bool = False) -> None:

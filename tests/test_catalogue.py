@@ -369,8 +369,6 @@ CASES = [
     Case("bon-seed-huge", "best_of_n", flags("best_of_n", "--seed", str(2**33)), ("--seed",)),
     Case("dpo-resolution-huge", "dpo", flags("dpo", "--resolution", "100000"), ("--resolution", "at most")),
     Case("dpo-lora-rank-huge", "dpo", flags("dpo", "--finetune", "lora", "--lora_rank", str(10**9)), ("--lora_rank",)),
-    Case("dpo-workers-huge", "dpo", flags("dpo", "--dataloader_num_workers", "100000"),
-         ("--dataloader_num_workers", "CPUs")),
     Case("dpo-testbed-prompts-huge", "dpo", flags("dpo", "--prompts", "testbed:99999999999"), ("testbed:99999999999",)),
     Case("ddpo-testbed-prompts-huge", "ddpo", flags("ddpo", "--prompts", "testbed:99999999999"), ("testbed:",)),
     Case("dpo-dataset-zero-rows", "dpo", flags("dpo", "--dataset", path("zero_rows"), drop=("--reward",)),

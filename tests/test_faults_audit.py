@@ -248,3 +248,12 @@ def test_a_full_disk_while_writing_a_checkpoint_ends_in_one_line(tiny_model, pai
                        "no space left", "--resume latest", code=3)
     assert "step_0000001" in line
     assert not (out / "checkpoints" / "step_0000001").exists()
+
+
+def test_dataloader_workers_are_capped_at_the_cpus_in_one_line(capsys):
+    from align.pair_stream import capped_workers
+
+    assert capped_workers(0) == 0 and capped_workers(1) == 1
+    assert capped_workers(100_000) == os.cpu_count()
+    assert capsys.readouterr().out.strip() == (f"[data] --dataloader_num_workers 100000 is more than this machine's "
+                                               f"{os.cpu_count()} CPUs; using {os.cpu_count()}")
