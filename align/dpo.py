@@ -257,6 +257,20 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
     return StoreLatents(store, manifest), PairOrder(manifest["num_pairs"], config.seed)
 
 
+# A run that reads at most this many pairs has their images decoded before anything is written (a few seconds);
+# a longer one meets an unreadable image when it encodes it, stops in one line and removes what it wrote.
+UPFRONT_IMAGE_CHECK = 2000
+
+
+def check_pairs_readable(config: DPOConfig, table, processes: int) -> None:
+    """The images of the pairs this run reads decode (one line naming the row otherwise), when they are few."""
+    wanted = consumed_pairs(PairOrder(len(table), config.seed), config, 0, config.max_steps, processes)
+    pairs = range(len(table)) if wanted is None else wanted.tolist()
+    if len(pairs) <= UPFRONT_IMAGE_CHECK:
+        for k in pairs:
+            table.pixels(k, 8, False)
+
+
 def consumed_pairs(order: PairOrder, config: DPOConfig, start: int, end: int | None, processes: int):
     """The pair indices steps [start, end) read (micro_batch_keys' counters), or None when that is every pair."""
     per_step = config.train_batch_size * config.gradient_accumulation_steps * processes
@@ -349,6 +363,7 @@ def train(config: DPOConfig) -> Path:
     table = None
     if config.dataset:
         table = open_pairs(config.dataset, split=config.dataset_split, max_pairs=config.max_pairs)
+        check_pairs_readable(config, table, accelerator.num_processes)
     if config.store_folder:
         from align.latent_store import native_resolution
 

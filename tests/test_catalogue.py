@@ -9,6 +9,7 @@ Cases run in-process through each command's main(argv) (a few through a real sub
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -62,6 +63,7 @@ FILES = {
     "png": "circle.png", "truncated_png": "truncated.png", "text_as_png": "text.png", "not_a_model": "not_a_model",
     "a_file": "a_file.txt", "existing_run": "existing_run", "missing": "no_such_file.txt", "empty_dir": "empty_dir",
     "zero_rows": "zero_rows.parquet", "locked_run": "locked_run", "odd_prompts": "odd.txt",
+    "bad_image_pairs": "bad_image_pairs.parquet",
 }
 
 
@@ -97,6 +99,11 @@ def make_files(root: Path) -> None:
     pq.write_table(pa.table({"caption": pa.array([], pa.string()), "jpg_0": pa.array([], pa.binary()),
                              "jpg_1": pa.array([], pa.binary()), "label_0": pa.array([], pa.float64()),
                              "label_1": pa.array([], pa.float64())}), root / FILES["zero_rows"])
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (0, 0, 255)).save(png, format="PNG")
+    pq.write_table(pa.table({"caption": ["a blue square"] * 3, "jpg_0": [png.getvalue()] * 3,
+                             "jpg_1": [png.getvalue(), b"\x89PNG not really", png.getvalue()],
+                             "label_0": [1.0, 0.0, 1.0], "label_1": [0.0, 1.0, 0.0]}), root / FILES["bad_image_pairs"])
     locked = root / FILES["locked_run"]  # a run still training: its lock is held by a live process (pid 1)
     shutil.copytree(run, locked)
     (locked / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "start": _process_start(1),
@@ -371,6 +378,8 @@ CASES = [
     Case("dpo-lora-rank-huge", "dpo", flags("dpo", "--finetune", "lora", "--lora_rank", str(10**9)), ("--lora_rank",)),
     Case("dpo-testbed-prompts-huge", "dpo", flags("dpo", "--prompts", "testbed:99999999999"), ("testbed:99999999999",)),
     Case("ddpo-testbed-prompts-huge", "ddpo", flags("ddpo", "--prompts", "testbed:99999999999"), ("testbed:",)),
+    Case("dpo-dataset-unreadable-image", "dpo", flags("dpo", "--dataset", path("bad_image_pairs"), drop=("--reward",)),
+         ("row 1", "unreadable image")),
     Case("dpo-dataset-zero-rows", "dpo", flags("dpo", "--dataset", path("zero_rows"), drop=("--reward",)),
          ("no usable preference pairs",)),
     Case("dpo-prompts-the-judge-cannot-parse", "dpo", flags("dpo", "--prompts", path("odd_prompts")),

@@ -93,9 +93,11 @@ def test_a_run_lets_go_of_its_lock_however_it_ends(tiny_model, pair_parquet, tmp
 # ------------------------------------------------------------------ a start stopped by a bad input
 
 
-def test_a_start_stopped_by_a_bad_input_leaves_nothing_so_the_corrected_command_runs(tiny_model, tmp_path, capsys):
-    from PIL import Image  # noqa: F401  (the pair file below is written by test_precompute's helper)
+def test_a_start_stopped_by_a_bad_input_leaves_nothing_so_the_corrected_command_runs(tiny_model, tmp_path, capsys,
+                                                                                       monkeypatch):
     from test_precompute import write_pairs
+
+    monkeypatch.setattr(dpo, "UPFRONT_IMAGE_CHECK", 0)  # as in a run reading many pairs: met while encoding
 
     broken = write_pairs(tmp_path / "broken.parquet", corrupt_row=3)  # found only when its image is read
     out = tmp_path / "run"
