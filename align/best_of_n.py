@@ -29,7 +29,7 @@ import torch
 
 from align import report
 from align.api_cost import best_of_n_api_plan, guard_api_cost
-from align.cli import ConfigError, die, option, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.families import family_of_pipeline
 from align.feedback import derive_seed
 from align.generation import (
@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation
     except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err, "rerun with --resume latest")
     print(f"[best_of_n] wrote {Path(config.output_dir) / 'results.json'} and report.html")
     for spec, values in results["curves"].items():
         points = ", ".join(f"N={s}: {v:.4f}" for s, v in zip(results["sizes"], values))

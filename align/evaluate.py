@@ -30,7 +30,7 @@ import torch
 import rewards
 from align import metrics, report
 from align.api_cost import evaluate_api_plan, guard_api_cost
-from align.cli import ConfigError, die, option, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.generation import (
     GenerationCache,
     ModelEntry,
@@ -551,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation
     except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err)
     out = Path(config.output_dir)
     print(f"[evaluate] wrote {out / 'results.json'}, {out / 'results.csv'} and {out / 'report.html'}")
     for row in results["table"]:

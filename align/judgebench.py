@@ -39,7 +39,7 @@ from align import judgebench_answers as A
 from align import judgebench_metrics as M
 from align import report
 from align.api_cost import JudgeCalls, guard_api_cost, is_paid
-from align.cli import ConfigError, die, option, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.judgebench_data import SUBSETS, BenchDataError, BenchSample, load_bench
 from align.judges import load_judge
 from align.progress import progress_bar
@@ -753,6 +753,8 @@ def main(argv: list[str] | None = None) -> None:
             benchmark(config)
     except ConfigError as err:
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from align.cli import die  # noqa: E402
+from align.cli import die, die_if_disk_full  # noqa: E402
 from align.data import DataError  # noqa: E402
 from align.latent_store import DTYPES  # noqa: E402
 
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         precompute(args)
     except DataError as err:
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err)
 
 
 if __name__ == "__main__":

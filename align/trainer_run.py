@@ -5,14 +5,13 @@ folder with its model card. Each trainer still reads top to bottom; these are th
 
 from __future__ import annotations
 
-import errno
 import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from align import pipeline  # save_lora / save_full_unet looked up at call time: tests replace them
-from align.cli import ConfigError, die, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, parse_config
 from align.data import DataError
 from align.pipeline import ModelLoadError, check_model, check_sampling_steps
 from align.quiet import quiet_output
@@ -38,11 +37,7 @@ def run_trainer(config_class: type, train: Callable, argv: list[str] | None, des
     except stopped as err:
         die(str(err), code=3)
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        die(f"no space left on the device while writing {err.filename or 'the run folder'} (what was being written "
-            "is discarded; the files and checkpoints written before are intact): free some space and rerun with "
-            "--resume latest", code=3)
+        die_if_disk_full(err, "rerun with --resume latest")
 
 
 def save_final_weights(accelerator, unet, run_path: Path, finetune: str, write_card: Callable[[Path], None],

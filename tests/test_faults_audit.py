@@ -259,3 +259,23 @@ def test_dataloader_workers_are_capped_at_the_cpus_in_one_line(capsys):
     assert capped_workers(100_000) == os.cpu_count()
     assert capsys.readouterr().out.strip() == (f"[data] --dataloader_num_workers 100000 is more than this machine's "
                                                f"{os.cpu_count()} CPUs; using {os.cpu_count()}")
+
+
+def test_a_full_disk_ends_the_evaluation_commands_in_one_line_too(tmp_path, monkeypatch, capsys):
+    import errno
+
+    real = os.replace
+
+    def full(src, dst):
+        if Path(dst).name == "leaderboard.csv":
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(SystemExit) as exit_:
+        judgebench.main(["--judges", "random", "--testbed_pairs", "2", "--testbed_bias_groups", "0",
+                         "--output_dir", str(tmp_path / "bench")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 3 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "no space left" in line and "leaderboard.csv" in line
