@@ -245,7 +245,7 @@ def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, 
                 wanted = consumed_pairs(PairOrder(len(table), config.seed), config, start, end, accelerator.num_processes)
                 reads = f"{len(table):,}" if wanted is None else f"{len(wanted):,} of the {len(table):,}"
                 print(f"[latents] this run reads {reads} pairs: those not yet in {store} are encoded first (both flips; "
-                      "the time left is printed after the first shard); --latent_store none skips this (each step "
+                      "how long it takes is printed once it has started); --latent_store none skips this (each step "
                       "then encodes its own images)", flush=True)
                 # The run's store encodes one pair per call: which pairs a run encodes together depends on where
                 # it started, and a batch's latents differ in the last bits with its company (a resumed run must

@@ -280,8 +280,8 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
                 pairs=None) -> dict:
     """Encode the pairs of ``table`` (align.pair_stream.PairTable) into ``store``: all of them, or those of
     ``pairs`` (pair indices: what a run reads). Pairs already held are skipped, the others are encoded in their
-    index order in shards of ``spec.shard_size``, so an interrupted build resumes to the same bytes. After the first
-    shard the time left is estimated. Returns the manifest."""
+    index order in shards of ``spec.shard_size``, so an interrupted build resumes to the same bytes. The time the
+    whole encoding takes is estimated once, early (estimate), and again after each shard. Returns the manifest."""
     import time
 
     from safetensors.torch import save_file
@@ -302,10 +302,23 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
     missing = wanted[~torch.isin(wanted, held_pairs(store, manifest))]
     chunks = [chunk for chunk in missing.split(spec.shard_size) if len(chunk)]
     started = time.perf_counter()
+    estimated = False
+
+    def estimate(done: int) -> None:
+        """The whole encoding's duration, said once: after 10 seconds or an eighth of the work, whichever first."""
+        nonlocal estimated
+        spent = time.perf_counter() - started
+        if not estimated and done and (spent >= 10 or done * 8 >= len(missing)) and done < len(missing):
+            estimated = True
+            log(f"[latents] {done:,} of {len(missing):,} pairs encoded in {_duration(spent)}: about "
+                f"{_duration(spent / done * (len(missing) - done))} left")
+
     for number, chunk in enumerate(chunks):
         shard = len(records)
         path = store / shard_name(shard)
-        tensors = encode_shard(pipe, table.remapped(), chunk.tolist(), spec.resolution, batch_size)
+        before = sum(len(c) for c in chunks[:number])
+        tensors = encode_shard(pipe, table.remapped(), chunk.tolist(), spec.resolution, batch_size,
+                               progress=lambda done, before=before: estimate(before + done))
         with atomic_path(path) as tmp:
             save_file({k: stored(v, dtype) for k, v in tensors.items()}, str(tmp))
         records[path.name] = {"size": path.stat().st_size, "sha256": file_sha256(path), "pairs": len(chunk)}
@@ -333,9 +346,9 @@ def stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_shard(pipe, table, indices, resolution: int, batch_size: int) -> dict[str, torch.Tensor]:
+def encode_shard(pipe, table, indices, resolution: int, batch_size: int, progress=None) -> dict[str, torch.Tensor]:
     """Latents of both images of each pair of ``indices`` (a list of pair indices), un-flipped and flipped, the
-    shard's caption conditioning, and the pair indices held (``pairs``)."""
+    shard's caption conditioning, and the pair indices held (``pairs``); ``progress(pairs done)`` after each batch."""
     from align.families import family_of_pipeline
     from align.families.base import cat_conditioning
 
@@ -350,6 +363,8 @@ def encode_shard(pipe, table, indices, resolution: int, batch_size: int) -> dict
                 pixels.extend(table.pair_pixels(pair, resolution, flip))  # winner, loser
         encoded = family.encode_images(pipe, torch.stack(pixels)).float().cpu()
         latents.append(encoded.reshape(-1, 2, 2, *encoded.shape[1:]))  # [pairs, flip, (w, l), C, h, w]
+        if progress is not None:
+            progress(min(len(indices), start + batch_size))
     captions = [table.caption(k) for k in indices]
     distinct = sorted(set(captions))
     position = {c: i for i, c in enumerate(distinct)}

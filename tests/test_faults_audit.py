@@ -157,6 +157,7 @@ def test_the_runs_store_holds_the_pairs_the_run_reads_and_a_longer_run_adds_the_
     dpo.train(small_config(tiny_model, out, dataset=pair_parquet, max_steps=1, train_batch_size=2))
     printed = capsys.readouterr().out
     assert "this run reads 2 of the 6 pairs" in printed and "--latent_store none skips this" in printed
+    assert "1 of 2 pairs encoded in" in printed and "left" in printed  # the duration, said early (once)
     manifest = read_manifest(out / "latents")
     assert manifest["num_pairs"] == 6 and not manifest["complete"]
     assert sum(r["pairs"] for r in manifest["shards"].values()) == 2  # a short run encodes its own pairs only
