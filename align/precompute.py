@@ -21,6 +21,7 @@ if __package__ in (None, ""):
 from align.cli import die, die_if_disk_full  # noqa: E402
 from align.data import DataError  # noqa: E402
 from align.latent_store import DTYPES  # noqa: E402
+from align.validation import SIZE_LIMITS  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,8 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("shard_size", "batch_size"):
         if getattr(args, name) < 1:
             die(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.resolution is not None and args.resolution < 8:
-        die(f"--resolution must be at least 8 pixels, got {args.resolution}")
+    if args.resolution is not None and not 8 <= args.resolution <= SIZE_LIMITS["resolution"]:
+        die(f"--resolution must be in [8, {SIZE_LIMITS['resolution']}] pixels, got {args.resolution}")
+    if not args.output.strip():
+        die("--output is empty; give the store's folder")
     return args
 
 

@@ -25,7 +25,7 @@ import pytest
 from PIL import Image
 
 import rewards.score
-from align import best_of_n, ddpo, dpo, evaluate, judgebench, train_reward
+from align import best_of_n, ddpo, dpo, evaluate, judgebench, precompute, train_reward
 from align.runs import LOCK_FILE, _process_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +33,7 @@ PASTED_KEY = "sk-proj-Catalogue0KEY9never1echoed"
 ENTRIES = {
     "dpo": dpo.main, "ddpo": ddpo.main, "train_reward": train_reward.main, "evaluate": evaluate.main,
     "best_of_n": best_of_n.main, "judgebench": judgebench.main, "score": rewards.score.main,
+    "precompute": precompute.main,
 }
 
 
@@ -63,7 +64,7 @@ FILES = {
     "png": "circle.png", "truncated_png": "truncated.png", "text_as_png": "text.png", "not_a_model": "not_a_model",
     "a_file": "a_file.txt", "existing_run": "existing_run", "missing": "no_such_file.txt", "empty_dir": "empty_dir",
     "zero_rows": "zero_rows.parquet", "locked_run": "locked_run", "odd_prompts": "odd.txt",
-    "bad_image_pairs": "bad_image_pairs.parquet",
+    "bad_image_pairs": "bad_image_pairs.parquet", "good_pairs": "good_pairs.parquet",
 }
 
 
@@ -104,6 +105,8 @@ def make_files(root: Path) -> None:
     pq.write_table(pa.table({"caption": ["a blue square"] * 3, "jpg_0": [png.getvalue()] * 3,
                              "jpg_1": [png.getvalue(), b"\x89PNG not really", png.getvalue()],
                              "label_0": [1.0, 0.0, 1.0], "label_1": [0.0, 1.0, 0.0]}), root / FILES["bad_image_pairs"])
+    pq.write_table(pa.table({"caption": ["a blue square"] * 2, "jpg_0": [png.getvalue()] * 2, "jpg_1": [png.getvalue()] * 2,
+                             "label_0": [1.0, 0.0], "label_1": [0.0, 1.0]}), root / FILES["good_pairs"])
     locked = root / FILES["locked_run"]  # a run still training: its lock is held by a live process (pid 1)
     shutil.copytree(run, locked)
     (locked / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "start": _process_start(1),
@@ -166,6 +169,7 @@ def base(entry: str, ws: Workspace) -> list[str]:
                       "--n", "2", *common],
         "judgebench": ["--judges", "random", "--testbed_pairs", "2", *common],
         "score": ["--judge", "shapes-oracle", "--prompt", "a red circle", ws.png],
+        "precompute": ["--model", ws.model, "--dataset", ws.good_pairs, "--output", ws.out, "--resolution", "16"],
     }[entry]
 
 
@@ -390,6 +394,14 @@ CASES = [
          ("shapes-oracle cannot judge prompt 1",)),
     Case("bon-prompts-the-judge-cannot-parse", "best_of_n", flags("best_of_n", "--prompts", path("odd_prompts")),
          ("shapes-oracle cannot judge prompt 1",)),
+    Case("precompute-output-empty", "precompute", flags("precompute", "--output", ""), ("--output is empty",)),
+    Case("precompute-resolution-huge", "precompute", flags("precompute", "--resolution", "100000"), ("--resolution",)),
+    Case("precompute-zero-rows", "precompute", flags("precompute", "--dataset", path("zero_rows")),
+         ("no usable preference pairs",)),
+    Case("precompute-index-is-a-list", "precompute", flags("precompute", "--model", lambda ws: ws.list_index_model),
+         ("model_index.json",)),
+    Case("precompute-sd-labelled-sdxl", "precompute", flags("precompute", "--model", lambda ws: ws.sdxl_labelled_model),
+         ("StableDiffusionXLPipeline",)),
     # --- an edited model_index.json: one line in every entry point ---
     Case("dpo-index-is-a-list", "dpo", flags("dpo", "--model", lambda ws: ws.list_index_model), ("model_index.json",)),
     Case("ddpo-index-is-a-list", "ddpo", flags("ddpo", "--model", lambda ws: ws.list_index_model), ("model_index.json",)),
