@@ -13,6 +13,7 @@ import ast
 import contextlib
 import copy
 import dataclasses
+import errno
 import io
 import re
 import sys
@@ -53,6 +54,15 @@ def die(message: str, code: int = 2) -> NoReturn:
 
     print(f"error: {scrub_text(message)}", file=sys.stderr, flush=True)  # a key echoed in a message stays hidden
     raise SystemExit(code)
+
+
+def die_if_disk_full(err: OSError, rerun: str = "run the same command again") -> NoReturn:
+    """A full disk (or quota) ends in one line and exit status 3; any other OSError goes on as it is. Files are written
+    whole (align.run_folder.atomic_path), so what was being written is discarded and everything before it is intact."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        raise err
+    die(f"no space left on the device while writing {err.filename or 'the output'} (what was being written is "
+        f"discarded; the files written before are intact): free some space and {rerun}", code=3)
 
 
 def first_paragraph(docstring: str | None) -> str | None:

@@ -26,7 +26,24 @@ def check_judge_names(specs, flag: str, allow_mix: bool = False) -> None:
             raise ConfigError(f"{flag}: {err}") from None
 
 
+def check_judges_take_prompts(judges, prompts: list[str], flag: str) -> None:
+    """Every judge (or weighted mix: its members) can judge every prompt of ``prompts`` (a rule judge parses its
+    captions): one line naming the prompt, before the run folder is written or an image made."""
+    for judge in judges:
+        for member in getattr(judge, "members", None) or [judge]:
+            member_judge = getattr(member, "judge", member)
+            check = getattr(member_judge, "check_prompts_supported", None)
+            if check is None:
+                continue
+            try:
+                check(list(prompts))
+            except ValueError as err:
+                name = getattr(member_judge, "name", "judge")
+                raise ConfigError(f"{flag}: judge {name!r} cannot judge these prompts: {err}") from None
+
+
 def load_judge(spec: str | rewards.JudgeSpec, **options):
+
     """Load a judge and let it fail fast: a missing API key or weights, a model id the server rejects, a missing
     SDK or an option the judge does not take stop here with one message (ConfigError), before any generation."""
     try:
@@ -37,17 +54,6 @@ def load_judge(spec: str | rewards.JudgeSpec, **options):
     except (ValueError, RuntimeError, OSError, ImportError) as err:
         raise ConfigError(f"judge {str(spec)!r} is not usable: {err}") from None
     return judge
-
-
-def check_judge_prompts(judge, prompts: list[str], spec: str) -> None:
-    """A judge that can only read some prompts (GenEval's metadata, OCR's quoted text) says so before any image
-    is generated: one ConfigError naming the judge and the first prompt it cannot judge."""
-    check = getattr(judge, "check_prompts", None)
-    if callable(check):
-        try:
-            check(list(prompts))
-        except ValueError as err:
-            raise ConfigError(f"judge {spec!r} cannot judge these prompts: {err}") from None
 
 
 def compare_shuffled(judge, prompts: list[str], images_a: torch.Tensor, images_b: torch.Tensor, rng) -> np.ndarray:

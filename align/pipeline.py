@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from align.families import UnknownFamilyError, family_of, family_of_pipeline
+from align.families import UnknownFamilyError, check_pipeline_folder, family_of, family_of_pipeline
 from align.families.base import LORA_WEIGHTS, ModelLoadError, dtype_argument, one_line
 from align.families.sd import StableDiffusion
 from align.progress import progress_bar
@@ -22,6 +22,7 @@ from align.testbed.weights import (
     flow_testbed_pipeline_dir,
     testbed_pipeline_dir,
 )
+from align.validation import check_range
 
 DENOISER_FOLDERS = ("unet", "transformer")  # a fully fine-tuned denoiser's folder, by family
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -53,7 +54,27 @@ def check_model(model: str) -> str:
                 "give a hub id such as stable-diffusion-v1-5/stable-diffusion-v1-5, a folder saved with "
                 "save_pretrained, or 'testbed' / 'testbed-flow'"
             )
+        try:
+            check_pipeline_folder(path)
+        except UnknownFamilyError as err:
+            raise ModelLoadError(f"--model {model!r}: {one_line(err)}") from None
     return resolved
+
+
+def check_sampling_steps(model: str, steps: int | None, name: str = "num_inference_steps") -> None:
+    """``steps`` sampling steps fit the model's scheduler (at most its num_train_timesteps; a local folder's
+    scheduler config is read, a hub id is left to the scheduler)."""
+
+    if steps is None:
+        return
+    check_range(name, steps, 1)
+    config = Path(resolve_model(model)).expanduser() / "scheduler" / "scheduler_config.json"
+    try:
+        limit = int(json.loads(config.read_text()).get("num_train_timesteps", 1000))
+    except (OSError, ValueError, TypeError, AttributeError):
+        limit = 1000
+    if steps > limit:
+        raise ModelLoadError(f"--{name} {steps} is more than the scheduler's {limit} training timesteps; give at most {limit}")
 
 
 def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

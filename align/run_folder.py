@@ -16,7 +16,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -36,6 +38,7 @@ JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so
 CHECKPOINT_STATE = "state.json"  # written last into a checkpoint: its step and the manifest of its files
 SET_ASIDE = ".overwritten_run"  # --overwrite: the old run's outputs, until the new run has a checkpoint
 _SET_ASIDE_LIST = "moved.json"  # inside SET_ASIDE: which outputs were being moved there
+LOCK_FILE = ".run.lock"  # pid, host and start of the process whose run writes into the folder (see "the lock")
 # Everything a run writes into its folder (other files, e.g. the user's notes, are never touched).
 RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED,
@@ -43,6 +46,8 @@ RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feed
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 # Run folders whose old run this process set aside and has not yet let go (see restores_old_run_on_failure).
 _SET_ASIDE_HERE: set[Path] = set()
+# Run folders this process prepared (their RunFolder), so the trainer's wrapper can undo a start that failed.
+_OPEN_RUNS: dict[Path, RunFolder] = {}
 
 
 def eval_file_name(step: int) -> str:
@@ -60,6 +65,120 @@ def held_out_evals(run_dir: str | Path) -> list[Path]:
 
 class RunFolderError(ValueError):
     pass
+
+
+# ------------------------------------------------------------------------------------------- the lock
+# One run writes into a folder at a time. The main process of a run holds <run>/.run.lock (its pid, host, the
+# pid's start time and its launcher's pid); another start into the folder, --overwrite or --resume included, is
+# refused while that process lives. A lock whose process is gone (kill -9, a crash, a reboot) is stale and is
+# taken over: nothing has to be cleaned by hand. The processes of one `accelerate launch` share a launcher and
+# count as one run.
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux /proc), so a pid reused after the holder
+    died is not mistaken for it; None where /proc is not there."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    return start is None or process_start(pid) in (None, start)
+
+
+def _launcher() -> int | None:
+    """The pid of the launcher this process belongs to (accelerate launch / torchrun set RANK); None alone."""
+    return os.getppid() if "RANK" in os.environ or "LOCAL_RANK" in os.environ else None
+
+
+def _read_lock(path: Path) -> dict | None:
+    try:
+        holder = json.loads((path / LOCK_FILE).read_text())
+        int(holder["pid"])
+        return holder
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # torn or edited: nobody can be shown to hold it
+
+
+def _ours(holder: dict) -> bool:
+    if holder.get("host") != socket.gethostname():
+        return False
+    return holder.get("pid") == os.getpid() or (_launcher() is not None and holder.get("launcher") == _launcher())
+
+
+def live_lock_holder(path: str | Path) -> dict | None:
+    """The lock of another run still writing into ``path`` (a live process, or one on another host, which cannot
+    be checked), or None: no lock, our own, or a stale one."""
+    holder = _read_lock(Path(path))
+    if not holder or _ours(holder):
+        return None
+    if holder.get("host") == socket.gethostname() and not _alive(int(holder["pid"]), holder.get("start")):
+        return None
+    return holder
+
+
+def check_not_locked(path: str | Path) -> None:
+    """One line when another run is writing into ``path``."""
+    holder = live_lock_holder(path)
+    if holder is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("time", 0)))
+        raise RunFolderError(
+            f"output folder {path} is in use by a run that is still going (pid {holder['pid']} on "
+            f"{holder.get('host')}, started {since}); wait for it to end or choose another --output_dir"
+            + ("" if holder.get("host") == socket.gethostname() else
+               f" (if that run is gone, delete {Path(path) / LOCK_FILE})")
+        )
+
+
+def acquire_run_lock(path: Path) -> None:
+    """Take <path>/.run.lock for this process (refused while another run holds it; a stale one is taken over).
+    Written whole beside it and linked into place: the link fails if a lock is there, so two starts cannot
+    both take it."""
+    path.mkdir(parents=True, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid()),
+          "launcher": _launcher(), "time": time.time()}
+    for _ in range(3):
+        check_not_locked(path)
+        holder = _read_lock(path)
+        if holder and _ours(holder):
+            return
+        if holder is not None:  # stale (its process is gone) or unreadable: take it over
+            (path / LOCK_FILE).unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=f"{LOCK_FILE}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(me, handle)
+            os.link(tmp, path / LOCK_FILE)
+        except FileExistsError:
+            continue  # another start took it between our look and our link: look again
+        finally:
+            os.unlink(tmp)
+        return
+    check_not_locked(path)
+
+
+def release_run_lock(path: str | Path) -> None:
+    """Remove <path>/.run.lock if this process holds it."""
+    holder = _read_lock(Path(path))
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        (Path(path) / LOCK_FILE).unlink(missing_ok=True)
+
+
+def holds_training_run(path: str | Path) -> bool:
+    """Whether ``path`` holds a training run (its config and any of checkpoints, final weights or metrics)."""
+    path = Path(path)
+    return (path / CONFIG_FILE).is_file() and any((path / name).exists() for name in (CHECKPOINTS, "final", METRICS_FILE))
 
 
 def scrub_secrets(obj):
@@ -216,9 +335,12 @@ class RunFolder:
         self.path = Path(output_dir)
         self.resume = resume
         self.damaged: dict[Path, str] = {}  # checkpoints found damaged (skipped by latest_checkpoint)
+        if not str(output_dir).strip():
+            raise RunFolderError("--output_dir is empty; give a folder path (. for the current folder)")
         holds_run = any((self.path / name).exists() for name in (CONFIG_FILE, CHECKPOINTS, SET_ASIDE))
         if self.path.exists() and not self.path.is_dir():
             raise RunFolderError(f"output path {self.path} exists and is not a folder")
+        check_not_locked(self.path)  # a run still training there: neither --resume nor --overwrite may touch it
         if holds_run and not resume and not overwrite:
             raise RunFolderError(
                 f"output folder {self.path} already holds a run; pass --resume latest to continue it, "
@@ -227,16 +349,23 @@ class RunFolder:
         if resume and resume != "latest" and not Path(resume).is_dir():
             raise RunFolderError(f"--resume {resume!r}: no such checkpoint folder (or use 'latest')")
         self.overwrite = overwrite and not resume
+        self.created: set[str] = set()  # the outputs this run made where none were (undone by a start that fails)
+        self.made_folder = False
 
     def prepare(self) -> None:
         """Create the folder (main process only). An old run set aside by an --overwrite start that never
-        finished is given back first; with --overwrite, the old run's outputs are set aside (set_aside)."""
+        finished is given back first; with --overwrite, the old run's outputs are set aside (set_aside). The
+        folder's lock is taken first: a second start into it is refused."""
+        self.made_folder = not self.path.exists()
+        acquire_run_lock(self.path)
+        _OPEN_RUNS[self.path.resolve()] = self
         recover_set_aside_run(self.path)
         if self.path.is_dir():
             clean_interrupted_writes(self.path)
         if self.overwrite:
             self.set_aside_old_run()
         self.path.mkdir(parents=True, exist_ok=True)
+        self.created = {name for name in RUN_OUTPUTS if not (self.path / name).exists()}
 
     def set_aside_old_run(self) -> None:
         """Move the old run's outputs into <run>/.overwritten_run (renames: nothing is copied or changed)."""
@@ -394,20 +523,48 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def restores_old_run_on_failure(train):
+# What a run that never reached its first checkpoint leaves behind when it stops on a bad input: the judge's
+# answers (paid for; a cache keyed by the question, so a corrected command asks nothing twice).
+_KEPT_AFTER_BAD_START = (JUDGE_ANSWERS,)
+
+
+def undo_failed_start(run: RunFolder) -> None:
+    """A run stopped by a bad input before its first checkpoint: remove what it wrote where nothing was (config,
+    metrics, feedback, latents, ...), and the folder itself if it made it and nothing else is left, so the corrected
+    command is not refused with 'already holds a run'. An old run set aside by --overwrite is put back first."""
+    if run.checkpoints():
+        return
+    for name in sorted(run.created - set(_KEPT_AFTER_BAD_START)):
+        _remove(run.path / name)
+    if run.made_folder and run.path.is_dir():
+        leftovers = [p for p in run.path.iterdir() if p.name != LOCK_FILE]
+        if all(p.name in _KEPT_AFTER_BAD_START and not any(p.iterdir()) for p in leftovers if p.is_dir()) and \
+                not any(p.is_file() for p in leftovers):
+            shutil.rmtree(run.path, ignore_errors=True)
+
+
+def restores_old_run_on_failure(train, bad_input: tuple[type[BaseException], ...] = (ValueError,)):
     """Decorate a trainer's ``train(config)``: if it fails after --overwrite set the old run aside and before
-    the new run's first checkpoint, the old run is put back byte for byte before the error goes on."""
+    the new run's first checkpoint, the old run is put back byte for byte before the error goes on; if it fails on
+    a bad input (``bad_input``: ConfigError, DataError, ... are ValueErrors) before that checkpoint, what it wrote
+    is removed (undo_failed_start). The folder's lock is let go however it ends."""
 
     @functools.wraps(train)
     def guarded(config, *args, **kwargs):
+        path = Path(config.output_dir)
         try:
             return train(config, *args, **kwargs)
-        except BaseException:
-            path = Path(config.output_dir)
+        except BaseException as err:
+            run = _OPEN_RUNS.get(path.resolve())
             if path.resolve() in _SET_ASIDE_HERE and (path / SET_ASIDE).is_dir():
                 restore_set_aside_run(path)
                 print(f"[run] the run did not start; the old run in {path} is back in place", flush=True)
+            elif run is not None and isinstance(err, bad_input):
+                undo_failed_start(run)
             raise
+        finally:
+            _OPEN_RUNS.pop(path.resolve(), None)
+            release_run_lock(path)
 
     return guarded
 

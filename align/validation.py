@@ -26,6 +26,7 @@ import typing
 from pathlib import Path
 
 from align.errors import ConfigError
+from align.run_folder import check_not_locked, holds_training_run
 
 
 class ConfigTypeError(ConfigError, TypeError):
@@ -80,6 +81,28 @@ def check_config_values(config) -> None:
             raise ConfigTypeError(f"{flag(field.name)} must be {_type_name(allowed)}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value) and not field.metadata.get("allow_nonfinite"):
             raise ConfigError(f"{flag(field.name)} must be a finite number, got {value}")
+        if isinstance(value, int) and not isinstance(value, bool):
+            check_int_size(field.name, value)
+
+
+# Seeds go to numpy and torch generators (numpy takes [0, 2^32)); every other count or size of a config is far below
+# 2^31 (a loop count, a number of pairs, pixels): larger ones would overflow a tensor index or run for ever.
+SEED_LIMIT = 2**32 - 1
+INT_LIMIT = 2**31 - 1
+# Sizes that allocate memory at once, checked before any model is built (per field: the largest value accepted).
+SIZE_LIMITS = {"resolution": 8192, "lora_rank": 4096}
+
+
+def check_int_size(name: str, value: int) -> None:
+    """A seed within numpy's [0, 2^32 - 1], any other integer within +-(2^31 - 1), and resolution / lora_rank
+    within what a GPU can hold at all (SIZE_LIMITS)."""
+    if name == "seed" or name.endswith("_seed"):
+        if not 0 <= value <= SEED_LIMIT:
+            raise ConfigError(f"{flag(name)} must be in [0, {SEED_LIMIT}], got {value}")
+    elif abs(value) > INT_LIMIT:
+        raise ConfigError(f"{flag(name)} must be at most {INT_LIMIT:,} in size, got {value}")
+    if name in SIZE_LIMITS and value > SIZE_LIMITS[name]:
+        raise ConfigError(f"{flag(name)} must be at most {SIZE_LIMITS[name]}, got {value}")
 
 
 def check_range(name: str, value, low=None, high=None, *, low_open: bool = False, high_open: bool = False) -> None:
@@ -159,8 +182,25 @@ def check_common_inputs(config) -> None:
     """What every command's config shares: typed, finite values and, where it has one, a writable --output_dir.
     The first lines of each config's validate(), so ``train(config)`` checks exactly what the command line does."""
     check_config_values(config)
+    if hasattr(config, "output_dir") and not str(config.output_dir).strip():
+        raise ConfigError("--output_dir is empty; give a folder path (. for the current folder)")
     if getattr(config, "output_dir", None):
         check_writable_dir("output_dir", config.output_dir)
+
+
+def check_not_a_training_run(config, command: str) -> None:
+    """An evaluation command's --output_dir is not a training run's folder (its report.html and config.yaml would
+    be replaced) nor a folder a run is writing into."""
+
+    if holds_training_run(config.output_dir):
+        raise ConfigError(
+            f"--output_dir {config.output_dir!r} holds a training run; {command} would replace its report.html and "
+            "files: choose another --output_dir (e.g. a folder inside it)"
+        )
+    try:
+        check_not_locked(config.output_dir)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_parquet_columns(name: str, path: str | Path, columns: tuple[str, ...]) -> None:

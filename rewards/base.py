@@ -109,6 +109,10 @@ class Judge:
         API judge, a position-biased oracle) and a judge without its own ``score`` are asked ``compare`` instead."""
         return type(self).score is not Judge.score and not self.pairwise_native
 
+    def check_prompts_supported(self, prompts: list[str]) -> None:
+        """Raise ValueError naming the first prompt this judge cannot judge at all, before any image is made (a rule
+        judge that parses its captions); most judges take any text and check nothing."""
+
     def close(self) -> None:
         """Release resources (clients, caches). Safe to call twice."""
 

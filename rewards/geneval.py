@@ -267,7 +267,7 @@ class GenEvalJudge(Judge):
                 "or pass geneval[metadata=<jsonl with prompt, tag, include>]"
             ) from None
 
-    def check_prompts(self, prompts: list[str]) -> None:
+    def check_prompts_supported(self, prompts: list[str]) -> None:
         """Raise ValueError for a prompt without GenEval metadata (commands call this before generating)."""
         for prompt in dict.fromkeys(prompts):
             self.lookup(prompt)

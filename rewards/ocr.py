@@ -44,7 +44,7 @@ class OcrJudge(Judge):
     read: Callable[[list[Image.Image]], list[Lines]] | None = None
     target: Callable[[str], str] = quoted_text
 
-    def check_prompts(self, prompts: list[str]) -> None:
+    def check_prompts_supported(self, prompts: list[str]) -> None:
         """Raise ValueError for a prompt with no text to read (commands call this before generating)."""
         for prompt in dict.fromkeys(prompts):
             self.target(prompt)

@@ -6,9 +6,10 @@ What is masked (replaced by ``***``):
 - strings shaped like keys: ``sk-...`` (OpenAI), ``sk-ant-...`` (Anthropic), ``AIza...`` (Google),
   ``hf_...`` (Hugging Face), and long random-looking tokens (24+ characters without a separator mixing
   upper case, lower case and digits; a hex digest, a hub id or a word is not one of them);
-- the current values of the environment variables that hold keys (``KEY_ENV_VARS``, and any variable
-  named like one: ``*_API_KEY``, ``*_KEY``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``), wherever they appear, whatever their shape (values shorter than 8 characters are left alone: they would mask
-  ordinary words);
+- the current values of the environment variables that hold keys (``KEY_ENV_VARS``, any variable
+  named like one: ``*_API_KEY``, ``*_KEY``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, and any variable a judge's
+  ``api_key_env=`` names, whatever its name: ``MY_JUDGE_CRED``), wherever they appear, whatever their shape
+  (values shorter than 8 characters are left alone: they would mask ordinary words);
 - in mappings (configs): the whole value of a key named like a secret (``api_key``, ``token``, ...).
 
 Used by both packages (``rewards`` never imports ``align``): align's run folders, ``die()`` and
@@ -44,11 +45,18 @@ _KEY_SHAPES = re.compile(
 _LONG_TOKEN = re.compile(r"(?<![A-Za-z0-9_\-+/])[A-Za-z0-9_\-]{24,}(?![A-Za-z0-9_\-+/=])")
 
 
+# The runs a word is made of: a capitalised or lower-case word, an upper-case run, a number.
+_WORD_RUN = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+")
+
+
 def _random_looking(token: str) -> bool:
-    """A stretch of 24+ characters without a separator that mixes upper case, lower case and digits: a key or
-    token. Hub ids and names (CLIP-ViT-H-14-laion2B-s32B-b79K), words and hex digests have no such stretch."""
+    """A stretch of 24+ characters without a separator that mixes upper case, lower case and digits, in short
+    runs: a key or token. Hub ids and names (CLIP-ViT-H-14-laion2B-s32B-b79K), words, hex digests and CamelCase
+    identifiers (StableDiffusion3Pipeline: four runs of six characters on average) have no such stretch; a random
+    base-62 string changes case or turns to a digit every second character or so."""
     return any(
         len(part) >= 24 and re.search(r"[a-z]", part) and re.search(r"[A-Z]", part) and re.search(r"[0-9]", part)
+        and len(_WORD_RUN.findall(part)) * 3 > len(part)  # runs shorter than 3 characters on average
         for part in re.split(r"[_\-]", token)
     )
 
@@ -57,9 +65,19 @@ def _random_looking(token: str) -> bool:
 _SECRET_ENV_NAME = re.compile(r"(API_?KEY|_KEY$|TOKEN|SECRET|PASSWORD)", re.IGNORECASE)
 
 
+# Variables named by a judge's api_key_env= in this process (check_key_env_name registers them): they hold keys
+# whatever their names say.
+_NAMED_KEY_ENVS: set[str] = set()
+
+
+def register_key_env(name: str) -> None:
+    """Mask the value of the environment variable ``name`` from now on (a judge reads its key there)."""
+    _NAMED_KEY_ENVS.add(name)
+
+
 def secret_env_values() -> list[str]:
     """The current values of the key-holding environment variables (long enough to mask safely)."""
-    names = set(KEY_ENV_VARS) | {name for name in os.environ if _SECRET_ENV_NAME.search(name)}
+    names = set(KEY_ENV_VARS) | _NAMED_KEY_ENVS | {name for name in os.environ if _SECRET_ENV_NAME.search(name)}
     values = {os.environ.get(name, "").strip() for name in names}
     return sorted((v for v in values if len(v) >= _MIN_ENV_VALUE), key=len, reverse=True)
 
@@ -101,6 +119,7 @@ def check_key_env_name(name) -> None:
             "the value given is not one (it may be a key itself, so it is not repeated here): put the key in "
             "the environment and name its variable"
         )
+    register_key_env(name)  # whatever it is called, its value is a key from now on
 
 
 class ScrubbingFilter(logging.Filter):

@@ -327,6 +327,13 @@ class ShapesOracle(Judge):
     def exact(self) -> bool:
         return not self.noise and not self.position_bias
 
+    def check_prompts_supported(self, prompts: list[str]) -> None:
+        for i, prompt in enumerate(prompts):
+            try:
+                parse_caption(prompt)
+            except ValueError as err:
+                raise ValueError(f"shapes-oracle cannot judge prompt {i} ({prompt[:60]!r}): {err}") from None
+
     def score_with_details(self, prompts: list[str], images: Images) -> tuple[torch.Tensor, list[dict]]:
         """Exact scores (no noise) and, per image, the facts checked and the objects detected."""
         if num_images(images) != len(prompts):

@@ -9,9 +9,12 @@ Cases run in-process through each command's main(argv) (a few through a real sub
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -23,11 +26,12 @@ import pytest
 from PIL import Image
 
 import rewards.score
+from align.data import precompute
 from align.eval import best_of_n, evaluate
 from align.eval.best_of_n import BestOfNConfig
 from align.eval.evaluate import EvalConfig
 from align.judgebench import benchmark as judgebench
-from align.run_folder import COMPILED, RunFolder
+from align.run_folder import COMPILED, LOCK_FILE, RunFolder, process_start
 from align.train import ddpo, dpo
 from align.train import reward_model as train_reward
 from align.train.dpo_config import DPOConfig
@@ -38,6 +42,7 @@ PASTED_KEY = "sk-proj-Catalogue0KEY9never1echoed"
 ENTRIES = {
     "dpo": dpo.main, "ddpo": ddpo.main, "train_reward": train_reward.main, "evaluate": evaluate.main,
     "best_of_n": best_of_n.main, "judgebench": judgebench.main, "score": rewards.score.main,
+    "precompute": precompute.main,
 }
 
 
@@ -48,6 +53,8 @@ class Workspace:
     truncated_model: str  # the same with its UNet weights cut short
     corrupt_lora_run: str  # a LoRA folder whose weights file is garbage
     broken_config_model: str  # a pipeline whose unet/config.json is cut short
+    list_index_model: str  # a pipeline whose model_index.json is a JSON list
+    sdxl_labelled_model: str  # SD 1.x weights whose model_index.json says StableDiffusionXLPipeline
 
     def __getattr__(self, name):  # ws.prompts -> the path of the file made for it, as a string
         return str(self.root / FILES[name])
@@ -65,11 +72,14 @@ FILES = {
     "nan_yaml": "nan.yaml", "corrupt_parquet": "corrupt.parquet", "wrong_columns": "wrong_columns.parquet",
     "png": "circle.png", "truncated_png": "truncated.png", "text_as_png": "text.png", "not_a_model": "not_a_model",
     "a_file": "a_file.txt", "existing_run": "existing_run", "missing": "no_such_file.txt", "empty_dir": "empty_dir",
+    "zero_rows": "zero_rows.parquet", "locked_run": "locked_run", "odd_prompts": "odd.txt",
+    "bad_image_pairs": "bad_image_pairs.parquet", "good_pairs": "good_pairs.parquet",
 }
 
 
 def make_files(root: Path) -> None:
     (root / FILES["prompts"]).write_text("a red circle\na blue square\n")
+    (root / FILES["odd_prompts"]).write_text("a red circle\nthe weather is nice\n")  # shapes-oracle cannot parse line 2
     (root / FILES["latin1_prompts"]).write_bytes("a red circle\nun carré bleu\n".encode("latin-1"))
     (root / FILES["empty_prompts"]).write_text("")
     (root / FILES["blank_prompts"]).write_text("\n# only a comment\n\n")
@@ -96,6 +106,20 @@ def make_files(root: Path) -> None:
     (run / "final" / "README.md").write_text("# a finished run\n")
     (run / "config.yaml").write_text("model: testbed\n")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n')
+    pq.write_table(pa.table({"caption": pa.array([], pa.string()), "jpg_0": pa.array([], pa.binary()),
+                             "jpg_1": pa.array([], pa.binary()), "label_0": pa.array([], pa.float64()),
+                             "label_1": pa.array([], pa.float64())}), root / FILES["zero_rows"])
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (0, 0, 255)).save(png, format="PNG")
+    pq.write_table(pa.table({"caption": ["a blue square"] * 3, "jpg_0": [png.getvalue()] * 3,
+                             "jpg_1": [png.getvalue(), b"\x89PNG not really", png.getvalue()],
+                             "label_0": [1.0, 0.0, 1.0], "label_1": [0.0, 1.0, 0.0]}), root / FILES["bad_image_pairs"])
+    pq.write_table(pa.table({"caption": ["a blue square"] * 2, "jpg_0": [png.getvalue()] * 2, "jpg_1": [png.getvalue()] * 2,
+                             "label_0": [1.0, 0.0], "label_1": [0.0, 1.0]}), root / FILES["good_pairs"])
+    locked = root / FILES["locked_run"]  # a run still training: its lock is held by a live process (pid 1)
+    shutil.copytree(run, locked)
+    (locked / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "start": process_start(1),
+                                                "launcher": None, "time": 0}))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +136,14 @@ def ws(tiny_model, tmp_path_factory):
     broken = root / "broken_config_model"
     shutil.copytree(tiny_model, broken)
     (broken / "unet" / "config.json").write_text('{"_class_name": "UNet2DConditionModel", "block_out')
-    return Workspace(root, tiny_model, str(truncated), str(lora), str(broken))
+    list_index = root / "list_index_model"
+    shutil.copytree(tiny_model, list_index)
+    (list_index / "model_index.json").write_text('["StableDiffusionPipeline"]')
+    sdxl_labelled = root / "sdxl_labelled_model"
+    shutil.copytree(tiny_model, sdxl_labelled)
+    index = json.loads((sdxl_labelled / "model_index.json").read_text())
+    (sdxl_labelled / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
+    return Workspace(root, tiny_model, str(truncated), str(lora), str(broken), str(list_index), str(sdxl_labelled))
 
 
 def snapshot(root: Path) -> dict:
@@ -147,6 +178,7 @@ def base(entry: str, ws: Workspace) -> list[str]:
                       "--n", "2", *common],
         "judgebench": ["--judges", "random", "--testbed_pairs", "2", *common],
         "score": ["--judge", "shapes-oracle", "--prompt", "a red circle", ws.png],
+        "precompute": ["--model", ws.model, "--dataset", ws.good_pairs, "--output", ws.out, "--resolution", "16"],
     }[entry]
 
 
@@ -320,6 +352,79 @@ CASES = [
     Case("dpo-resume-nowhere", "dpo", flags("dpo", "--resume", path("missing")), ("--resume",)),
     Case("reward-output-unwritable", "train_reward", flags("train_reward", "--output_dir", "/proc/t2i-align-run"),
          ("/proc",)),
+    # --- issue 49's audit: finished runs, locks, empty paths ---
+    Case("eval-into-a-training-run", "evaluate", flags("evaluate", "--output_dir", path("existing_run")),
+         ("holds a training run", "align.evaluate")),
+    Case("bon-into-a-training-run", "best_of_n", flags("best_of_n", "--output_dir", path("existing_run")),
+         ("holds a training run", "align.best_of_n")),
+    Case("bench-into-a-training-run", "judgebench", flags("judgebench", "--output_dir", path("existing_run")),
+         ("holds a training run", "align.judgebench")),
+    Case("bench-overwrite-a-training-run", "judgebench",
+         flags("judgebench", "--output_dir", path("existing_run"), "--overwrite", "true"), ("holds a training run",)),
+    Case("dpo-output-empty", "dpo", flags("dpo", "--output_dir", ""), ("--output_dir is empty",)),
+    Case("eval-output-empty", "evaluate", flags("evaluate", "--output_dir", ""), ("--output_dir is empty",)),
+    Case("bench-output-empty", "judgebench", flags("judgebench", "--output_dir", ""), ("--output_dir is empty",)),
+    Case("dpo-resume-a-running-run", "dpo", flags("dpo", "--output_dir", path("locked_run"), "--resume", "latest"),
+         ("in use by a run that is still going", "pid 1")),
+    Case("dpo-overwrite-a-running-run", "dpo", flags("dpo", "--output_dir", path("locked_run"), "--overwrite", "true"),
+         ("in use by a run that is still going",)),
+    Case("ddpo-overwrite-a-running-run", "ddpo",
+         flags("ddpo", "--output_dir", path("locked_run"), "--overwrite", "true"), ("in use",)),
+    Case("reward-overwrite-a-running-run", "train_reward",
+         flags("train_reward", "--output_dir", path("locked_run"), "--overwrite", "true"), ("in use",)),
+    Case("eval-into-a-running-run", "evaluate", flags("evaluate", "--output_dir", path("locked_run")),
+         ("holds a training run",)),
+    # --- checks that need no model, all before the run folder is written ---
+    Case("dpo-steps-1001", "dpo", flags("dpo", "--num_inference_steps", "1001"), ("--num_inference_steps 1001", "1000")),
+    Case("ddpo-steps-1001", "ddpo", flags("ddpo", "--num_inference_steps", "1001"), ("--num_inference_steps", "1000")),
+    Case("bon-steps-1001", "best_of_n", flags("best_of_n", "--num_inference_steps", "1001"), ("--num_inference_steps",)),
+    Case("eval-steps-1001", "evaluate", flags("evaluate", "--num_inference_steps", "1001"), ("--num_inference_steps",)),
+    Case("dpo-max-steps-huge", "dpo", flags("dpo", "--max_steps", str(10**14)), ("--max_steps", "at most")),
+    Case("dpo-max-steps-1e20", "dpo", flags("dpo", "--max_steps", "1e20"), ("max_steps",)),
+    Case("dpo-seed-negative", "dpo", flags("dpo", "--seed=-1"), ("--seed", "[0, 4294967295]")),
+    Case("dpo-seed-huge", "dpo", flags("dpo", "--seed", str(10**20)), ("--seed", "[0, 4294967295]")),
+    Case("ddpo-seed-huge", "ddpo", flags("ddpo", "--seed", str(2**40)), ("--seed",)),
+    Case("reward-seed-negative", "train_reward", flags("train_reward", "--seed=-5"), ("--seed",)),
+    Case("bon-seed-huge", "best_of_n", flags("best_of_n", "--seed", str(2**33)), ("--seed",)),
+    Case("dpo-resolution-huge", "dpo", flags("dpo", "--resolution", "100000"), ("--resolution", "at most")),
+    Case("dpo-lora-rank-huge", "dpo", flags("dpo", "--finetune", "lora", "--lora_rank", str(10**9)), ("--lora_rank",)),
+    Case("dpo-testbed-prompts-huge", "dpo", flags("dpo", "--prompts", "testbed:99999999999"), ("testbed:99999999999",)),
+    Case("ddpo-testbed-prompts-huge", "ddpo", flags("ddpo", "--prompts", "testbed:99999999999"), ("testbed:",)),
+    Case("dpo-dataset-unreadable-image", "dpo", flags("dpo", "--dataset", path("bad_image_pairs"), drop=("--reward",)),
+         ("row 1", "unreadable image")),
+    Case("dpo-dataset-zero-rows", "dpo", flags("dpo", "--dataset", path("zero_rows"), drop=("--reward",)),
+         ("no usable preference pairs",)),
+    Case("dpo-prompts-the-judge-cannot-parse", "dpo", flags("dpo", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1", "the weather is nice")),
+    Case("ddpo-prompts-the-judge-cannot-parse", "ddpo", flags("ddpo", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1",)),
+    Case("eval-prompts-the-judge-cannot-parse", "evaluate", flags("evaluate", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1",)),
+    Case("bon-prompts-the-judge-cannot-parse", "best_of_n", flags("best_of_n", "--prompts", path("odd_prompts")),
+         ("shapes-oracle cannot judge prompt 1",)),
+    Case("precompute-output-empty", "precompute", flags("precompute", "--output", ""), ("--output is empty",)),
+    Case("precompute-resolution-huge", "precompute", flags("precompute", "--resolution", "100000"), ("--resolution",)),
+    Case("precompute-zero-rows", "precompute", flags("precompute", "--dataset", path("zero_rows")),
+         ("no usable preference pairs",)),
+    Case("precompute-index-is-a-list", "precompute", flags("precompute", "--model", lambda ws: ws.list_index_model),
+         ("model_index.json",)),
+    Case("precompute-sd-labelled-sdxl", "precompute", flags("precompute", "--model", lambda ws: ws.sdxl_labelled_model),
+         ("StableDiffusionXLPipeline",)),
+    # --- an edited model_index.json: one line in every entry point ---
+    Case("dpo-index-is-a-list", "dpo", flags("dpo", "--model", lambda ws: ws.list_index_model), ("model_index.json",)),
+    Case("ddpo-index-is-a-list", "ddpo", flags("ddpo", "--model", lambda ws: ws.list_index_model), ("model_index.json",)),
+    Case("eval-index-is-a-list", "evaluate", flags("evaluate", "--models", lambda ws: ws.list_index_model),
+         ("model_index.json",)),
+    Case("bon-index-is-a-list", "best_of_n", flags("best_of_n", "--model", lambda ws: ws.list_index_model),
+         ("model_index.json",)),
+    Case("dpo-sd-labelled-sdxl", "dpo", flags("dpo", "--model", lambda ws: ws.sdxl_labelled_model),
+         ("StableDiffusionXLPipeline", "text_encoder_2")),
+    Case("ddpo-sd-labelled-sdxl", "ddpo", flags("ddpo", "--model", lambda ws: ws.sdxl_labelled_model),
+         ("StableDiffusionXLPipeline",)),
+    Case("eval-sd-labelled-sdxl", "evaluate", flags("evaluate", "--models", lambda ws: ws.sdxl_labelled_model),
+         ("StableDiffusionXLPipeline",)),
+    Case("bon-sd-labelled-sdxl", "best_of_n", flags("best_of_n", "--model", lambda ws: ws.sdxl_labelled_model),
+         ("StableDiffusionXLPipeline",)),
 ]
 
 

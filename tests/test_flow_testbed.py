@@ -10,7 +10,8 @@ import torch
 import rewards
 from align.data.prompt_sets import load_prompt_list
 from align.families.base import ModelLoadError
-from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings as read_testbed_settings
+from align.pipeline import generate_images, load_pipeline, resolve_model
+from align.pipeline import testbed_settings as read_testbed_settings
 from align.sampling import flow as flow_sampling
 from align.testbed import flow_models, weights
 from align.testbed.weights import TESTBED_PIPELINE_DIR

@@ -16,6 +16,7 @@ from align.run_folder import (
     _SET_ASIDE_HERE,
     EVALS,
     JUDGE_ANSWERS,
+    LOCK_FILE,
     SET_ASIDE,
     RunFolder,
     RunFolderError,
@@ -62,7 +63,7 @@ def test_overwrite_clears_the_held_out_scores_and_judge_answers_of_the_old_run(t
 def _hashes(folder):
     """{relative path: sha256} of every file under ``folder`` (what 'byte for byte' compares)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_FILE}  # the lock: whoever writes now
 
 
 def _old_run(folder):
@@ -292,5 +293,5 @@ def test_opening_a_run_clears_what_killed_writes_left_and_puts_back_a_half_repla
     (tmp_path / "run" / "feedback" / ".pairs.parquet.x.tmp").write_bytes(b"half")
     RunFolder(tmp_path / "run", resume="latest").prepare()
     assert sorted(str(p.relative_to(tmp_path / "run")) for p in (tmp_path / "run").rglob("*")) == [
-        "checkpoints", "feedback", "final", "final/weights"]
+        LOCK_FILE, "checkpoints", "feedback", "final", "final/weights"]  # the lock: this process opened the run
     assert (tmp_path / "run" / "final" / "weights").read_bytes() == b"old"

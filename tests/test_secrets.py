@@ -42,6 +42,7 @@ def test_key_shapes_are_masked_in_text(key):
     "3f786850e387550fdab836ed7e6dc881de23001b3f786850e387550fdab836ed",  # a sha256: one case only
     "runs/dpo/checkpoints/step_0000500", "pytorch_lora_weights.safetensors", "constant_with_warmup",
     "OPENAI_API_KEY", "a photo of a red circle on the left of a blue square",
+    "StableDiffusion3Pipeline", "StableDiffusionXLPipeline", "CLIPTextModelWithProjection",  # class names in messages
 ])
 def test_ordinary_values_are_left_alone(text):
     assert scrub_text(text) == text and not looks_like_secret(text)
@@ -109,14 +110,14 @@ def test_a_pasted_key_stops_a_run_before_anything_is_written(tiny_model, tmp_pat
 def test_a_training_run_writes_and_prints_no_key(tiny_model, tmp_path, capsys, caplog, monkeypatch):
     # The key sits in a variable the spec names; the server (a compromised one) even echoes it in its answers.
     caplog.set_level(logging.DEBUG)
-    monkeypatch.setenv("T2I_TEST_JUDGE_KEY", ENV_KEY)
+    monkeypatch.setenv("T2I_TEST_JUDGE_CRED", ENV_KEY)  # a name that says nothing of keys
 
     def echoing_judge(prompt, images):  # the brighter image wins (a consistent verdict in both orders)
         first, second = (round(brightness(image), 4) for image in images)
         return json.dumps({"analysis": f"your key {ENV_KEY} works", "better_image": 1 if first >= second else 2})
 
     with FakeJudgeServer("openai", answer=echoing_judge, api_key=ENV_KEY) as server:
-        spec = f"gpt4o[model=fake-model,base_url={server.base_url},timeout=10,api_key_env=T2I_TEST_JUDGE_KEY]"
+        spec = f"gpt4o[model=fake-model,base_url={server.base_url},timeout=10,api_key_env=T2I_TEST_JUDGE_CRED]"
         run = tmp_path / "run"
         dpo.main([
             "--model", tiny_model, "--output_dir", str(run), "--reward", spec, "--prompts", "testbed:2",

@@ -16,7 +16,8 @@ from transformers import CLIPModel, CLIPProcessor, CLIPTokenizer
 import rewards
 from align.eval.evaluate import EvalConfig
 from align.eval.generation import sampling_settings
-from align.pipeline import generate_images, load_trained, testbed_settings as read_testbed_settings
+from align.pipeline import generate_images, load_trained
+from align.pipeline import testbed_settings as read_testbed_settings
 from align.testbed import models, weights
 from align.testbed.scene import corrupt_caption, render, sample_captions
 from align.testbed.tokenizer import (

@@ -14,6 +14,13 @@ Each shard is written atomically (temporary file, then rename), so an interrupte
 finished shards and a rerun encodes only the missing ones, giving the same bytes as a build that was
 never interrupted. Training memory-maps the shards (safetensors) and reads one pair at a time.
 
+A store may hold some of the pairs only: a training run's own store (--latent_store run) encodes the pairs
+that run reads (a ten-step test on a million pairs encodes ten steps' pairs), and a longer or resumed run
+adds the ones it lacks as new shards (a write-through cache). Each shard's ``pairs`` tensor names the pair
+indices it holds (a store written before it held pairs [i*S, (i+1)*S) in shard i). The manifest records
+every shard's size, hash and pair count and its own digest: a store is checked against it when opened
+(a truncated shard, an edited manifest: one line before any work); see docs/scale.md.
+
 What is stored: the centre crop at the training resolution, un-flipped AND flipped (the flip is drawn
 at train time), and the VAE posterior's mean times the scaling factor, exactly what the trainer
 encodes when it reads images (the family's encode_images / encode_prompts), so training from a store is
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +43,7 @@ from align.data.pairs import DataError
 from align.families import family_of_pipeline
 from align.families.base import cat_conditioning
 from align.pipeline import resolve_model
-from align.run_folder import atomic_path, atomic_write_text
+from align.run_folder import atomic_path, atomic_write_text, file_sha256
 
 STORE_FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: the text embeddings alone under "text" (SD 1.x/2.x)
@@ -122,23 +130,99 @@ class StoreSpec:
         return dict(self.__dict__)
 
 
+def manifest_digest(manifest: dict) -> str:
+    """The digest a manifest carries of its other fields: an edit by hand (resolution, pair count) is seen."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def write_manifest(store: Path, manifest: dict) -> None:
+    manifest = {k: v for k, v in manifest.items() if k != "digest"}
+    atomic_write_text(store / MANIFEST, json.dumps({**manifest, "digest": manifest_digest(manifest)}, indent=2))
+
+
 def read_manifest(store: str | Path) -> dict | None:
     path = Path(store) / MANIFEST
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"latent store {str(store)!r}: {MANIFEST} is not valid JSON ({err})") from None
-    if manifest.get("format") not in READABLE_FORMATS:
-        raise DataError(f"latent store {str(store)!r} has format {manifest.get('format')!r}; this version reads "
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DataError(f"latent store {str(store)!r} has format {found!r}; this version reads "
                         f"{', '.join(map(str, READABLE_FORMATS))}")
+    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+        raise DataError(f"latent store {str(store)!r}: {MANIFEST} was changed after the store was written (its digest "
+                        "does not match); rebuild the store (python -m align.precompute, or delete the run's latents/)")
     return manifest
 
 
-def check_store(store: str | Path, model_fp: str, resolution: int, dataset_fp: str | None = None,
+# Shards are hashed when a store is opened while the store is at most this large (a test or a short run's store:
+# well under a second); larger stores are checked by size and header alone (reading them whole at every start
+# would cost minutes: docs/scale.md).
+HASH_AT_OPEN_BYTES = 1 << 30
+
+
+def shard_records(store: Path, manifest: dict) -> dict[str, dict]:
+    """{file: {size, sha256, pairs}} of the store's shards; a store written before shards were recorded lists its
+    shard files (shard i: pairs [i*S, (i+1)*S)) with sizes and hashes unknown."""
+    if "shards" in manifest:
+        return manifest["shards"]
+    count = -(-manifest["num_pairs"] // manifest["shard_size"])
+    return {shard_name(i): {} for i in range(count) if (store / shard_name(i)).is_file()}
+
+
+def shard_pairs(store: Path, name: str, manifest: dict) -> torch.Tensor:
+    """The pair indices shard ``name`` holds (its ``pairs`` tensor; older shards: their block of S pairs)."""
+    from safetensors import safe_open
+
+    with safe_open(str(store / name), framework="pt") as handle:
+        if "pairs" in handle.keys():
+            return handle.get_tensor("pairs")
+        count = handle.get_slice("latents").get_shape()[0]
+    first = int(name.split("_")[1].split(".")[0]) * manifest["shard_size"]
+    return torch.arange(first, first + count)
+
+
+def check_shards(store: Path, manifest: dict) -> None:
+    """Every shard the manifest lists is there, of its recorded size (and hash, for a store of at most
+    HASH_AT_OPEN_BYTES), its header readable, and the pairs held add up to the manifest's count."""
+    from safetensors import safe_open
+
+    records = shard_records(store, manifest)
+    total = sum(int(r.get("size", 0)) for r in records.values())
+    held = 0
+    for name, record in records.items():
+        path = store / name
+        where = f"latent store {str(store)!r}: {name}"
+        if not path.is_file():
+            raise DataError(f"{where} is missing; rebuild the store (or delete the run's latents/ to re-encode)")
+        if "size" in record and path.stat().st_size != record["size"]:
+            raise DataError(f"{where} is {path.stat().st_size} bytes, {record['size']} were written (truncated or "
+                            "changed); rebuild the store (or delete the run's latents/ to re-encode)")
+        if "sha256" in record and total <= HASH_AT_OPEN_BYTES:
+
+            if file_sha256(path) != record["sha256"]:
+                raise DataError(f"{where} has changed since it was written (hash mismatch); rebuild the store")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                count = handle.get_slice("latents").get_shape()[0]
+        except Exception as err:  # safetensors' errors: a damaged header
+            raise DataError(f"{where} is not a readable shard ({type(err).__name__}); rebuild the store") from None
+        if "pairs" in record and count != record["pairs"]:
+            raise DataError(f"{where} holds {count} pairs, the manifest says {record['pairs']}; rebuild the store")
+        held += count
+    if manifest.get("complete") and held != manifest["num_pairs"]:
+        raise DataError(f"latent store {str(store)!r} holds {held} pairs but its manifest says {manifest['num_pairs']}; "
+                        "rebuild the store")
+
+
+def check_store(store: str | Path, model_fp: str, resolution: int, dataset_fp: str | tuple[str, ...] | None = None,
                 need_complete: bool = True) -> dict:
-    """The manifest of a store that fits this model, resolution (and dataset); else one clear line."""
+    """The manifest of a store that fits this model, resolution (and dataset: its content fingerprint, or any of a
+    tuple of accepted ones: a store built before content fingerprints holds the older one); else one clear line."""
     manifest = read_manifest(store)
     if manifest is None:
         raise DataError(f"latent store {str(store)!r} not found (no {MANIFEST}); build it with python -m align.precompute")
@@ -152,16 +236,18 @@ def check_store(store: str | Path, model_fp: str, resolution: int, dataset_fp: s
             f"latent store {str(store)!r} holds {manifest['resolution']} px latents but this run trains at "
             f"{resolution} px; pass --resolution {manifest['resolution']} or rebuild the store"
         )
-    if dataset_fp is not None and manifest["dataset_fingerprint"] != dataset_fp:
+    accepted = (dataset_fp,) if isinstance(dataset_fp, str) else tuple(filter(None, dataset_fp or ()))
+    if accepted and manifest["dataset_fingerprint"] not in accepted:
         raise DataError(
             f"latent store {str(store)!r} was built from other pairs (dataset fingerprint "
-            f"{manifest['dataset_fingerprint']}, this --dataset/--tie_policy/--max_pairs gives {dataset_fp})"
+            f"{manifest['dataset_fingerprint']}, this --dataset/--tie_policy/--max_pairs gives {accepted[0]})"
         )
     if need_complete and not manifest.get("complete"):
         raise DataError(
             f"latent store {str(store)!r} is incomplete (an interrupted build); rerun python -m align.precompute "
             "with the same arguments to finish it"
         )
+    check_shards(Path(store), manifest)
     return manifest
 
 
@@ -183,35 +269,73 @@ def prepare_store(store: str | Path, spec: StoreSpec) -> None:
     if store.exists() and any(store.iterdir()):
         raise DataError(f"--output {str(store)!r} is a non-empty folder without a {MANIFEST}; give a new or empty folder")
     store.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(store / MANIFEST, json.dumps({"format": STORE_FORMAT, **spec.as_dict(), "complete": False}, indent=2))
+    write_manifest(store, {"format": STORE_FORMAT, **spec.as_dict(), "complete": False, "shards": {}})
 
 
-def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int = 8, log=print, after_shard=None) -> dict:
-    """Encode the pairs of ``table`` (align.data.pair_stream.PairTable) into ``store``; finished shards
-    are skipped, so an interrupted build resumes. Returns the completed manifest."""
+def held_pairs(store: Path, manifest: dict) -> torch.Tensor:
+    """The pair indices a store holds (sorted)."""
+    held = [shard_pairs(store, name, manifest) for name in shard_records(store, manifest)]
+    return torch.cat(held).sort().values if held else torch.zeros(0, dtype=torch.int64)
+
+
+def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int = 8, log=print, after_shard=None,
+                pairs=None) -> dict:
+    """Encode the pairs of ``table`` (align.data.pair_stream.PairTable) into ``store``: all of them, or those of
+    ``pairs`` (pair indices: what a run reads). Pairs already held are skipped, the others are encoded in their
+    index order in shards of ``spec.shard_size``, so an interrupted build resumes to the same bytes. The time the
+    whole encoding takes is estimated once, early (estimate), and again after each shard. Returns the manifest."""
     from safetensors.torch import save_file
+
 
     store = Path(store)
     prepare_store(store, spec)
+    manifest = read_manifest(store)
+    records = dict(shard_records(store, manifest))
     dtype = DTYPES[spec.dtype]
     if not (store / EMPTY_TEXT).is_file():
         with torch.no_grad(), atomic_path(store / EMPTY_TEXT) as tmp:
             empty = family_of_pipeline(pipe).encode_prompts(pipe, [""], spec.resolution)
             save_file({COND_PREFIX + key: stored(value[0], dtype) for key, value in empty.items()}, str(tmp))
-    for shard in range(spec.num_shards):
+    wanted = torch.arange(spec.num_pairs) if pairs is None else torch.as_tensor(pairs, dtype=torch.int64).unique()
+    missing = wanted[~torch.isin(wanted, held_pairs(store, manifest))]
+    chunks = [chunk for chunk in missing.split(spec.shard_size) if len(chunk)]
+    started = time.perf_counter()
+    estimated = False
+
+    def estimate(done: int) -> None:
+        """The whole encoding's duration, said once: after 10 seconds or an eighth of the work, whichever first."""
+        nonlocal estimated
+        spent = time.perf_counter() - started
+        if not estimated and done and (spent >= 10 or done * 8 >= len(missing)) and done < len(missing):
+            estimated = True
+            log(f"[latents] {done:,} of {len(missing):,} pairs encoded in {_duration(spent)}: about "
+                f"{_duration(spent / done * (len(missing) - done))} left")
+
+    for number, chunk in enumerate(chunks):
+        shard = len(records)
         path = store / shard_name(shard)
-        if path.is_file():
-            continue
-        first, last = shard * spec.shard_size, min(spec.num_pairs, (shard + 1) * spec.shard_size)
-        tensors = encode_shard(pipe, table.remapped(), range(first, last), spec.resolution, batch_size)
+        before = sum(len(c) for c in chunks[:number])
+        tensors = encode_shard(pipe, table.remapped(), chunk.tolist(), spec.resolution, batch_size,
+                               progress=lambda done, before=before: estimate(before + done))
         with atomic_path(path) as tmp:
             save_file({k: stored(v, dtype) for k, v in tensors.items()}, str(tmp))
-        log(f"[latents] shard {shard + 1}/{spec.num_shards} ({last - first} pairs) -> {path}")
+        records[path.name] = {"size": path.stat().st_size, "sha256": file_sha256(path), "pairs": len(chunk)}
+        write_manifest(store, {**manifest, "shards": records})
+        left = ""
+        if number + 1 < len(chunks):
+            per_pair = (time.perf_counter() - started) / sum(len(c) for c in chunks[: number + 1])
+            left = f"; about {_duration(per_pair * sum(len(c) for c in chunks[number + 1 :]))} left"
+        log(f"[latents] shard {number + 1}/{len(chunks)} ({len(chunk)} pairs) -> {path}{left}")
         if after_shard is not None:
-            after_shard(shard)
-    manifest = {"format": STORE_FORMAT, **spec.as_dict(), "complete": True}
-    atomic_write_text(store / MANIFEST, json.dumps(manifest, indent=2))
-    return manifest
+            after_shard(number)
+    complete = held_pairs(store, {**manifest, "shards": records}).numel() == spec.num_pairs
+    manifest = {**manifest, "complete": complete, "shards": records}
+    write_manifest(store, manifest)
+    return read_manifest(store)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -220,19 +344,23 @@ def stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) -> dict[str, torch.Tensor]:
-    """Latents of both images of each pair, un-flipped and flipped, and the shard's caption conditioning."""
+def encode_shard(pipe, table, indices, resolution: int, batch_size: int, progress=None) -> dict[str, torch.Tensor]:
+    """Latents of both images of each pair of ``indices`` (a list of pair indices), un-flipped and flipped, the
+    shard's caption conditioning, and the pair indices held (``pairs``); ``progress(pairs done)`` after each batch."""
 
     family = family_of_pipeline(pipe)
     latents = []
-    for start in range(indices.start, indices.stop, batch_size):
+    indices = list(indices)
+    for start in range(0, len(indices), batch_size):
         pixels = []
-        for k in range(start, min(indices.stop, start + batch_size)):
+        for k in indices[start : start + batch_size]:
             pair = table.pair(k)
             for flip in (False, True):
                 pixels.extend(table.pair_pixels(pair, resolution, flip))  # winner, loser
         encoded = family.encode_images(pipe, torch.stack(pixels)).float().cpu()
         latents.append(encoded.reshape(-1, 2, 2, *encoded.shape[1:]))  # [pairs, flip, (w, l), C, h, w]
+        if progress is not None:
+            progress(min(len(indices), start + batch_size))
     captions = [table.caption(k) for k in indices]
     distinct = sorted(set(captions))
     position = {c: i for i, c in enumerate(distinct)}
@@ -242,7 +370,8 @@ def encode_shard(pipe, table, indices: range, resolution: int, batch_size: int) 
         "latents": torch.cat(latents),
         **{COND_PREFIX + key: (value.float() if value.is_floating_point() else value).cpu() for key, value in cond.items()},
         "caption_index": torch.tensor([position[c] for c in captions], dtype=torch.int64),
-        "rows": torch.from_numpy(table.rows[indices.start : indices.stop].copy()),
+        "rows": torch.from_numpy(table.rows[indices].copy()),
+        "pairs": torch.tensor(indices, dtype=torch.int64),
     }
 
 
@@ -269,6 +398,14 @@ class StoreLatents(torch.utils.data.Dataset):
         self.store, self.shard_size, self.num_pairs = Path(store), manifest["shard_size"], manifest["num_pairs"]
         self._handles: dict[int, object] = {}
         self._empty: dict[str, torch.Tensor] | None = None
+        # Where each pair is: shard file and position in it (-1: not held; a run's store holds the run's pairs).
+        self.shard_files = list(shard_records(self.store, manifest))
+        self.where = torch.full((self.num_pairs,), -1, dtype=torch.int32)
+        self.position = torch.zeros(self.num_pairs, dtype=torch.int32)
+        for index, name in enumerate(self.shard_files):
+            held = shard_pairs(self.store, name, manifest)
+            self.where[held] = index
+            self.position[held] = torch.arange(len(held), dtype=torch.int32)
 
     def __getstate__(self):
         return {**self.__dict__, "_handles": {}}  # file handles are per process
@@ -282,7 +419,7 @@ class StoreLatents(torch.utils.data.Dataset):
         if index not in self._handles:
             if len(self._handles) >= 2:  # close older maps: the pages read through them leave the RSS
                 self._handles.clear()
-            self._handles[index] = safe_open(str(self.store / shard_name(index)), framework="pt")
+            self._handles[index] = safe_open(str(self.store / self.shard_files[index]), framework="pt")
         return self._handles[index]
 
     def __getitem__(self, key: tuple[int, bool, bool]) -> dict:
@@ -294,8 +431,10 @@ class StoreLatents(torch.utils.data.Dataset):
     def _read(self, k: int, flip: bool, drop: bool) -> dict:
         from safetensors.torch import load_file
 
-        handle = self._shard(k // self.shard_size)
-        i = k % self.shard_size
+        if self.where[k] < 0:
+            raise KeyError(f"the store does not hold pair {k} (it holds the pairs of the run that built it)")
+        handle = self._shard(int(self.where[k]))
+        i = int(self.position[k])
         pair = handle.get_slice("latents")[i : i + 1][0, int(flip)].float()
         if drop:
             if self._empty is None:

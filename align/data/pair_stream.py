@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,8 @@ class PairTable:
     rows: np.ndarray  # int64 row numbers of the kept pairs
     swap: np.ndarray  # bool: image 1 won, so it is the pair's first image
     stats: PairStats
-    fingerprint: str  # names the source's data and the selection (split, tie policy, max_pairs)
+    fingerprint: str  # the content of the selected pairs (content_fingerprint): no path, no file time
+    legacy_fingerprint: str = ""  # what stores built before content fingerprints recorded (path/mtime based)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -125,7 +127,42 @@ def open_pairs(
     dataset = _bytes_only(dataset.select_columns(list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else [])))
     rows, swap, stats = _select_pairs(dataset, str(source), tie_policy, max_pairs)
     key = f"{getattr(dataset, '_fingerprint', source)}|{split}|{tie_policy}|{max_pairs}|{len(rows)}"
-    return PairTable(str(source), dataset, rows, swap, stats, hashlib.sha256(key.encode()).hexdigest()[:16])
+    return PairTable(str(source), dataset, rows, swap, stats, content_fingerprint(dataset, rows, swap),
+                     hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+CONTENT_SAMPLES = 16  # pairs whose image bytes enter the fingerprint in full (the rest by their lengths)
+
+
+def content_fingerprint(dataset, rows: np.ndarray, swap: np.ndarray) -> str:
+    """A digest of the selected pairs' content, so a latent store follows its data wherever it lies: a run folder
+    renamed or copied, a dataset file touched or moved (same bytes) keep it. It covers the selection (rows and
+    winners), every caption and label, every image's byte length (from the Arrow offsets: no image is read) and the
+    full bytes of CONTENT_SAMPLES images spread over the rows; never a path or a file time."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    digest = hashlib.sha256(b"pairs-v2")
+    digest.update(rows.astype(np.int64).tobytes())
+    digest.update(swap.astype(bool).tobytes())
+    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+    for name in ("caption", "label_0", "label_1", "jpg_0", "jpg_1"):
+        for chunk in table.column(name).chunks:
+            if name.startswith("jpg"):
+                if pa.types.is_struct(chunk.type):
+                    chunk = chunk.field("bytes")  # datasets' Image: {bytes, path}; the path is left out
+                chunk = pc.binary_length(chunk)
+            digest.update(name.encode())
+            for buffer in chunk.buffers():
+                if buffer is not None:
+                    digest.update(buffer)
+    for k in np.unique(np.linspace(0, len(rows) - 1, num=min(CONTENT_SAMPLES, len(rows))).astype(np.int64)):
+        row = int(rows[k])
+        for name in ("jpg_0", "jpg_1"):
+            value = table.column(name)[row].as_py()
+            data = value.get("bytes") if isinstance(value, dict) else value
+            digest.update(data or b"")
+    return digest.hexdigest()[:16]
 
 
 def load_pairs(
@@ -170,6 +207,8 @@ def _open_table(source: str, split: str, cache_dir: str | None):
         if path.suffix.lower() != ".parquet":
             raise DataError(f"preference file {source!r} must be a .parquet file (Pick-a-Pic schema)")
         _check_parquet(path)
+        if _parquet_rows(path) == 0:  # datasets cannot build a table of no rows: say what the user needs to know
+            raise DataError(f"no usable preference pairs in {source!r}: the file has the Pick-a-Pic columns and 0 rows")
         try:
             return datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir)
         except Exception as err:  # the library raises many types
@@ -182,6 +221,16 @@ def _open_table(source: str, split: str, cache_dir: str | None):
             "a datasets save_to_disk folder, or a Hugging Face dataset id"
         )
     return load_hf_dataset(source, split, "preference dataset", cache_dir)
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """The row count in a parquet file's footer (None if it cannot be read: the load reports that)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception:  # pyarrow's errors: the load below names them
+        return None
 
 
 def _check_parquet(path: Path) -> None:
@@ -297,12 +346,22 @@ class PlannedBatches(torch.utils.data.Sampler):
         return (self.end - self.start) * self.accumulation
 
 
+def capped_workers(requested: int) -> int:
+    """DataLoader workers, at most one per CPU (each is a process: 100,000 of them would bring the machine to a
+    halt), said in one line when capped."""
+    cpus = os.cpu_count() or 1
+    if requested <= cpus:
+        return requested
+    print(f"[data] --dataloader_num_workers {requested} is more than this machine's {cpus} CPUs; using {cpus}", flush=True)
+    return cpus
+
+
 def micro_batch_loader(dataset, sampler: PlannedBatches, num_workers: int) -> torch.utils.data.DataLoader:
     """A DataLoader over planned micro-batches; workers decode, crop and flip (or read latents)."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        num_workers=num_workers,
+        num_workers=capped_workers(num_workers),
         collate_fn=_collate,
         persistent_workers=False,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from align.cli import die
+from align.cli import die, die_if_disk_full
 from align.data.latent_store import (
     DTYPES,
     StoreSpec,
@@ -26,6 +26,7 @@ from align.data.latent_store import (
 from align.data.pair_stream import open_pairs
 from align.data.pairs import DataError
 from align.pipeline import ModelLoadError, check_model, load_pipeline
+from align.validation import SIZE_LIMITS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,8 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("shard_size", "batch_size"):
         if getattr(args, name) < 1:
             die(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.resolution is not None and args.resolution < 8:
-        die(f"--resolution must be at least 8 pixels, got {args.resolution}")
+    if args.resolution is not None and not 8 <= args.resolution <= SIZE_LIMITS["resolution"]:
+        die(f"--resolution must be in [8, {SIZE_LIMITS['resolution']}] pixels, got {args.resolution}")
+    if not args.output.strip():
+        die("--output is empty; give the store's folder")
     return args
 
 
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         precompute(args)
     except DataError as err:
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err)
 
 
 if __name__ == "__main__":

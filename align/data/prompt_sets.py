@@ -90,6 +90,10 @@ def known_sets() -> list[str]:
     return names + [f"hpsv2-{s}" for s in HPSV2_STYLES]
 
 
+# testbed:<n> draws n captions up front (a few seconds per 100,000): more would sit silently before any work.
+MAX_TESTBED_PROMPTS = 100_000
+
+
 def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) -> PromptSet:
     """Load a named set or a file (see the module docstring); ``num_prompts`` keeps the first N."""
     if num_prompts is not None and num_prompts < 1:
@@ -100,6 +104,9 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
             count, seed = int(parts[1]), int(parts[2]) if len(parts) > 2 else seed
         except (ValueError, IndexError):
             raise PromptSetError(f"prompt set {spec!r} must be testbed:<count>[:<seed>]") from None
+        if not 1 <= count <= MAX_TESTBED_PROMPTS or not 0 <= seed < 2**32:
+            raise PromptSetError(f"prompt set {spec!r}: the count must be in [1, {MAX_TESTBED_PROMPTS:,}] and the seed "
+                                 f"in [0, {2**32 - 1}]")
         return _testbed(min(count, num_prompts or count), seed)
     try:
         name, options = parse_spec(spec)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from align.api_cost import best_of_n_api_plan, guard_api_cost
-from align.cli import ConfigError, die, option, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.data.feedback import derive_seed
 from align.data.prompt_sets import PromptSetError, load_prompt_set
 from align.eval import report
@@ -42,13 +42,24 @@ from align.eval.generation import (
 )
 from align.eval.report import png_bytes
 from align.families import family_of_pipeline
-from align.judges import check_judge_names, check_judge_prompts, compare_shuffled, load_judge, split_list
+from align.judges import (
+    check_judge_names,
+    check_judges_take_prompts,
+    compare_shuffled,
+    load_judge,
+    split_list,
+)
 from align.metrics import mean_and_sem
-from align.pipeline import ModelLoadError, check_model, load_trained
+from align.pipeline import ModelLoadError, check_model, check_sampling_steps, load_trained
 from align.progress import progress_bar
 from align.quiet import quiet_output
 from align.run_folder import atomic_write_bytes, atomic_write_text
-from align.validation import check_common_inputs, check_weight_files, check_writable_dir
+from align.validation import (
+    check_common_inputs,
+    check_not_a_training_run,
+    check_weight_files,
+    check_writable_dir,
+)
 
 SEARCHES = ("random", "zero-order")
 
@@ -89,6 +100,7 @@ class BestOfNConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_not_a_training_run(self, "align.best_of_n")
         check_generation_dtype(self.dtype)
         if self.cache_dir:
             check_writable_dir("cache_dir", self.cache_dir)
@@ -219,6 +231,7 @@ def check_inputs(config: BestOfNConfig):
     try:
         if not (Path(config.model).expanduser() / "final").is_dir():
             check_model(config.model)
+            check_sampling_steps(config.model, config.num_inference_steps)
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
     check_weight_files("--model", config.model)  # a truncated file is named before any generation
@@ -244,8 +257,7 @@ def best_of_n(config: BestOfNConfig) -> dict:
     out = Path(config.output_dir)
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
-    for spec, judge in [(config.reward, selector), *others.items()]:
-        check_judge_prompts(judge, prompts, spec)
+    check_judges_take_prompts([selector, *others.values()], prompts, "--prompts")
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(best_of_n_api_plan(selector, others, len(prompts), config.n, len(curve_sizes(config.n)),
                                       config.search == "zero-order"), config.max_api_cost)
@@ -436,6 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation
     except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err, "rerun with --resume latest")
     print(f"[best_of_n] wrote {Path(config.output_dir) / 'results.json'} and report.html")
     for spec, values in results["curves"].items():
         points = ", ".join(f"N={s}: {v:.4f}" for s, v in zip(results["sizes"], values))

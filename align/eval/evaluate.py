@@ -30,7 +30,7 @@ import torch
 import rewards
 from align import metrics
 from align.api_cost import evaluate_api_plan, guard_api_cost
-from align.cli import ConfigError, die, option, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.data.prompt_sets import PromptSetError, load_prompt_set
 from align.eval import report
 from align.eval.generation import (
@@ -46,13 +46,19 @@ from align.eval.generation import (
 )
 from align.eval.judge_tasks import format_task_table, task_breakdown, task_rows
 from align.health import degenerate_reason
-from align.judges import check_judge_names, check_judge_prompts, compare_shuffled, load_judge, split_list
+from align.judges import (
+    check_judge_names,
+    check_judges_take_prompts,
+    compare_shuffled,
+    load_judge,
+    split_list,
+)
 from align.metrics import CI_METHODS, FeatureNetwork
-from align.pipeline import ModelLoadError, resolve_model, run_base_model
+from align.pipeline import ModelLoadError, check_model, check_sampling_steps, resolve_model, run_base_model
 from align.quiet import quiet_output
 from align.run_folder import atomic_write_text
 from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
-from align.validation import check_common_inputs, check_weight_files
+from align.validation import check_common_inputs, check_not_a_training_run, check_weight_files
 from rewards.images import load_image, to_tensor
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
@@ -102,6 +108,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
+        check_not_a_training_run(self, "align.evaluate")
         check_generation_dtype(self.dtype)
 
         if not split_list(self.models):
@@ -291,6 +298,12 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
             raise ConfigError(f"model {model.name!r}: no such folder {model.path!r}")
         if local:
             check_weight_files(f"--models {model.name}", path)  # a truncated file is named before any generation
+        try:
+            if local and (Path(path).expanduser() / "model_index.json").is_file():
+                check_model(path)  # an edited model_index.json (a list, SD weights labelled SDXL) is named here
+                check_sampling_steps(path, config.num_inference_steps)
+        except ModelLoadError as err:
+            raise ConfigError(f"model {model.name!r}: {err}") from None
     check_judge_names(split_list(config.judges), "--judges")
     features = ((config.fid_feature, config.fid_reference), (config.cmmd_feature, config.cmmd))
     check_judge_names([f for f, used in features if used and f not in FID_FEATURES_BUILTIN], "feature network")
@@ -308,8 +321,7 @@ def evaluate(config: EvalConfig) -> dict:
     models, prompt_set = check_inputs(config)
     # judges load first: a missing key or weights file fails before anything is written or generated
     loaded = {spec: load_judge(spec) for spec in split_list(config.judges)}
-    for spec, judge in loaded.items():
-        check_judge_prompts(judge, prompt_set.prompts, spec)
+    check_judges_take_prompts(loaded.values(), prompt_set.prompts, "--prompts")
     seeds = parse_seeds(config.seeds)
     # The paid judge calls, priced before any is made (refused above --max_api_cost).
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
@@ -543,6 +555,8 @@ def main(argv: list[str] | None = None) -> None:
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation
     except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err)
     out = Path(config.output_dir)
     print(f"[evaluate] wrote {out / 'results.json'}, {out / 'results.csv'} and {out / 'report.html'}")
     for row in results["table"]:

@@ -36,7 +36,7 @@ import yaml
 
 import rewards
 from align.api_cost import JudgeCalls, guard_api_cost, is_paid
-from align.cli import ConfigError, die, option, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.eval import report
 from align.eval.report import write_report
 from align.judgebench import answers as A
@@ -47,7 +47,7 @@ from align.progress import progress_bar
 from align.quiet import quiet_output
 from align.run_folder import atomic_write_bytes, atomic_write_text, scrub_secrets
 from align.testbed.mjbench import write_benchmark
-from align.validation import check_common_inputs
+from align.validation import check_common_inputs, check_not_a_training_run
 from rewards.judge_prompts import PROTOCOLS, load_template
 from rewards.secrets import scrub_text
 
@@ -118,6 +118,7 @@ def split_judges(text: str) -> list[str]:
 def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
     """Validate everything cheap before any data is generated or any judge is loaded; ConfigError (one line) if not."""
     check_common_inputs(config)
+    check_not_a_training_run(config, "align.judgebench")
     judges = split_judges(config.judges)
     if not judges:
         raise ConfigError("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
@@ -750,6 +751,8 @@ def main(argv: list[str] | None = None) -> None:
             benchmark(config)
     except ConfigError as err:
         die(str(err))
+    except OSError as err:  # a full disk: one line
+        die_if_disk_full(err)
 
 
 if __name__ == "__main__":

@@ -9,18 +9,21 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import yaml
 from safetensors.torch import load_file, save_file
 
 from align import pipeline  # save_lora / save_full_unet looked up at call time: tests replace them
 from align.health import weights_finite
 from align.run_folder import (
     CHECKPOINT_STATE,
+    CONFIG_FILE,
     RunFolder,
     RunFolderError,
     atomic_folder,
     atomic_write_text,
     folder_manifest,
     publish_folder,
+    scrub_secrets,
 )
 from align.train.command import TrainingStopped
 
@@ -90,6 +93,57 @@ def resume_from_checkpoint(accelerator, run: RunFolder, label: str) -> int | Non
         run.truncate_metrics(step)
         print(f"[{label}] resumed from {checkpoint} at step {step}", flush=True)
     return step
+
+
+# What a resumed run may be given anew, and applies: where it ends (a longer run continues to the new end; the
+# resume-exactness tests do this), and settings that do not shape what is trained (where the run folder now is,
+# output, workers, checkpoint cadence, the cost cap, evaluation cadence). Every other setting is the run's own: a
+# new value is refused, never kept silently while config.yaml claims it.
+APPLIED_ON_RESUME = frozenset({
+    "max_steps", "num_epochs", "output_dir", "resume", "overwrite", "quiet", "report_to", "dataloader_num_workers",
+    "checkpointing_steps", "checkpointing_epochs", "checkpoints_total_limit", "max_api_cost", "eval_batch_size",
+    "eval_every_steps", "eval_every_epochs",
+})
+
+
+def _same_setting(old, new) -> bool:
+    if old == new or old == "***":  # a masked secret cannot be compared (and is never a training setting)
+        return True
+    if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool):
+        return float(old) == float(new)
+    if isinstance(old, str) and isinstance(new, str) and Path(old).expanduser().exists():
+        return Path(old).expanduser().resolve() == Path(new).expanduser().resolve()  # one file, written two ways
+    return False
+
+
+def check_resume_settings(run: RunFolder, config) -> None:
+    """--resume continues the run in config.yaml: a setting given another value is refused in one line naming every
+    such flag (APPLIED_ON_RESUME lists what may change, and those changes are printed and recorded)."""
+    saved_file = run.path / CONFIG_FILE
+    if not run.resume or not saved_file.is_file():
+        return
+    try:
+        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise RunFolderError(f"--resume: {saved_file} is not a readable config; the run's settings are unknown, so it "
+                             "cannot be continued (start afresh with --overwrite)")
+    now = yaml.safe_load(yaml.safe_dump(scrub_secrets(asdict(config)), sort_keys=False))
+    if saved.get("mixed_precision") is not None and now.get("mixed_precision") is None:
+        now["mixed_precision"] = saved["mixed_precision"]  # unset: the run's own (accelerate's setting, resolved)
+    changed = [name for name, value in now.items() if name in saved and not _same_setting(saved[name], value)]
+    refused = [name for name in changed if name not in APPLIED_ON_RESUME]
+    if refused:
+        listed = ", ".join(f"--{name} {saved[name]!r} (now {now[name]!r})" for name in refused)
+        raise RunFolderError(
+            f"--resume: the run in {run.path} was started with other settings: {listed}; resume with the run's own "
+            f"settings ({saved_file}) or start a new run (another --output_dir, or --overwrite)"
+        )
+    applied = [name for name in changed if name not in ("resume", "overwrite", "output_dir")]
+    if applied:
+        print("[run] --resume applies " + ", ".join(f"--{name} {now[name]!r} (was {saved[name]!r})" for name in applied)
+              + f"; {CONFIG_FILE} records it", flush=True)
 
 
 def start_run(accelerator, run: RunFolder, config) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from align.cli import ConfigError, die, parse_config
+from align.cli import ConfigError, die, die_if_disk_full, parse_config
 from align.data.pairs import DataError
-from align.pipeline import ModelLoadError, check_model
+from align.pipeline import ModelLoadError, check_model, check_sampling_steps
 from align.quiet import quiet_output
 from align.run_folder import (
     JUDGE_ANSWERS,
@@ -40,6 +40,8 @@ def run_trainer(config_class: type, train: Callable, argv: list[str] | None, des
         die(str(err))
     except stopped as err:
         die(str(err), code=3)
+    except OSError as err:
+        die_if_disk_full(err, "rerun with --resume latest")
 
 
 def check_config_and_model(config) -> None:
@@ -49,6 +51,7 @@ def check_config_and_model(config) -> None:
     adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
     try:
         check_weight_files("--model", check_model(config.model))
+        check_sampling_steps(config.model, getattr(config, "num_inference_steps", None))
     except ModelLoadError as err:
         raise ConfigError(str(err)) from None
 

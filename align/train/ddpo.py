@@ -53,7 +53,7 @@ from align.families.base import (
 )
 from align.families.sd import StableDiffusion
 from align.health import images_finite
-from align.judges import check_judge_names, check_judge_prompts, load_judge
+from align.judges import check_judge_names, check_judges_take_prompts, load_judge
 from align.pipeline import (
     add_lora,
     check_model,
@@ -86,6 +86,7 @@ from align.train.accelerator import (
 )
 from align.train.advantages import PerPromptStatTracker, compute_advantages
 from align.train.checkpoints import (
+    check_resume_settings,
     register_trainable_checkpoint_hooks,
     save_checkpoint,
     save_final_weights,
@@ -287,6 +288,7 @@ def train(config: DDPOConfig) -> Path:
     check_inputs(config)
     family = resolve_family(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
         config.mixed_precision, "ddpo", log_with=log_with, project_dir=str(run.path))
@@ -307,8 +309,9 @@ def train(config: DDPOConfig) -> Path:
         require_pointwise_eval_judge(eval_reward.spec, not eval_reward.needs_groups)
         eval_judge = ScoreOnly(eval_reward)
     prompts = load_prompt_list(config.prompts)
-    for member in reward_fn.members:
-        check_judge_prompts(member.judge, prompts, config.reward)
+    check_judges_take_prompts([reward_fn], prompts, "--prompts")  # a rule judge that cannot parse one stops here
+    if eval_judge is not None:
+        check_judges_take_prompts([eval_judge.reward], load_prompt_list(config.eval_prompts), "--eval_prompts")
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
     eval_members = eval_judge.reward.members if eval_judge is not None else []  # the main process's only
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0

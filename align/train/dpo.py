@@ -39,7 +39,7 @@ from align.data.prompt_sets import load_prompt_list
 from align.families import family_of_pipeline
 from align.families.base import cat_conditioning, conditioning_to
 from align.health import degenerate_reason
-from align.judges import check_judge_names, load_judge
+from align.judges import check_judge_names, check_judges_take_prompts, load_judge
 from align.pipeline import add_lora, disabled_adapter, frozen_copy, load_pipeline, testbed_settings
 from align.progress import progress_bar
 from align.run_folder import (
@@ -55,6 +55,7 @@ from align.train.accelerator import (
     tracker_config,
 )
 from align.train.checkpoints import (
+    check_resume_settings,
     register_trainable_checkpoint_hooks,
     resume_from_checkpoint,
     save_checkpoint,
@@ -208,31 +209,71 @@ def check_latent_store(config: DPOConfig, table, resolution: int) -> None:
         return  # built after the model loads
     complete = table is None or read_manifest(config.store_folder).get("complete", False)
     check_store(config.store_folder, model_fingerprint(config.model), resolution,
-                table.fingerprint if table is not None else None, need_complete=complete)
+                table_fingerprints(table), need_complete=complete)
 
 
-def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, store: Path | None):
+def table_fingerprints(table) -> tuple[str, ...] | None:
+    """The fingerprints a store of these pairs may hold: their content's, or (stores built before it) the older one."""
+    return None if table is None else (table.fingerprint, table.legacy_fingerprint)
+
+
+def training_data(accelerator, pipe, table, resolution: int, config: DPOConfig, store: Path | None, start: int = 0,
+                  end: int | None = None):
     """The torch Dataset of this round's pairs and its epoch order. With a store (--latent_store: a store
-    folder, or the run folder's) items are latents read from disk, else decoded images;
-    a missing or interrupted store is first built (resumably) by the main process."""
-
+    folder, or the run folder's) items are latents read from disk, else decoded images. A store folder that is
+    missing or interrupted is first built whole; the run's own store (--latent_store run) is a write-through cache:
+    the pairs that steps [start, end) read and it lacks are encoded first (a short run encodes a few pairs, not
+    the dataset), by the main process, resumably."""
     if store is None:
         return PairPixels(table, resolution), PairOrder(len(table), config.seed)
     model_fp = model_fingerprint(config.model)
+    own_store = config.store_folder is None
     if table is not None:
-        dtype = "float32" if config.store_folder is None else "float16"
+        dtype = "float32" if own_store else "float16"
         spec = StoreSpec(model_fp, resolution, table.fingerprint, len(table), 1024, dtype)
         if accelerator.is_main_process:
-
             held = read_manifest(store)
-            if held is None or not held.get("complete"):
-                if held is not None:  # an interrupted build: finish it with its own settings
-                    spec = StoreSpec(**{k: held[k] for k in spec.as_dict()})
-                print(f"[latents] encoding {len(table):,} pairs (both flips) into {store}", flush=True)
-                build_store(pipe, table, store, spec, log=lambda line: print(line, flush=True))
+            if held is not None:  # an earlier (or interrupted) build: go on with its own settings
+                check_store(store, model_fp, resolution, table_fingerprints(table), need_complete=False)
+                spec = StoreSpec(**{k: held[k] for k in spec.as_dict()})
+            if own_store or held is None or not held.get("complete"):
+                wanted = consumed_pairs(PairOrder(len(table), config.seed), config, start, end, accelerator.num_processes)
+                reads = f"{len(table):,}" if wanted is None else f"{len(wanted):,} of the {len(table):,}"
+                print(f"[latents] this run reads {reads} pairs: those not yet in {store} are encoded first (both flips; "
+                      "how long it takes is printed once it has started); --latent_store none skips this (each step "
+                      "then encodes its own images)", flush=True)
+                # The run's store encodes one pair per call: which pairs a run encodes together depends on where
+                # it started, and a batch's latents differ in the last bits with its company (a resumed run must
+                # equal an uninterrupted one bit for bit).
+                build_store(pipe, table, store, spec, log=lambda line: print(line, flush=True),
+                            pairs=wanted if own_store else None, batch_size=1 if own_store else 8)
         accelerator.wait_for_everyone()
-    manifest = check_store(store, model_fp, resolution, table.fingerprint if table is not None else None)
+    manifest = check_store(store, model_fp, resolution, table_fingerprints(table), need_complete=not own_store)
     return StoreLatents(store, manifest), PairOrder(manifest["num_pairs"], config.seed)
+
+
+# A run that reads at most this many pairs has their images decoded before anything is written (a few seconds);
+# a longer one meets an unreadable image when it encodes it, stops in one line and removes what it wrote.
+UPFRONT_IMAGE_CHECK = 2000
+
+
+def check_pairs_readable(config: DPOConfig, table, processes: int) -> None:
+    """The images of the pairs this run reads decode (one line naming the row otherwise), when they are few."""
+    wanted = consumed_pairs(PairOrder(len(table), config.seed), config, 0, config.max_steps, processes)
+    pairs = range(len(table)) if wanted is None else wanted.tolist()
+    if len(pairs) <= UPFRONT_IMAGE_CHECK:
+        for k in pairs:
+            table.pixels(k, 8, False)
+
+
+def consumed_pairs(order: PairOrder, config: DPOConfig, start: int, end: int | None, processes: int):
+    """The pair indices steps [start, end) read (micro_batch_keys' counters), or None when that is every pair."""
+    per_step = config.train_batch_size * config.gradient_accumulation_steps * processes
+    end = config.max_steps if end is None else end
+    first, last = start * per_step, end * per_step
+    if last - first >= order.num_pairs:
+        return None
+    return torch.tensor([order.index(counter) for counter in range(first, last)], dtype=torch.int64).unique()
 
 
 def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start: int, end: int):
@@ -272,6 +313,7 @@ def train(config: DPOConfig) -> Path:
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
         config.mixed_precision, "dpo", gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -288,6 +330,11 @@ def train(config: DPOConfig) -> Path:
         eval_judge = judge if eval_judge_spec == config.reward else load_judge(eval_judge_spec)
         require_pointwise_eval_judge(eval_judge_spec, eval_judge.pointwise)
 
+    if judge is not None:  # a rule judge that cannot parse a prompt stops here, not while labelling
+        check_judges_take_prompts([judge], load_prompt_list(config.prompts), "--prompts")
+    if eval_judge is not None:
+        check_judges_take_prompts([eval_judge], load_prompt_list(config.eval_prompts), "--eval_prompts")
+
     # The paid judge calls, counted and priced before any is made (refused above --max_api_cost).
     feedback_prompts = len(load_prompt_list(config.prompts)) if judge is not None else 0
     eval_prompts = len(load_prompt_list(config.eval_prompts)) if eval_judge is not None else 0
@@ -298,6 +345,7 @@ def train(config: DPOConfig) -> Path:
     table = None
     if config.dataset:
         table = open_pairs(config.dataset, split=config.dataset_split, max_pairs=config.max_pairs)
+        check_pairs_readable(config, table, accelerator.num_processes)
     if config.store_folder:
 
         check_latent_store(config, table, config.resolution or native_resolution(config.model))
@@ -373,8 +421,9 @@ def train(config: DPOConfig) -> Path:
 
     def round_batches(table, step):
         """The data of the round holding ``step``, read from ``step`` to the round's end."""
-        data, order = training_data(accelerator, pipe, table, resolution, config, store_of_round(step // steps_per_round))
         end = (step // steps_per_round + 1) * steps_per_round
+        data, order = training_data(accelerator, pipe, table, resolution, config, store_of_round(step // steps_per_round),
+                                    step, end)
         return micro_batches(data, order, config, accelerator, step, end), order
 
     if training_left:

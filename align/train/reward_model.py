@@ -43,6 +43,7 @@ from align.testbed.pairs import rendered_pairs, write_parquet
 from align.testbed.tokenizer import testbed_tokenizer
 from align.train.accelerator import end_training, make_accelerator
 from align.train.checkpoints import (
+    check_resume_settings,
     register_trainable_checkpoint_hooks,
     resume_from_checkpoint,
     save_checkpoint,
@@ -394,6 +395,7 @@ def train(config: RewardTrainConfig) -> Path:
 
     check_inputs(config)
     run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
+    check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
         config.mixed_precision, "reward", gradient_accumulation_steps=config.gradient_accumulation_steps,
         log_with=None if config.report_to == "none" else config.report_to, project_dir=str(run.path),

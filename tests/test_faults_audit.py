@@ -1,0 +1,284 @@
+"""Issue 49's audit, the cases that need a run: a lock on each run folder (a second start refused, a killed run's
+lock taken over), a moved run that resumes from its latent store, a resume with other settings refused in one line,
+a latent store checked against its manifest, the run's store holding only the pairs the run reads, a start that
+fails on a bad input leaving nothing behind, and a key in a variable of any name masked in every file a run writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from align.data.latent_store import MANIFEST, read_manifest, shard_name
+from align.judgebench import benchmark as judgebench
+from align.run_folder import LOCK_FILE, RunFolder, RunFolderError, process_start, read_metrics
+from align.train import dpo
+
+sys.path.insert(0, str(Path(__file__).parent))
+import errno
+
+from test_dpo import pair_parquet, small_config  # noqa: F401  (pair_parquet: a fixture)
+from test_precompute import write_pairs
+
+from align.data import precompute
+from align.data.pair_stream import capped_workers
+from align.testing.fake_judge_servers import FakeJudgeServer, brightness
+
+
+def _main_fails(capsys, argv: list[str], *words: str, code: int = 2) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        dpo.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == code, err[-2000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err
+    for word in words:
+        assert word in line, line
+    return line
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _lock_for(folder: Path, pid: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LOCK_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "start": process_start(pid),
+                                                "launcher": None, "time": time.time()}))
+
+
+# ------------------------------------------------------------------ the lock
+
+
+def test_a_live_run_locks_its_folder_and_a_killed_one_does_not(tmp_path):
+    run = tmp_path / "run"
+    other = _sleeper()  # another process "training" into the folder
+    try:
+        _lock_for(run, other.pid)
+        (run / "config.yaml").write_text("model: testbed\n")
+        for kwargs in ({}, {"overwrite": True}, {"resume": "latest"}):
+            with pytest.raises(RunFolderError, match=f"in use by a run that is still going \\(pid {other.pid}"):
+                RunFolder(run, **kwargs)
+        # two starts into one empty folder: the second finds the first one's lock when it takes its own
+        fresh = tmp_path / "fresh"
+        first = RunFolder(fresh)
+        _lock_for(fresh, other.pid)
+        with pytest.raises(RunFolderError, match="in use"):
+            first.prepare()
+        assert not (fresh / "config.yaml").exists()
+    finally:
+        other.send_signal(signal.SIGKILL)  # kill -9: the lock stays behind, stale
+        other.wait()
+    RunFolder(run, resume="latest").prepare()  # taken over, nothing to clean by hand
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_a_lock_of_a_reused_pid_is_stale(tmp_path):
+    """The lock records its process's start time: another process that got the same pid does not hold it."""
+    run = tmp_path / "run"
+    _lock_for(run, os.getppid())
+    lock = json.loads((run / LOCK_FILE).read_text())
+    (run / LOCK_FILE).write_text(json.dumps({**lock, "start": "1"}))  # the pid's earlier owner started at tick 1
+    RunFolder(run).prepare()
+
+
+def test_a_run_lets_go_of_its_lock_however_it_ends(tiny_model, pair_parquet, tmp_path):  # noqa: F811
+    out = dpo.train(small_config(tiny_model, tmp_path / "run", dataset=pair_parquet, max_steps=1))
+    assert not (out / LOCK_FILE).exists()
+
+
+# ------------------------------------------------------------------ a start stopped by a bad input
+
+
+def test_a_start_stopped_by_a_bad_input_leaves_nothing_so_the_corrected_command_runs(tiny_model, tmp_path, capsys,
+                                                                                       monkeypatch):
+
+    monkeypatch.setattr(dpo, "UPFRONT_IMAGE_CHECK", 0)  # as in a run reading many pairs: met while encoding
+
+    broken = write_pairs(tmp_path / "broken.parquet", corrupt_row=3)  # found only when its image is read
+    out = tmp_path / "run"
+    argv = ["--model", tiny_model, "--output_dir", str(out), "--report_to", "none", "--max_steps", "1",
+            "--finetune", "lora", "--lora_rank", "4", "--resolution", "16", "--train_batch_size", "5",
+            "--gradient_accumulation_steps", "1", "--latent_store", "run"]
+    _main_fails(capsys, [*argv, "--dataset", broken], "row 3", "unreadable image")
+    assert not out.exists()  # no config.yaml: the corrected command is not refused with "already holds a run"
+    fixed = write_pairs(tmp_path / "fixed.parquet")
+    dpo.main([*argv, "--dataset", fixed])
+    assert (out / "final").is_dir()
+
+
+# ------------------------------------------------------------------ resume: moved, other settings
+
+
+def test_a_moved_run_with_a_touched_dataset_resumes_from_its_store(tiny_model, pair_parquet, tmp_path):  # noqa: F811
+    data = tmp_path / "pairs.parquet"
+    shutil.copy(pair_parquet, data)
+    settings = dict(dataset=str(data), max_steps=2, checkpointing_steps=1)
+    first = dpo.train(small_config(tiny_model, tmp_path / "run", **settings))
+    shutil.rmtree(first / "checkpoints" / "step_0000002")
+    shutil.rmtree(first / "final")
+    moved = tmp_path / "renamed"
+    os.rename(first, moved)
+    os.utime(data, (time.time() + 60, time.time() + 60))  # touched: same bytes, another time
+    resumed = dpo.train(small_config(tiny_model, moved, resume="latest", **settings))
+    assert (resumed / "final").is_dir() and [r["step"] for r in read_metrics(resumed)] == [1, 2]
+
+
+def test_a_resume_with_other_settings_is_refused_naming_them(tiny_model, pair_parquet, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    dpo.train(small_config(tiny_model, out, dataset=pair_parquet, max_steps=1))
+    config = (out / "config.yaml").read_text()
+    argv = ["--model", tiny_model, "--dataset", pair_parquet, "--output_dir", str(out), "--resume", "latest",
+            "--report_to", "none", "--finetune", "lora", "--resolution", "16"]
+    line = _main_fails(capsys, [*argv, "--learning_rate", "0.5", "--beta", "7", "--lora_rank", "64"],
+                       "--learning_rate 0.001 (now 0.5)", "--beta 100.0 (now 7.0)", "--lora_rank 4 (now 64)")
+    assert "other settings" in line
+    assert (out / "config.yaml").read_text() == config  # nothing claims settings the run does not use
+
+
+def test_a_resume_that_extends_the_run_says_so_and_records_it(tiny_model, pair_parquet, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    dpo.train(small_config(tiny_model, out, dataset=pair_parquet, max_steps=1))
+    capsys.readouterr()
+    dpo.train(small_config(tiny_model, out, dataset=pair_parquet, max_steps=2, resume="latest"))
+    assert "--resume applies --max_steps 2 (was 1)" in capsys.readouterr().out
+    assert yaml.safe_load((out / "config.yaml").read_text())["max_steps"] == 2
+
+
+# ------------------------------------------------------------------ the latent store
+
+
+def test_the_runs_store_holds_the_pairs_the_run_reads_and_a_longer_run_adds_the_rest(tiny_model, pair_parquet, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    dpo.train(small_config(tiny_model, out, dataset=pair_parquet, max_steps=1, train_batch_size=2))
+    printed = capsys.readouterr().out
+    assert "this run reads 2 of the 6 pairs" in printed and "--latent_store none skips this" in printed
+    assert "1 of 2 pairs encoded in" in printed and "left" in printed  # the duration, said early (once)
+    manifest = read_manifest(out / "latents")
+    assert manifest["num_pairs"] == 6 and not manifest["complete"]
+    assert sum(r["pairs"] for r in manifest["shards"].values()) == 2  # a short run encodes its own pairs only
+    dpo.train(small_config(tiny_model, out, dataset=pair_parquet, max_steps=4, train_batch_size=2, resume="latest"))
+    manifest = read_manifest(out / "latents")
+    assert manifest["complete"] and sum(r["pairs"] for r in manifest["shards"].values()) == 6
+    assert len(manifest["shards"]) == 2  # the first run's shard kept, the missing pairs added beside it
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model, pair_parquet, tmp_path_factory):  # noqa: F811
+
+    folder = tmp_path_factory.mktemp("store") / "store"
+    precompute.precompute(precompute.parse_args(["--model", tiny_model, "--dataset", pair_parquet, "--output",
+                                                 str(folder), "--shard_size", "4", "--dtype", "float32"]))
+    return folder
+
+
+@pytest.mark.parametrize("damage,says", [
+    ("resolution", "was changed after the store was written"),
+    ("num_pairs", "was changed after the store was written"),
+    ("truncate", "bytes, "),
+    ("flip", "hash mismatch"),
+])
+def test_a_damaged_store_is_refused_before_the_run_folder_is_written(tiny_model, store, tmp_path, capsys, damage, says):
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    shard = copy / shard_name(1)
+    if damage in ("resolution", "num_pairs"):
+        manifest[damage] = manifest[damage] * 2 if damage == "resolution" else manifest[damage] - 1
+        (copy / MANIFEST).write_text(json.dumps(manifest))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        data = bytearray(shard.read_bytes())
+        data[-5] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    out = tmp_path / "run"
+    _main_fails(capsys, ["--model", tiny_model, "--latent_store", str(copy), "--output_dir", str(out), "--report_to",
+                         "none", "--max_steps", "1", "--resolution", "16"], "latent store", says)
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------ a key in a variable of any name
+
+
+def test_a_key_in_a_variable_named_by_api_key_env_is_masked_in_the_benchmarks_files(tmp_path, monkeypatch):
+
+    key = "plain-words-credential-value-4417"  # no key shape, in a variable whose name says nothing of keys
+    monkeypatch.setenv("MY_JUDGE_CRED", key)
+
+    def echoing(prompt, images):
+        first, second = (round(brightness(image), 4) for image in images)
+        return json.dumps({"analysis": f"key {key} accepted", "better_image": 1 if first >= second else 2})
+
+    with FakeJudgeServer("openai", answer=echoing, api_key=key) as server:
+        spec = (f"gpt4o[model=fake-model,base_url={server.base_url},timeout=10,api_key_env=MY_JUDGE_CRED,"
+                f"cache_path={tmp_path / 'cache' / 'answers.sqlite'}]")
+        out = tmp_path / "bench"
+        judgebench.main(["--judges", spec, "--testbed_pairs", "2", "--testbed_bias_groups", "0", "--output_dir", str(out)])
+        assert server.calls
+    written = [p for p in [*out.rglob("*"), *(tmp_path / "cache").rglob("*")] if p.is_file()]
+    assert (out / "verdicts.jsonl") in written and "***" in (out / "verdicts.jsonl").read_text()
+    assert [str(p) for p in written if key.encode() in p.read_bytes()] == []
+    for db in (p for p in written if p.suffix == ".sqlite"):
+        rows = sqlite3.connect(db).execute("SELECT raw FROM answers").fetchall()
+        assert rows and all(key not in raw for (raw,) in rows)
+
+
+# ------------------------------------------------------------------ a full disk, through the command
+
+
+def test_a_full_disk_while_writing_a_checkpoint_ends_in_one_line(tiny_model, pair_parquet, tmp_path, monkeypatch, capsys):  # noqa: F811
+
+    real = os.replace
+
+    def full_at_the_checkpoint(src, dst):
+        if Path(dst).name == "step_0000001":
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_at_the_checkpoint)
+    out = tmp_path / "run"
+    line = _main_fails(capsys, ["--model", tiny_model, "--dataset", pair_parquet, "--output_dir", str(out),
+                                "--report_to", "none", "--max_steps", "1", "--finetune", "lora", "--lora_rank", "4",
+                                "--resolution", "16", "--train_batch_size", "2", "--gradient_accumulation_steps", "1"],
+                       "no space left", "--resume latest", code=3)
+    assert "step_0000001" in line
+    assert not (out / "checkpoints" / "step_0000001").exists()
+
+
+def test_dataloader_workers_are_capped_at_the_cpus_in_one_line(capsys):
+
+    assert capped_workers(0) == 0 and capped_workers(1) == 1
+    assert capped_workers(100_000) == os.cpu_count()
+    assert capsys.readouterr().out.strip() == (f"[data] --dataloader_num_workers 100000 is more than this machine's "
+                                               f"{os.cpu_count()} CPUs; using {os.cpu_count()}")
+
+
+def test_a_full_disk_ends_the_evaluation_commands_in_one_line_too(tmp_path, monkeypatch, capsys):
+
+    real = os.replace
+
+    def full(src, dst):
+        if Path(dst).name == "leaderboard.csv":
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(SystemExit) as exit_:
+        judgebench.main(["--judges", "random", "--testbed_pairs", "2", "--testbed_bias_groups", "0",
+                         "--output_dir", str(tmp_path / "bench")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 3 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "no space left" in line and "leaderboard.csv" in line
