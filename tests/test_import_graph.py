@@ -161,3 +161,9 @@ def test_the_fence_finder_sees_a_forbidden_import(tmp_path, monkeypatch):
     (tmp_path / "pkg" / "a.py").write_text("def f():\n    from experiments.flow_ceiling import held_out_set\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert offenders(["pkg"], ("experiments",)) == ["pkg/a.py: experiments.flow_ceiling"]
+
+
+def test_every_folder_of_the_packages_is_a_regular_package():
+    """An installed wheel holds only packages with an __init__.py (setuptools' find_packages)."""
+    folders = {p.parent for package in ("align", "rewards") for p in (ROOT / package).rglob("*.py")}
+    assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file()) == []

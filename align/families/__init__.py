@@ -60,7 +60,7 @@ def check_pipeline_folder(folder: Path) -> None:
     except (OSError, ValueError) as err:
         raise UnknownFamilyError(f"{index_file} is not readable JSON ({type(err).__name__})") from None
     class_name = _class_name(index, index_file)
-    family_named(class_name)
+    family = family_named(class_name)
     pipeline_class = getattr(diffusers, class_name, None)
     if pipeline_class is None:
         return
@@ -73,7 +73,7 @@ def check_pipeline_folder(folder: Path) -> None:
                if not isinstance(index.get(name), list) or (index[name][0] is not None and not (folder / name).is_dir())]
     if missing:
         raise UnknownFamilyError(
-            f"{index_file} says {class_name}, which needs {', '.join(missing)}, and the folder has no such "
+            f"{index_file} says {class_name} ({family.title}), which needs {', '.join(missing)}, and the folder has no such "
             "component: the index does not match the weights (save or download the model again)"
         )
 

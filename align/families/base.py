@@ -83,6 +83,7 @@ class ModelFamily:
     """One model family. Subclasses set the attributes and implement the methods."""
 
     name: str = ""
+    title: str = ""  # as messages name the family: "Stable Diffusion XL"
     pipeline_class_names: tuple[str, ...] = ()  # model_index.json ``_class_name`` values handled
     denoiser_name: str = "unet"  # the pipeline attribute that is trained
     is_flow: bool = False  # flow matching (velocity, σ schedule) rather than DDPM/DDIM

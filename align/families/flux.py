@@ -55,6 +55,7 @@ def denoiser_config(denoiser):
 
 class Flux(flow_common.FlowMatchingFamily):
     name = "flux"
+    title = "FLUX"
     pipeline_class_names = ("FluxPipeline",)
     default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
     # train_dreambooth_lora_flux.py's default --lora_layers: joint blocks' attention (both streams) and MLPs
@@ -74,7 +75,7 @@ class Flux(flow_common.FlowMatchingFamily):
             flow_common.model_index(model)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "FLUX")
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title)
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:

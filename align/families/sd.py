@@ -25,6 +25,7 @@ def peft_lora_state_dict(denoiser) -> dict[str, torch.Tensor]:
 
 class StableDiffusion(ModelFamily):
     name = "sd"
+    title = "Stable Diffusion"
     pipeline_class_names = ("StableDiffusionPipeline",)
     denoiser_name = "unet"
 
@@ -36,7 +37,7 @@ class StableDiffusion(ModelFamily):
     def load_pipeline(self, model: str, dtype: torch.dtype, device):
         from diffusers import DDIMScheduler
 
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion",
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title,
                                    safety_checker=None, requires_safety_checker=False)
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
         pipe.set_progress_bar_config(disable=True)

@@ -24,6 +24,7 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__ / encode_
 
 class StableDiffusion3(flow_common.FlowMatchingFamily):
     name = "sd3"
+    title = "Stable Diffusion 3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
     default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
     # train_dreambooth_lora_sd3.py's default --lora_layers (joint blocks' attention, both streams)
@@ -45,7 +46,7 @@ class StableDiffusion3(flow_common.FlowMatchingFamily):
         # diffusers refuses a null T5 entry unless it is passed as None (SD3 without T5, the flow testbed)
         no_t5 = {name: None for name in ("text_encoder_3", "tokenizer_3")
                  if flow_common.is_null_component(index.get(name))}
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion 3", **no_t5)
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, **no_t5)
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:

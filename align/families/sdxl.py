@@ -69,6 +69,7 @@ def _latent_stats(vae, like: torch.Tensor):
 
 class StableDiffusionXL(StableDiffusion):
     name = "sdxl"
+    title = "Stable Diffusion XL"
     pipeline_class_names = ("StableDiffusionXLPipeline",)
     denoiser_name = "unet"
     is_flow = False
@@ -83,7 +84,7 @@ class StableDiffusionXL(StableDiffusion):
     def load_pipeline(self, model: str, dtype: torch.dtype, device):
         from diffusers import DDIMScheduler
 
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, "Stable Diffusion XL")
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title)
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(device)

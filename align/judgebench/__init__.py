@@ -1,0 +1,1 @@
+"""The judge benchmark (MJ-Bench protocol): the command, recorded answers, data and metrics."""
