@@ -48,7 +48,7 @@ from align.metrics import CI_METHODS, FeatureNetwork
 from align.pipeline import ModelLoadError, resolve_model, run_base_model
 from align.prompt_sets import PromptSetError, load_prompt_set
 from align.quiet import quiet_output
-from align.runs import atomic_write_text
+from align.runs import atomic_write_text, clean_interrupted_writes
 from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
 from align.validation import check_common_inputs, check_weight_files
 from rewards.base import is_pointwise
@@ -311,6 +311,8 @@ def evaluate(config: EvalConfig) -> dict:
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
     out = Path(config.output_dir)  # made by the first file written (atomic writes create folders), so a model
     # that fails to load leaves nothing behind
+    if out.is_dir():  # a run killed mid-write left temporary files (cached images, scores) in its folder
+        clean_interrupted_writes(out)
     device = resolve_device(config.device)
     base_for_adapters = config.base_model or models[0].path
     settings = sampling_settings(config, base_for_adapters)
