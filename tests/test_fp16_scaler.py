@@ -107,6 +107,14 @@ def test_accelerate_itself_gives_no_scaler_for_fp16_on_a_cpu(capsys):
     assert "mixed precision: fp16 (from --mixed_precision)\n" in capsys.readouterr().out
 
 
+def assert_the_scalers_rule(scaler: RecordingScaler) -> None:
+    """Every step that found an overflow halved the scale and left AdamW where it was; every other step kept the
+    scale (growth comes after 2000 clean steps) and was taken."""
+    before = [INIT_SCALE, *scaler.scales[:-1]]
+    assert scaler.scales == [s / 2 if inf else s for s, inf in zip(before, scaler.found_inf)]
+    assert taken_steps(scaler.optimizers[-1]) == scaler.found_inf.count(False)
+
+
 def taken_steps(optimizer) -> int:
     """How many steps AdamW really took (its per-parameter step count; a skipped step leaves it as it was)."""
     return max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
@@ -127,9 +135,7 @@ def test_fp16_dpo_steps_go_through_the_gradient_scaler(fp16_as_on_a_gpu, tiny_mo
     # kernels): step 1 overflows (an inf put into a gradient) and is skipped; every step that finds an overflow
     # halves the scale and leaves AdamW where it was; a step without one keeps the scale (growth comes after 2000).
     assert scaler.found_inf[0] is True
-    before = [INIT_SCALE, *scaler.scales[:-1]]
-    assert scaler.scales == [s / 2 if inf else s for s, inf in zip(before, scaler.found_inf)]
-    assert taken_steps(scaler.optimizers[-1]) == scaler.found_inf.count(False)
+    assert_the_scalers_rule(scaler)
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(first["loss"] - math.log(2)) < 1e-3  # the reference under the same fp16 autocast as the policy
 
@@ -146,5 +152,5 @@ def test_fp16_ddpo_updates_go_through_the_gradient_scaler(fp16_as_on_a_gpu, tiny
     (scaler,) = fp16_as_on_a_gpu
     # 4 samples, 2 per update: 2 updates of 2 micro-batches x 2 trained timesteps (one backward each)
     assert scaler.events == expected_events(4, 2)
-    assert scaler.get_scale() == INIT_SCALE
+    assert_the_scalers_rule(scaler)  # whether a step overflows by itself depends on the CPU's kernels
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
