@@ -24,7 +24,9 @@ REFUSAL_MARKER = "[refused]"
 _REFUSAL = re.compile(
     r"\b(i\s*(?:'m|am)\s+(?:sorry|unable|not able)|i\s*(?:can(?:'|no)?t|cannot|won'?t|will not)\s+"
     r"(?:help|assist|evaluate|rate|provide|comply|view|see|analy[sz]e|judge|do that|fulfil)|"
-    r"as an ai\b|unable to (?:help|assist|evaluate|rate|provide|comply|view|see))",
+    r"as an ai\b|unable to (?:help|assist|evaluate|rate|provide|comply|view|see)|"
+    # Claude 3's way of declining (MJ-Bench's released answers): "I apologize, but I do not feel comfortable ..."
+    r"i\s+apologi[sz]e,?\s+but\b|(?:do not|don't)\s+feel\s+comfortable|must refrain from)",
     re.IGNORECASE,
 )
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"

@@ -9,6 +9,7 @@ import torch
 
 from align.cli import ConfigError
 from align.eval import best_of_n as bon
+from align.eval.generation import GenerationCache, ModelEntry
 from align.testbed.models import build_pipeline
 from align.testbed.tokenizer import testbed_tokenizer
 
@@ -131,3 +132,19 @@ def test_bad_inputs_fail_early(tmp_path, tiny_pipeline):
         bon.check_inputs(_config(tmp_path, tiny_pipeline, reward="random", n=0))
     with pytest.raises(ConfigError, match="zo_neighbors"):
         bon.check_inputs(_config(tmp_path, tiny_pipeline, reward="random", search="zero-order", zo_neighbors=8))
+
+
+def test_a_rerun_regenerates_an_unfinished_batch_whole_and_keeps_the_images_it_has(tmp_path):
+    """An image depends in its last bits on the batch it was generated in, so after a kill inside a batch's writes the
+    rerun generates that batch as the first run did (issue 49) and saves only the images that are missing."""
+
+    cache = GenerationCache(tmp_path, ModelEntry("m", "hub/model"), {"steps": 2}, None)
+    items = [(f"prompt {i}", i) for i in range(7)]  # batches of 3: items 0-2, 3-5, 6
+    assert cache.unfinished_batches(items, 3) == items
+    for prompt, seed in items[:4]:  # the first batch written, the second killed after its first image
+        cache.save(prompt, seed, torch.zeros(3, 4, 4))
+    assert cache.unfinished_batches(items, 3) == items[3:]
+    kept = cache.path(*items[3]).read_bytes()
+    cache.save_missing(*items[3], torch.ones(3, 4, 4))
+    cache.save_missing(*items[4], torch.ones(3, 4, 4))
+    assert cache.path(*items[3]).read_bytes() == kept and cache.path(*items[4]).is_file()

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,6 +135,18 @@ def test_evaluate_killed_at_a_random_moment_finishes_bit_identical(testbed_model
     _no_leftovers(out)
 
 
+def test_evaluate_rerun_removes_the_temporary_files_of_a_killed_write(testbed_model, eval_straight, tmp_path):
+    straight, _ = eval_straight
+    out = tmp_path / "eval"
+    shutil.copytree(straight, out)
+    image = sorted(out.glob("generations/*/*.png"))[0]
+    _plant_interrupted_writes(out, [str(image.relative_to(out)), "results.json"])
+    _run("align.eval.evaluate", _eval_argv(testbed_model, out), out)
+    assert _eval_results(out) == _eval_results(straight)
+    assert _hashes(out, "generations/*/*.png") == _hashes(straight, "generations/*/*.png")
+    _no_leftovers(out)
+
+
 # ------------------------------------------------------------------ align.eval.best_of_n
 
 
@@ -161,6 +174,29 @@ def test_best_of_n_killed_at_a_random_moment_finishes_bit_identical(testbed_mode
     out = tmp_path / "bon"
     argv = _bon_argv(testbed_model, out)
     _killed_then_rerun("align.eval.best_of_n", argv, argv, out, seconds, fraction)
+    assert _bon_results(out) == _bon_results(straight)
+    assert _hashes(out, "candidates/*/*.png") == _hashes(straight, "candidates/*/*.png")
+    assert _hashes(out, "chosen/*.png") == _hashes(straight, "chosen/*.png")
+    _no_leftovers(out)
+
+
+def _plant_interrupted_writes(out: Path, finished: list[str]) -> None:
+    """What kill -9 leaves when it lands inside an atomic write: the temporary file beside the file it was
+    writing, which is then missing (the kill comes before the rename)."""
+    for name in finished:
+        target = out / name
+        target.unlink()
+        (target.parent / f".{target.name}.k1ll3d.tmp").write_bytes(b"half a file")
+
+
+def test_best_of_n_rerun_removes_the_temporary_files_of_a_killed_write(testbed_model, bon_straight, tmp_path):
+    """Wherever the kill lands: here inside the writes of a chosen image, a candidate and results.json."""
+    straight, _ = bon_straight
+    out = tmp_path / "bon"
+    shutil.copytree(straight, out)
+    candidate = sorted(out.glob("candidates/*/*.png"))[1]
+    _plant_interrupted_writes(out, ["chosen/0002.png", str(candidate.relative_to(out)), "results.json"])
+    _run("align.eval.best_of_n", _bon_argv(testbed_model, out), out)
     assert _bon_results(out) == _bon_results(straight)
     assert _hashes(out, "candidates/*/*.png") == _hashes(straight, "candidates/*/*.png")
     assert _hashes(out, "chosen/*.png") == _hashes(straight, "chosen/*.png")

@@ -74,6 +74,9 @@ def test_unusable_answers_abstain(question, text):
         "As an AI, I am unable to evaluate images of people.",
         f"{REFUSAL_MARKER} I'm sorry, I can't assist with that.",
         f"{REFUSAL_MARKER} finish_reason=SAFETY",
+        # Claude 3 Opus in MJ-Bench's released answers (issue 49)
+        "I apologize, but I do not feel comfortable providing ratings or analysis comparing these images.",
+        "I must refrain from evaluating images that promote harmful stereotypes.",
     ],
 )
 def test_refusals(text):

@@ -2,6 +2,7 @@
 `--prompt_template`: the question a judge is asked (checked on a fake OpenAI-compatible server)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +180,87 @@ def test_judge_cache_gives_the_parse_outcome_per_judge_and_question(tmp_path, ca
     assert [(c["judge"], c["question"], c["ok"], c["unparseable"], c["refusal"]) for c in summary] == [
         ("openai:m", question, 2, 1, 1)]
     assert "Judge caches" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the closed models' released files (issue 49)
+
+FIXTURE = Path(__file__).parent / "data" / "mjbench_closed_alignment.json"
+
+
+def _released_closed_files(folder: Path) -> Path:
+    """closesource_result/alignment/<subcategory>/<model>_alignment_number10.json rebuilt from the reduced copy
+    (experiments/mjbench_closed_fixture.py: every row's recorded fields, the analysis where it matters)."""
+    fixture = json.loads(FIXTURE.read_text())
+    columns = fixture.pop("columns")
+    root = folder / "closesource_result" / "alignment"
+    for model, subcategories in fixture.items():
+        for sub, rows in subcategories.items():
+            _write(root / sub / f"{model}_alignment_number10.json", [dict(zip(columns, row)) for row in rows])
+    return root
+
+
+def test_released_closed_model_files_reproduce_every_alignment_cell_of_the_paper(tmp_path):
+    """MJ-Bench's alignment table: GPT-4o 61.5 / 62.5, GPT-4V (gpt-4-turbo) 66.1 / 67.0, Gemini 67.2 / 69.0."""
+    judgebench.main(["--answers", str(_released_closed_files(tmp_path)), "--output_dir", str(tmp_path / "out")])
+    rows = {r["judge"].split("_")[0]: r for r in json.loads((tmp_path / "out" / "answers.json").read_text())["judges"]}
+    paper = {"gpt-4o": (61.5, 62.5), "gpt-4-turbo": (66.1, 67.0), "gemini-1.5": (67.2, 69.0)}
+    for model, cells in paper.items():
+        row = rows[model]
+        assert row["pairs"] == 729
+        assert (round(100 * row["acc_with_ties"], 1), round(100 * row["acc_without_ties"], 1)) == cells, model
+    # the content filters' refusals are abstentions, counted apart from ties (GPT-4o: 8, 4 of them in object)
+    assert (rows["gpt-4o"]["refused"], round(rows["gpt-4o"]["abstention_rate"] * 729)) == (8, 8)
+    assert rows["gpt-4o"]["parse_failures"][str(tmp_path / "closesource_result/alignment/object/gpt-4o_alignment_number10.json")] == {"refusal": 4}
+    assert round(rows["gpt-4o"]["tie_rate"] * 729) == 4  # the judge's own ties only
+    assert (rows["gemini-1.5"]["refused"], rows["gpt-4-turbo"]["refused"]) == (17, 0)  # Gemini: safety blocks
+    # the authors' column: their stored pred against every labelled pair (a stored tie or -1 is wrong)
+    assert rows["gpt-4-turbo"]["authors_pred_acc"] == pytest.approx(482 / 729)
+
+
+def test_a_closed_models_recorded_choice_wins_over_its_analysis_text(tmp_path):
+    """Gemini's hpdv2_new_44: ratings 5 / 7 and choice image 2 recorded; its analysis ends "The coloring in IMAGE-1
+    is better though", which parses as a choice of image 1."""
+    fixture = json.loads(FIXTURE.read_text())
+    columns = fixture["columns"]
+    (row,) = [dict(zip(columns, r)) for r in fixture["gemini-1.5"]["object"] if r[0] == "hpdv2_new_44"]
+    assert row["vlm_pred"] == 1 and "IMAGE-1 is better" in row["output"]
+    assert A.parse_answer(row["output"], JudgeQuestion("pair")).value["better"] == 1  # what the text alone says
+    _write(tmp_path / "closesource_result" / "alignment" / "object" / "gemini-1.5_alignment_number10.json", [row])
+    (result,), _ = A.rescore([str(tmp_path)])
+    assert result.verdicts == [M.PICK_1] and result.labels == [0]
+
+
+def test_api_refusals_and_unsplit_answers_are_abstentions_not_ties(tmp_path):
+    error = "Error code: 400 - {'error': {'inner_error': {'code': 'ResponsibleAIPolicyViolation'}}}"
+    closed = [  # closesource_result maps the -1 preference to "tie" and keeps pred -1
+        {"label": "0", "score_0": "5", "score_1": "5", "vlm_pred": "tie", "pred": "-1", "output": error},
+        {"label": "1", "score_0": "5", "score_1": "5", "vlm_pred": "tie", "pred": "-1",
+         "output": "I apologize, but I do not feel comfortable providing ratings for these images."},
+        {"label": "1", "score_0": "5", "score_1": "5", "vlm_pred": "tie", "pred": "-1",
+         "output": "The image depicts a portrait of a man in a suit."},  # the API code could not split the answer
+        {"label": "1", "score_0": "7", "score_1": "7", "vlm_pred": "tie", "pred": "tie", "output": "Both are equal."},
+    ]
+    _write(tmp_path / "closesource_result" / "alignment" / "count" / "claude-3-opus_alignment_number10.json", closed)
+    online = [{"label": 1, "score_0": 5, "score_1": 5, "vlm_pred": -1, "output": error}]  # online_result keeps -1
+    _write(tmp_path / "online_result" / "count" / "gpt-4o_alignment_number10.json", online)
+    results, _ = A.rescore([str(tmp_path)])
+    rows = {r.judge.split("_")[0]: A.summarise(r) for r in results}
+    claude, gpt = rows["claude-3-opus"], rows["gpt-4o"]
+    assert [r for r in results if r.judge.startswith("claude")][0].verdicts == [M.ABSTAIN, M.ABSTAIN, M.ABSTAIN, M.TIE]
+    assert (claude["refused"], claude["not_parsed"], claude["tie_rate"], claude["abstention_rate"]) == (2, 3, 0.25, 0.75)
+    assert (gpt["refused"], gpt["abstention_rate"], gpt["tie_rate"]) == (1, 1.0, 0.0)
+    assert "| refused |" in A.report_markdown(list(rows.values()), [])
+
+
+def test_the_authors_column_counts_every_labelled_pair_in_every_layout(tmp_path):
+    """A multi-image file (vlm_pred -1 is the authors' stored tie) and a single-image file (pred "tie") both keep
+    their ties in the denominator: the column is their stored verdict's accuracy with ties, whatever the file."""
+    multi = [{"label": "1", "score_0": "8", "score_1": "9", "vlm_pred": "1", "score_pred": "1",
+              "output": "IMAGE-1 RATING: 8\nIMAGE-2 RATING: 9\nBETTER IMAGE: 2"},
+             {"label": "0", "score_0": "7", "score_1": "7", "vlm_pred": "-1", "score_pred": "tie",
+              "output": "IMAGE-1 RATING: 7\nIMAGE-2 RATING: 7\nBETTER IMAGE: 0"}]
+    _write(tmp_path / "alignment" / "count_multi" / "internvl-chat-v1-5_number_scale10.json", multi)
+    _write(tmp_path / "alignment" / "count_single" / "llava_number_scale10.json",
+           [{**_single(1, 3, 8), "pred": "1"}, _single(0, 7, 7)])
+    results, _ = A.rescore([str(tmp_path)])
+    assert [(A.summarise(r)["authors_pred_acc"], r.authors_counted) for r in results] == [(0.5, 2), (0.5, 2)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from align.cli import ConfigError
 from align.testing.noise_pairs import write_noise_pairs
 from align.train import ddpo, dpo
 from align.train.accelerator import (
+    cpu_launch_lost_its_processes,
     keep_default_attention,
     refuse_unsupported_distribution,
     refuse_unsupported_launch,
@@ -72,6 +74,47 @@ def test_deepspeed_and_fsdp_are_refused_with_what_works(monkeypatch, tmp_path, c
         dpo.main(["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--report_to", "none"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "FSDP is not supported" in err
+    assert not out.exists()
+
+
+def test_a_cpu_launch_of_several_processes_that_runs_one_is_refused(tiny_model, pairs, tmp_path):
+    """`accelerate launch --cpu --num_processes 2` starts the script once (accelerate's simple launcher): a run that
+    silently trains one process with half the pairs per step was issue 49's "two processes != one process"."""
+
+    alone = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert cpu_launch_lost_its_processes(alone)
+    assert not cpu_launch_lost_its_processes({**alone, "WORLD_SIZE": "2", "RANK": "0"})  # torch's launcher: really N
+    assert not cpu_launch_lost_its_processes({**alone, "PMI_SIZE": "2"})  # mpirun
+    assert not cpu_launch_lost_its_processes({"ACCELERATE_USE_CPU": "True"})  # --cpu, one process asked for
+    assert not cpu_launch_lost_its_processes({"MASTER_ADDR": "127.0.0.1"})
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(root / "align" / "dpo.py"),
+           "--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--report_to", "none"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode != 0 and "error: `accelerate launch --cpu --num_processes N` starts one process" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("trainer", ["ddpo", "train_reward"])
+def test_the_other_trainers_refuse_a_cpu_launch_that_runs_alone(trainer, tiny_model, tmp_path, monkeypatch, capsys):
+    """The online-RL trainer and the reward-model trainer build their Accelerator the same way: the same line."""
+
+    for variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    out = tmp_path / trainer
+    argv = (["--model", tiny_model, "--reward", "jpeg-compressibility", "--prompts", "testbed:4"] if trainer == "ddpo"
+            else ["--dataset", write_noise_pairs(tmp_path, 4)])
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module({"ddpo": "align.train.ddpo", "train_reward": "align.train.reward_model"}[trainer]).main([*argv, "--output-dir", str(out), "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "starts one process whatever N says" in err
     assert not out.exists()
 
 

@@ -53,7 +53,7 @@ from align.metrics import mean_and_sem
 from align.pipeline import ModelLoadError, check_model, check_sampling_steps, load_trained
 from align.progress import progress_bar
 from align.quiet import quiet_output
-from align.run_folder import atomic_write_bytes, atomic_write_text
+from align.run_folder import atomic_write_bytes, atomic_write_text, clean_interrupted_writes
 from align.validation import (
     check_common_inputs,
     check_not_a_training_run,
@@ -100,7 +100,7 @@ class BestOfNConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
-        check_not_a_training_run(self, "align.best_of_n")
+        check_not_a_training_run(self, "align.eval.best_of_n")
         check_generation_dtype(self.dtype)
         if self.cache_dir:
             check_writable_dir("cache_dir", self.cache_dir)
@@ -255,6 +255,10 @@ def best_of_n(config: BestOfNConfig) -> dict:
     prompt_set = check_inputs(config)
     prompts = prompt_set.prompts
     out = Path(config.output_dir)
+    # A run killed mid-write left temporary files in its folder: the rerun removes them (a --cache_dir elsewhere is
+    # left alone: other runs may be writing there; a stray temporary file there is never read).
+    if out.is_dir():
+        clean_interrupted_writes(out)
     selector = load_judge(config.reward)
     others = {spec: load_judge(spec) for spec in split_list(config.eval_judges)}
     check_judges_take_prompts([selector, *others.values()], prompts, "--prompts")
@@ -269,7 +273,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
     #    cached as PNG so a run with another selector re-uses them
     items = [(p, candidate_seed(config.seed, i, k)) for i, p in enumerate(prompts) for k in range(n)]
     cache = GenerationCache(Path(config.cache_dir or out / "candidates"), ModelEntry(Path(config.model).name or config.model, config.model), settings, config.base_model)
-    todo = cache.missing(items)
+    missing = len(cache.missing(items))
+    todo = cache.unfinished_batches(items, config.batch_size)  # whole batches, as the first run made them
     # The model loads only when something is generated: a rerun with another selector finds every candidate cached.
     pipe = shape = None
     if todo or config.search == "zero-order":
@@ -280,8 +285,8 @@ def best_of_n(config: BestOfNConfig) -> dict:
         noises = torch.stack([seed_noise(s, shape) for _, s in todo])
         for (prompt, s), image in zip(todo, generate_from_noise(pipe, [p for p, _ in todo], noises, settings, config.batch_size,
                                                                          progress="candidates")):
-            cache.save(prompt, s, image)
-    print(f"[best_of_n] {len(todo)} candidates generated, {len(items) - len(todo)} cached", flush=True)
+            cache.save_missing(prompt, s, image)
+    print(f"[best_of_n] {missing} candidates generated, {len(items) - missing} cached", flush=True)
     images = cache.load(items)
     images = images.view(num_prompts, n, *images.shape[1:])
 

@@ -56,7 +56,7 @@ from align.judges import (
 from align.metrics import CI_METHODS, FeatureNetwork
 from align.pipeline import ModelLoadError, check_model, check_sampling_steps, resolve_model, run_base_model
 from align.quiet import quiet_output
-from align.run_folder import atomic_write_text
+from align.run_folder import atomic_write_text, clean_interrupted_writes
 from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
 from align.validation import check_common_inputs, check_not_a_training_run, check_weight_files
 from rewards.images import load_image, to_tensor
@@ -108,7 +108,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
-        check_not_a_training_run(self, "align.evaluate")
+        check_not_a_training_run(self, "align.eval.evaluate")
         check_generation_dtype(self.dtype)
 
         if not split_list(self.models):
@@ -327,6 +327,8 @@ def evaluate(config: EvalConfig) -> dict:
     guard_api_cost(evaluate_api_plan(loaded, len(models), len(seeds) * len(prompt_set.prompts)), config.max_api_cost)
     out = Path(config.output_dir)  # made by the first file written (atomic writes create folders), so a model
     # that fails to load leaves nothing behind
+    if out.is_dir():  # a run killed mid-write left temporary files (cached images, scores) in its folder
+        clean_interrupted_writes(out)
     device = resolve_device(config.device)
     base_for_adapters = config.base_model or models[0].path
     settings = sampling_settings(config, base_for_adapters)

@@ -77,6 +77,19 @@ class GenerationCache:
     def missing(self, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
         return [(p, s) for p, s in items if not self.path(p, s).is_file()]
 
+    def unfinished_batches(self, items: list[tuple[str, int]], batch_size: int) -> list[tuple[str, int]]:
+        """The items of every batch (``items`` cut every ``batch_size``, as a first run generates them) that lacks
+        an image. An image depends in its last bits on the batch it was generated in (the CPU's kernels differ by
+        batch size), so a rerun after a kill generates an unfinished batch whole and saves only what is missing
+        (save_missing): the cache ends as a straight run leaves it. Every batch but the last of ``items`` is full,
+        so the list cut again every ``batch_size`` gives the same batches."""
+        batches = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+        return [item for batch in batches if self.missing(batch) for item in batch]
+
+    def save_missing(self, prompt: str, seed: int, image: torch.Tensor) -> None:
+        if not self.path(prompt, seed).is_file():
+            self.save(prompt, seed, image)
+
     def save(self, prompt: str, seed: int, image: torch.Tensor) -> None:
         if not (self.folder / "meta.json").is_file():
             atomic_write_text(self.folder / "meta.json", json.dumps(self.meta, indent=1))
@@ -171,11 +184,13 @@ def sampling_settings(config, model_path: str) -> dict:
 
 def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings: dict, base: str | None, device: str, batch_size: int,
                      log_name: str = "evaluate") -> int:
-    """Generate and cache the (prompt, seed) items not cached yet; returns how many were generated."""
-    todo = cache.missing(items)
-    if not todo:
+    """Generate and cache the (prompt, seed) items not cached yet (in the batches of a first run, see
+    GenerationCache.unfinished_batches); returns how many were missing."""
+    missing = len(cache.missing(items))
+    if not missing:
         return 0
-    print(f"[{log_name}] {model.name}: generating {len(todo)} images ({len(items) - len(todo)} cached)", flush=True)
+    todo = cache.unfinished_batches(items, batch_size)
+    print(f"[{log_name}] {model.name}: generating {missing} images ({len(items) - missing} cached)", flush=True)
     pipe = pipeline.load_trained(model.path, dtype=generation_dtype(settings), device=device, base=base)
     size = settings["resolution"]
     for start in progress_bar(range(0, len(todo), batch_size), desc=f"generate ({model.name})", unit="batch"):
@@ -191,6 +206,6 @@ def generate_missing(cache: GenerationCache, model: ModelEntry, items, settings:
             batch_size=batch_size,
         )
         for (prompt, seed), image in zip(chunk, images):
-            cache.save(prompt, seed, image)
+            cache.save_missing(prompt, seed, image)
     del pipe
-    return len(todo)
+    return missing

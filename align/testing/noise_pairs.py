@@ -28,3 +28,25 @@ def write_noise_pairs(folder: Path, count: int, loser_seed_offset: int = 100, al
     path = Path(folder) / "pairs.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     return str(path)
+
+
+def noise_jpeg(seed: int, width: int, height: int) -> bytes:
+    pixels = (torch.rand(height, width, 3, generator=torch.Generator().manual_seed(seed)) * 255).to(torch.uint8).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def write_pickapic_shaped_pairs(folder: Path, count: int) -> str:
+    """``folder``/pickapic.parquet shaped like Pick-a-Pic v2: JPEG bytes of several sizes and aspect ratios (the
+    trainer resizes and centre-crops them), winners on either side, every fifth pair a tie (0.5 / 0.5, dropped by
+    default), one caption empty."""
+    sizes = [(16, 16), (24, 16), (16, 20), (32, 32)]
+    rows = []
+    for i in range(count):
+        label_0 = 0.5 if i % 5 == 4 else float(i % 2)
+        rows.append({"caption": "" if i == 3 else f"a photo {i}, with a cat", "jpg_0": noise_jpeg(i, *sizes[i % 4]),
+                     "jpg_1": noise_jpeg(1000 + i, *sizes[(i + 1) % 4]), "label_0": label_0, "label_1": 1.0 - label_0})
+    path = Path(folder) / "pickapic.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)

@@ -48,6 +48,23 @@ def refuse_unsupported_launch(environ=None) -> None:
     for variable, name in UNSUPPORTED_LAUNCHERS.items():
         if str(environ.get(variable, "")).lower() in ("1", "true", "yes"):
             raise ConfigError(f"{name} is not supported by this trainer ({variable} is set by the launcher); {DISTRIBUTED_HELP}")
+    if cpu_launch_lost_its_processes(environ):
+        raise ConfigError(
+            "`accelerate launch --cpu --num_processes N` starts one process whatever N says (accelerate runs --cpu "
+            "alone), so this would train one process with N times fewer pairs per step; for N CPU processes use "
+            "`ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N align/<trainer>.py ...`, for one "
+            "leave out --num_processes (docs/training.md#multi-process-and-multi-gpu)")
+
+
+# Set in each process by torch's launcher (WORLD_SIZE, RANK) or by MPI: a process that has none of them is alone.
+_WORLD_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def cpu_launch_lost_its_processes(environ) -> bool:
+    """accelerate's simple launcher (--cpu) starts the script once, and exports MASTER_ADDR only when more than
+    one process was asked for: that trio without any world variable is a multi-process CPU launch run alone."""
+    return (str(environ.get("ACCELERATE_USE_CPU", "")).lower() in ("1", "true", "yes") and "MASTER_ADDR" in environ
+            and not any(v in environ for v in _WORLD_VARIABLES))
 
 
 def refuse_unsupported_distribution(accelerator) -> None:
