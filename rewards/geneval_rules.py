@@ -147,10 +147,7 @@ def evaluate(
                 colours = colours_of(classname, found)
                 if colours.count(req["color"]) < count:
                     correct = matched = False
-                    reason.append(
-                        f"expected {req['color']} {classname}>={count}, found {colours.count(req['color'])} "
-                        f"{req['color']}; and " + _colour_summary(colours, vocabulary)
-                    )
+                    reason.append(_colour_reason(req["color"], classname, count, colours, vocabulary))
             if "position" in req and matched:
                 relation, target_group = req["position"]
                 if matched_groups[target_group] is None:
@@ -165,6 +162,12 @@ def evaluate(
             correct = False
             reason.append(f"expected {classname}<{req['count']}, found {len(objects[classname])}")
     return correct, "\n".join(reason)
+
+
+def _colour_reason(colour: str, classname: str, count: int, colours: list[str], vocabulary: Sequence[str]) -> str:
+    """The reason line of a failed colour check, worded as GenEval's (Flow-GRPO's server copies it)."""
+    return (f"expected {colour} {classname}>={count}, found {colours.count(colour)} {colour}; and "
+            + _colour_summary(colours, vocabulary))
 
 
 def evaluate_reward(
@@ -199,10 +202,7 @@ def evaluate_reward(
                 rewards.append(1 - abs(count - colours.count(req["color"])) / count)
                 if colours.count(req["color"]) != count:
                     correct = matched = False
-                    reason.append(
-                        f"expected {req['color']} {classname}>={count}, found {colours.count(req['color'])} "
-                        f"{req['color']}; and " + _colour_summary(colours, vocabulary)
-                    )
+                    reason.append(_colour_reason(req["color"], classname, count, colours, vocabulary))
             if "position" in req and matched:
                 relation, target_group = req["position"]
                 if matched_groups[target_group] is None:

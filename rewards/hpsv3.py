@@ -19,7 +19,6 @@ As the authors' code (``hpsv3`` 1.0.0: inference.py, model/qwen2vl_trainer.py, d
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 from rewards.base import Judge
 from rewards.checkpoint_keys import check_exact
 from rewards.images import Images, num_images, to_pil
+from rewards.llava_reward import qwen_fetch_size
 from rewards.vlm import load_processor
 from rewards.weights import (
     MissingWeightsError,
@@ -81,18 +81,10 @@ def hpsv3_text(prompt: str) -> str:
 
 def smart_resize(height: int, width: int, factor: int = FACTOR, min_pixels: int = PIXELS,
                  max_pixels: int = PIXELS) -> tuple[int, int]:
-    """Qwen2-VL's target size: sides multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"image aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
+    """Qwen2-VL's target (height, width): sides multiples of ``factor``, area within [min_pixels, max_pixels],
+    aspect kept (the same smart_resize as LLaVA-Reward's Qwen2.5-VL)."""
+    width, height = qwen_fetch_size(width, height, factor, min_pixels, max_pixels)
+    return height, width
 
 
 def resize_image(image: Image.Image, pixels: int = PIXELS) -> Image.Image:

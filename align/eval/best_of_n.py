@@ -100,7 +100,7 @@ class BestOfNConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
-        check_not_a_training_run(self, "align.eval.best_of_n")
+        check_not_a_training_run(self, "python -m align.best_of_n")
         check_generation_dtype(self.dtype)
         if self.cache_dir:
             check_writable_dir("cache_dir", self.cache_dir)

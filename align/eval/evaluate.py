@@ -108,7 +108,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_common_inputs(self)
-        check_not_a_training_run(self, "align.eval.evaluate")
+        check_not_a_training_run(self, "python -m align.evaluate")
         check_generation_dtype(self.dtype)
 
         if not split_list(self.models):

@@ -118,7 +118,7 @@ def split_judges(text: str) -> list[str]:
 def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
     """Validate everything cheap before any data is generated or any judge is loaded; ConfigError (one line) if not."""
     check_common_inputs(config)
-    check_not_a_training_run(config, "align.judgebench")
+    check_not_a_training_run(config, "python -m align.judgebench")
     judges = split_judges(config.judges)
     if not judges:
         raise ConfigError("--judges is empty; give comma-separated judge names, e.g. shapes-oracle,random")
