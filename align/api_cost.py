@@ -79,7 +79,6 @@ def evaluation_rounds(every: int, total: int, before: bool = True) -> int:
 def dpo_api_plan(config, judge, eval_judge, feedback_prompts: int, eval_prompts: int) -> list[JudgeCalls]:
     """Diffusion-DPO with AI feedback: each prompt's K images scored (pointwise judge) or its adjacent pairs
     compared (pairwise judge), in every round; plus the held-out evaluation's images."""
-
     plans = []
     if judge is not None:
         if judge.pointwise:

@@ -158,7 +158,6 @@ def parse_config(config_class: type[T], argv: list[str] | None = None, descripti
 
     ``description``: the command's module docstring (its first paragraph heads --help).
     --help prints and exits 0; a bad flag, value or YAML file prints one line and exits 2."""
-
     argv = list(sys.argv[1:] if argv is None else argv)
     fields = {f.name for f in dataclasses.fields(config_class)}
     if "--config" in argv:
@@ -212,7 +211,6 @@ def read_config_text(path: Path) -> str:
 def check_parsed_values(config) -> None:
     """Parse-time checks every command shares (align.validation): types and finite floats (NaN passes
     ``x <= 0``), before any config or run folder is written; and secrets masked in every log record."""
-
     install_log_scrubber()
     try:
         check_config_values(config)

@@ -43,7 +43,6 @@ def check_judges_take_prompts(judges, prompts: list[str], flag: str) -> None:
 
 
 def load_judge(spec: str | rewards.JudgeSpec, **options):
-
     """Load a judge and let it fail fast: a missing API key or weights, a model id the server rejects, a missing
     SDK or an option the judge does not take stop here with one message (ConfigError), before any generation."""
     try:

@@ -64,7 +64,6 @@ def check_model(model: str) -> str:
 def check_sampling_steps(model: str, steps: int | None, name: str = "num_inference_steps") -> None:
     """``steps`` sampling steps fit the model's scheduler (at most its num_train_timesteps; a local folder's
     scheduler config is read, a hub id is left to the scheduler)."""
-
     if steps is None:
         return
     check_range(name, steps, 1)

@@ -191,7 +191,6 @@ def check_common_inputs(config) -> None:
 def check_not_a_training_run(config, command: str) -> None:
     """An evaluation command's --output_dir is not a training run's folder (its report.html and config.yaml would
     be replaced) nor a folder a run is writing into."""
-
     if holds_training_run(config.output_dir):
         raise ConfigError(
             f"--output_dir {config.output_dir!r} holds a training run; {command} would replace its report.html and "

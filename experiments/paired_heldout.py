@@ -50,7 +50,6 @@ def parse_args(argv=None):
 def paired_gain(before: list[float], after: list[float], images_per_prompt: int, trainers_layout: bool = False) -> dict:
     """flow_ceiling.paired_gain (the trainers' layout: image i is caption i mod C) for either layout (by default
     caption c = images K·c .. K·c+K-1), with the counts of images made better and worse."""
-
     k = images_per_prompt
     if len(before) % k or len(after) != len(before):
         raise ValueError(f"{len(before)} and {len(after)} scores are not {k} per prompt for the same images")

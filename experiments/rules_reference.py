@@ -81,7 +81,6 @@ def _install_stubs(record: dict) -> None:
 
 def _colour_stub(colours: dict):
     """The authors' color_classification replaced by the recorded colour of each (class, box row)."""
-
     def color_classification(image, bboxes, classname):
         return [colours[(classname, tuple(float(v) for v in row))] for row, _ in bboxes]
 

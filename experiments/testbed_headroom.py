@@ -43,7 +43,6 @@ def facts_held_by_category(details: list[dict]) -> dict[str, float]:
 def stochastic_generations(pipe, captions, seeds, settings, eta: float, stochastic_steps: int, batch_size: int = 50):
     """Images from DDPO's sampler: η on the first stochastic_steps steps, η = 0 after. The starting noise comes
     from each image's seed (as in generate_images); the steps' noise from one generator per batch."""
-
     negative = encode_prompts(pipe, [""])
     shape = (pipe.unet.config.in_channels, pipe.unet.config.sample_size, pipe.unet.config.sample_size)
     out = []

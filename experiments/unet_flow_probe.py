@@ -93,7 +93,6 @@ def ddim_flow_step(x, v, sigma, sigma_next, sigma_max, eta: float):
     """DDIM's stochastic step (η) in flow coordinates: x_t = (√ᾱ + √(1-ᾱ))·x_flow turns DDIM's
     √ᾱ'·x̂0 + √(1-ᾱ'-σ_t²)·ε̂ + σ_t·z into (1-σ')·x̂0 + √(σ'² - s²)·ε̂ + s·z with s = σ_t / (√ᾱ' + √(1-ᾱ')).
     ``sde_step``'s arguments (``sigma_max`` unused), so that the trainer's sampler takes it."""
-
     def alpha_bar(s):
         return (1 - s) ** 2 / ((1 - s) ** 2 + s**2)
 

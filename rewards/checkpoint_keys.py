@@ -42,7 +42,6 @@ def _rule(pattern: str, convert: Convert) -> Rule:
 
 def copy(target: str) -> Convert:
     """Rename only; ``target`` may use the pattern's groups (\\1, \\2, ...)."""
-
     def convert(match: re.Match, tensor: torch.Tensor):
         yield match.expand(target), tensor
 
@@ -51,7 +50,6 @@ def copy(target: str) -> Convert:
 
 def transpose(target: str) -> Convert:
     """open_clip keeps projections as x @ P (P: [in, out]); nn.Linear stores W = P^T ([out, in])."""
-
     def convert(match: re.Match, tensor: torch.Tensor):
         yield match.expand(target), tensor.t().contiguous()
 
@@ -63,7 +61,6 @@ def split_qkv(target: str) -> Convert:
 
     ``target`` holds ``{qkv}``, replaced by q, k and v.
     """
-
     def convert(match: re.Match, tensor: torch.Tensor):
         if tensor.shape[0] % 3:
             raise CheckpointLayoutError(f"{match.string}: packed q/k/v size {tuple(tensor.shape)} is not divisible by 3")

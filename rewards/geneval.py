@@ -68,7 +68,6 @@ CROP_BACKGROUND = "#999"
 
 def _missing(source: str, err, option: str):
     """The weights error, naming this judge's option for the model that is missing."""
-
     return MissingWeightsError(f"judge 'geneval': cannot load weights from {source!r}: {err}{offline_hint()}. "
                                f"Pass {option}=<hub id or local folder> to use other weights.")
 

@@ -47,7 +47,6 @@ ColoursOf = Callable[[str, Sequence[Detection]], list[str]]
 
 def compute_iou(box_a: Sequence[float], box_b: Sequence[float]) -> float:
     """IoU with the authors' inclusive-pixel convention (width = x1 - x0 + 1)."""
-
     def area(box):
         return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
 

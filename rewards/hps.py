@@ -45,7 +45,6 @@ def letterbox_pixels(images: list[Image.Image], size: int, mean, std) -> torch.T
 
 def load_hps_clip(checkpoint: Path, config, dtype: torch.dtype, judge: str = "hps"):
     """A CLIPModel holding the HPS weights; every checkpoint tensor must land on a model tensor."""
-
     state = load_state_dict(checkpoint, judge)
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]

@@ -55,7 +55,6 @@ class ImageRewardModel(nn.Module):
     """BLIP image encoder + text encoder with cross-attention + MLP head on the text [CLS]."""
 
     def __init__(self, vision_config, text_config):
-
         super().__init__()
         self.vision = BlipVisionModel(vision_config)
         self.text = BlipTextModel(text_config, add_pooling_layer=False)

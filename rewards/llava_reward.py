@@ -192,7 +192,6 @@ class LlavaRewardModel(nn.Module):
     def from_base(cls, model: str, skip_cross_attention: bool = True, trust_remote_code: bool = False,
                   value_head_dim: int = 1, dtype: torch.dtype = torch.float32, device=None, processor=None) -> LlavaRewardModel:
         """``processor``: an already built processor (default: the backbone folder's own)."""
-
         kind = check_backbone(model, trust_remote_code)
         try:
             if kind == "qwen2.5-vl":
@@ -227,7 +226,6 @@ class LlavaRewardModel(nn.Module):
 
     def add_lora(self, rank: int = 128, alpha: float = 256.0, dropout: float = 0.05) -> None:
         """LoRA on the LLM's attention and MLP projections; vision tower frozen, projector trained."""
-
         self.mllm.requires_grad_(False)
         self._inject_lora(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=LORA_TARGETS[self.kind]))
         self.projector().requires_grad_(True)
@@ -240,7 +238,6 @@ class LlavaRewardModel(nn.Module):
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """Adapter tensors under PEFT's saved names (no adapter name), as in adapter_model.safetensors."""
-
         return {name: t.detach().cpu().contiguous() for name, t in get_peft_model_state_dict(self.mllm).items()}
 
     def save_lora(self, folder: str | Path) -> None:
@@ -251,7 +248,6 @@ class LlavaRewardModel(nn.Module):
 
     def load_lora(self, folder: str | Path) -> None:
         """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors/.bin) onto the backbone."""
-
         folder = Path(folder)
         config = LoraConfig.from_pretrained(str(folder))
         if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):

@@ -54,7 +54,6 @@ def load_processor(model: str, trust_remote_code: bool = False):
     torchvision, so ``AutoProcessor`` fails for those models even when only images are needed. Image
     processors fall back to their PIL implementation by themselves (``backend="pil"``).
     """
-
     try:
         return AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (ImportError, ValueError) as err:  # ImportError (Qwen2-VL) or ValueError (InternVL) naming torchvision

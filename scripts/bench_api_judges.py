@@ -68,7 +68,6 @@ class ServerProcess:
 
 def reference_loop(server, captions, images_a, images_b) -> float:
     """One synchronous chat.completions call at a time, both orders (OpenAI wire format only)."""
-
     client = openai.OpenAI(api_key=os.environ["OPENAI_API_KEY"], base_url=server.base_url, max_retries=0)
     question = JudgeQuestion("pair")
     start = time.perf_counter()

@@ -72,7 +72,6 @@ def write_pairs(path: Path, count: int, size: int, seed: int = 0) -> None:
 
 def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: Path) -> dict:
     """Run dpo.py in a subprocess (from a fresh child of this script, so getrusage sees only it)."""
-
     env = dict(os.environ, HF_DATASETS_CACHE=str(workdir / "datasets_cache"), HF_HUB_OFFLINE="1",
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, str(ROOT / "align" / "dpo.py"), "--model", model, "--dataset", str(data),

@@ -142,7 +142,6 @@ SD15_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, 
 
 def build_sd15_pipeline(folder: Path) -> Path:
     """An SD v1.5-architecture pipeline with random weights, saved as a diffusers folder."""
-
     torch.manual_seed(0)
     write_char_tokenizer(folder / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
@@ -165,7 +164,6 @@ def count_step_flops(resolution: int) -> dict:
     gradients are < 0.1% of it). The peer adds, per step, the VAE encoder on the 2 images and the text encoder on
     the caption, which the store has done once beforehand.
     """
-
     def counted(fn) -> int:
         counter = FlopCounterMode(display=False)
         with counter:

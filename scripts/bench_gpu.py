@@ -188,7 +188,6 @@ def peak_tflops(device: torch.device, flag: float | None) -> tuple[float | None,
 class Models:
     """Random-weight SD v1.5-architecture models from their configs (seeded), plus the DDIM scheduler."""
     def __init__(self, tiny: bool, device: torch.device, seed: int = 0):
-
         torch.manual_seed(seed)
         self.unet_config = TINY_UNET if tiny else SD15_UNET
         self.vae = AutoencoderKL(**(TINY_VAE if tiny else SD15_VAE)).to(device).eval().requires_grad_(False)
@@ -250,7 +249,6 @@ def latent_side(arch: Arch, tiny: bool, resolution: int | None) -> int:
 
 def build_denoiser(arch: Arch, tiny: bool, device):
     """The architecture's denoiser with random weights, initialised on ``device`` (fast on a GPU; "meta": no memory)."""
-
     model_class = {"unet": UNet2DConditionModel, "sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}[arch.kind]
     with torch.device(device):
         model = model_class(**(arch.tiny_config if tiny else arch.config))
@@ -339,7 +337,6 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
     """One Diffusion-DPO LoRA step on ``pairs`` cached-latent pairs of an SDXL / SD3-architecture denoiser: the policy's
     error on winner and loser at the same noise and time, the reference's (adapter off) under the same autocast, and
     align.train.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
-
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
     add_lora(model, rank=lora_rank, target_modules=arch.lora_targets)
@@ -383,7 +380,6 @@ def flow_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference
     (timestep_fraction 0.99): the policy's step log-probability (SD3: CFG with the unconditional branch without
     gradient; FLUX: the guidance embedding), the clipped ratio (align.train.losses.ddpo_clipped_loss) and, for SD3, the
     KL to the adapter-off reference. LoRA on the family's targets (align.families), rank 4 when tiny."""
-
     recipe = FLOW_GRPO_RECIPES[arch.kind]
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
@@ -508,7 +504,6 @@ def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpoint
 def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, checkpointing: bool, lora_rank: int):
     """One DDPO step: sample ``samples`` images with per-step log-probabilities (CFG 5, eta 1, LoRA), decode them,
     then one PPO update on every sampled timestep through align.train.ddpo.train_micro_batch."""
-
     unet = models.fresh_unet()
     add_lora(unet, rank=lora_rank)
     params, train_unet, optimizer = prepare_training(accelerator, unet, checkpointing, lr=3e-4)

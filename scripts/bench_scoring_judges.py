@@ -54,7 +54,6 @@ WORDS = ["a", "red", "blue", "green", "circle", "square", "photo", "of", "cat", 
 # --- tiny models of the real classes --------------------------------------------------------
 
 def clip_tokenizer():
-
     return build_tokenizer(WORDS)
 
 
@@ -76,7 +75,6 @@ def tiny_clip_folder(folder: Path, image_size: int = 32, hidden_act: str = "quic
 
 
 def bert_tokenizer_folder(folder: Path):
-
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
     tok = BertTokenizer(str(folder / "vocab.txt"))

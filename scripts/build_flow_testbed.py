@@ -239,7 +239,6 @@ def evaluate(folder: Path, captions: list[str], seed: int, batch_size: int = 50)
 
 def load_parts(args, tokenizer):
     """The SD testbed's VAE (frozen) and, if asked, its text encoder's weights for text_encoder."""
-
     vae = AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae").eval().requires_grad_(False)
     text_encoders = flow_models.build_text_encoders(tokenizer)
     if args.init_text_encoder:

@@ -293,7 +293,6 @@ def save_pipeline(pipe, out: Path, settings: dict, fp16: bool) -> None:
 @torch.no_grad()
 def evaluate(folder: Path, captions: list[str], settings: dict, seed: int, batch_size: int = 50) -> dict:
     """Mean shapes-oracle score of one generation per held-out caption, loaded the way users load it."""
-
     pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     oracle = rewards.load("shapes-oracle")

@@ -108,7 +108,6 @@ class CompareConfig:
 def shared_generator(config: CompareConfig):
     """generate_images(prompts, seeds) over the base model, memoised: every judge labels the same
     images (same prompts and seeds), so they are generated once for all judges."""
-
     settings = sampling_settings(EvalConfig(), config.model)  # no flags: the base model's own settings
     pipe = load_pipeline(config.model, device=config.device)
     generate = make_pipeline_generator(
@@ -129,7 +128,6 @@ def shared_generator(config: CompareConfig):
 
 def label_outcomes(path: Path) -> tuple[list[str], list, list, np.ndarray]:
     """Captions, images A/B and A-against-B outcomes (1, 0.5, 0; NaN abstained) of a feedback parquet."""
-
     table = pq.read_table(path, columns=["caption", "jpg_0", "jpg_1", "label_0"]).to_pylist()
     captions = [row["caption"] for row in table]
     images_a = [decode_image(row["jpg_0"]) for row in table]
@@ -141,7 +139,6 @@ def label_outcomes(path: Path) -> tuple[list[str], list, list, np.ndarray]:
 def feedback_for_all(config: CompareConfig, judges: list[str], out: Path) -> tuple[dict[str, Path], dict]:
     """Each judge labels the same base-model images (align.data.feedback); its accuracy is the agreement of
     its labels with the oracle's verdicts on the very pairs it labelled (the data its model learns from)."""
-
     prompts = load_prompt_set(config.train_prompts).prompts
     generate_images = None
     oracle = load_judge(config.oracle)
@@ -171,7 +168,6 @@ def trainer_config(config: CompareConfig, judge: str, run_dir: Path, feedback: P
 
     Diffusion-DPO trains on the judge's feedback file; DDPO (online) asks the judge itself.
     """
-
     module = importlib.import_module(f"align.train.{config.trainer}")
     config_class = getattr(module, TRAINERS[config.trainer])
     values = yaml.safe_load(Path(config.trainer_config).read_text()) if config.trainer_config else {}

@@ -162,7 +162,6 @@ def train(model, tokenizer, processor, data, args, generator) -> None:
 
 def save(model, tokenizer_words, processor, out: Path) -> None:
     """Write to a temporary sibling folder, then swap it in."""
-
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -181,7 +180,6 @@ def save(model, tokenizer_words, processor, out: Path) -> None:
 class FolderClipScorer:
     """Cosine similarity of a saved CLIP folder, loaded with CLIPModel/CLIPProcessor.from_pretrained."""
     def __init__(self, folder: Path):
-
         self.model = CLIPModel.from_pretrained(folder).eval()
         self.processor = CLIPProcessor.from_pretrained(folder)
 

@@ -35,7 +35,6 @@ def tiny_sdxl_model(tmp_path_factory):
 def family_models(tmp_path_factory):
     """``family_models(name)``: the tiny pipeline folder of family "sdxl", "sd3" or "flux" (align/testing/tiny_sdxl.py,
     align/testing/tiny_flow.py), built on first use, once per test module."""
-
     builders = {"sdxl": build_tiny_sdxl_pipeline, "sd3": build_tiny_sd3, "flux": build_tiny_flux}
     built: dict[str, str] = {}
 

@@ -22,7 +22,6 @@ prompt_file, server = test_api_trainers.prompt_file, test_api_trainers.server
 
 
 def test_the_estimate_is_calls_times_tokens_times_the_price(server):
-
     judge = rewards.load("gpt4o", model="fake-model", base_url=server.base_url)
     # the gpt4o preset's price ($2.50 / $10.00 per million tokens) for a preset pointed elsewhere; pair mode asks
     # both orders: 10 comparisons are 20 calls of 600 text + 2 x 800 image tokens in, 400 out
@@ -41,7 +40,6 @@ def test_the_estimate_is_calls_times_tokens_times_the_price(server):
 
 
 def test_answers_in_the_cache_are_free(server, tmp_path):
-
     judge = rewards.load("gpt4o", model="fake-model", base_url=server.base_url, cache_path=str(tmp_path / "cache.sqlite"))
     gen = torch.Generator().manual_seed(0)
     first, second = torch.rand(3, 3, 8, 8, generator=gen), torch.rand(3, 3, 8, 8, generator=gen)
@@ -91,7 +89,6 @@ def test_dpo_feedback_over_the_cap_is_refused_before_any_call(tiny_model, prompt
 
 
 def test_judgebench_counts_cached_answers_as_free(server, tmp_path, capsys):
-
     cache = tmp_path / "answers.sqlite"
     spec = f"gpt4o[model=fake-model,base_url={server.base_url},cache_path={cache}]"
 
@@ -114,7 +111,6 @@ def test_judgebench_counts_cached_answers_as_free(server, tmp_path, capsys):
 
 
 def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(tiny_model, server, tmp_path, capsys):
-
     judge = gpt4o(server)
     with pytest.raises(SystemExit) as exit_:
         evaluate.main(["--models", f"a={tiny_model},b={tiny_model}", "--judges", judge, "--prompts", "testbed",

@@ -68,13 +68,11 @@ def tiny_forward_flops(arch_name: str, batch: int) -> float:
 
 
 def test_peak_flops_from_the_table_or_the_flag():
-
     assert bench_gpu.peak_tflops(torch.device("cpu"), 500.0) == (500.0, "--peak_tflops")
     assert bench_gpu.peak_tflops(torch.device("cpu"), None)[0] is None
 
 
 def test_without_a_gpu_the_full_size_run_is_refused(capsys):
-
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
     with pytest.raises(SystemExit) as exit_:

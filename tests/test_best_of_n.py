@@ -60,7 +60,6 @@ def test_neighbour_noise_keeps_unit_variance():
 
 @pytest.fixture(scope="module")
 def tiny_pipeline(tmp_path_factory):
-
     folder = tmp_path_factory.mktemp("bon") / "pipe"
     torch.manual_seed(1)
     build_pipeline(testbed_tokenizer()).save_pretrained(folder)
@@ -137,7 +136,6 @@ def test_bad_inputs_fail_early(tmp_path, tiny_pipeline):
 def test_a_rerun_regenerates_an_unfinished_batch_whole_and_keeps_the_images_it_has(tmp_path):
     """An image depends in its last bits on the batch it was generated in, so after a kill inside a batch's writes the
     rerun generates that batch as the first run did (issue 49) and saves only the images that are missing."""
-
     cache = GenerationCache(tmp_path, ModelEntry("m", "hub/model"), {"steps": 2}, None)
     items = [(f"prompt {i}", i) for i in range(7)]  # batches of 3: items 0-2, 3-5, 6
     assert cache.unfinished_batches(items, 3) == items

@@ -93,7 +93,6 @@ def test_a_flag_overrides_the_yaml_and_the_yaml_overrides_the_default(tmp_path):
 
 
 def test_a_yaml_env_thread_count_reaches_torch(tmp_path, monkeypatch):
-
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # restored after the test
     before = torch.get_num_threads()
     path = tmp_path / "c.yaml"
@@ -151,7 +150,6 @@ def test_trainer_help_runs_as_a_script_and_explains_every_flag(script, config_cl
     ("align.train.reward_model", RewardTrainConfig), ("align.train.dpo", DPOConfig), ("align.train.ddpo", DDPOConfig),
 ])
 def test_each_entry_point_help_exits_0(module_name, config_class, capsys, monkeypatch):
-
     monkeypatch.setenv("COLUMNS", "100")
     module = importlib.import_module(module_name)
     with pytest.raises(SystemExit) as exit_:
@@ -161,7 +159,6 @@ def test_each_entry_point_help_exits_0(module_name, config_class, capsys, monkey
 
 
 def test_score_help_exits_0_with_its_defaults(capsys):
-
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0

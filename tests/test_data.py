@@ -129,7 +129,6 @@ def test_clear_errors(tmp_path):
 
 def test_hf_datasets_paths_offline(tmp_path):
     """A save_to_disk folder with datasets Image columns (dicts with bytes) and a Hub-layout parquet folder."""
-
     features = datasets.Features(
         caption=datasets.Value("string"),
         jpg_0=datasets.Image(),
@@ -228,7 +227,6 @@ def test_load_prompts_from_files(tmp_path):
 
 
 def test_load_prompts_from_dataset_folder(tmp_path):
-
     datasets.Dataset.from_dict({"caption": ["one", "two"]}).save_to_disk(str(tmp_path / "ds"))
     assert load_prompts(str(tmp_path / "ds")) == ["one", "two"]
 
@@ -285,7 +283,6 @@ def test_ddpo_and_prompt_loading_do_not_import_pyarrow():
 
 
 def test_open_pairs_indexes_labels_only_and_reads_pairs_from_the_mapped_table(tmp_path):
-
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
     # Only the labels are read up front: the unreadable row is a pair until it is used.
     assert list(table.rows) == [0, 1, 3, 4] and list(table.swap) == [False, True, False, True]
@@ -305,7 +302,6 @@ def test_open_pairs_indexes_labels_only_and_reads_pairs_from_the_mapped_table(tm
 def test_open_pairs_from_saved_dataset_and_parquet_folder_offline(tmp_path):
     """save_to_disk folders with datasets Image columns and a Hub-layout parquet folder (a Hub id
     goes through the same load_dataset call but cannot be tested offline)."""
-
     features = datasets.Features(caption=datasets.Value("string"), jpg_0=datasets.Image(), jpg_1=datasets.Image(),
                                  label_0=datasets.Value("float64"), label_1=datasets.Value("float64"),
                                  abstained=datasets.Value("bool"))
@@ -323,7 +319,6 @@ def test_open_pairs_from_saved_dataset_and_parquet_folder_offline(tmp_path):
 
 
 def test_open_pairs_refuses_sources_without_the_pick_a_pic_columns(tmp_path):
-
     pq.write_table(pa.table({"caption": ["x"], "image": [RED]}), tmp_path / "cols.parquet")
     with pytest.raises(DataError, match=r"cols.parquet' lacks the Pick-a-Pic columns jpg_0, jpg_1, label_0, label_1"):
         open_pairs(str(tmp_path / "cols.parquet"))
@@ -338,7 +333,6 @@ def test_open_pairs_refuses_sources_without_the_pick_a_pic_columns(tmp_path):
 
 
 def test_planned_batches_restart_at_any_step_and_workers_read_the_same_items(tmp_path):
-
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet", rows=[r for r in ROWS if r[0] != "broken"])),
                        cache_dir=str(tmp_path / "cache"))
 
@@ -356,7 +350,6 @@ def test_planned_batches_restart_at_any_step_and_workers_read_the_same_items(tmp
 
 
 def test_unreadable_image_reaches_the_trainer_as_one_line(tmp_path):
-
     table = open_pairs(str(write_rows(tmp_path / "pairs.parquet")), cache_dir=str(tmp_path / "cache"))
     loader = micro_batch_loader(PairPixels(table, 8), PlannedBatches(lambda s, m: [(0, False, False), (2, False, False)], 0, 1, 1), 1)
     (batch,) = list(loader)

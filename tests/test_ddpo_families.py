@@ -45,7 +45,6 @@ def epochs(run: Path) -> list[dict]:
 
 def diffusers_images(model: str, lora: Path | None) -> torch.Tensor:
     """32 px images from the family's own diffusers pipeline (``pipe.load_lora_weights`` for the LoRA)."""
-
     index = json.loads((Path(model) / "model_index.json").read_text())
     absent = {name: None for name, entry in index.items() if entry in (None, [None, None])}  # SD3 without T5
     pipe = DiffusionPipeline.from_pretrained(model, **absent)
@@ -134,7 +133,6 @@ def test_bf16_flow_rounds_start_exactly_on_policy(family_models, prompt_file, tm
 
 
 def test_full_fine_tuning_of_a_flow_model_with_the_kl_to_a_frozen_copy(family_models, prompt_file, tmp_path):
-
     model = family_models("sd3")
     run = ddpo.train(config(model, prompt_file, tmp_path / "full", finetune="full", kl_coef=0.5, learning_rate=1e-3,
                             deterministic_tail=True))
@@ -201,7 +199,6 @@ def test_flow_update_differentiates_the_conditional_half_only(family_models):
 
 
 def test_flow_grpo_fast_table_reports_gains_per_cpu_minute_with_paired_errors(tmp_path, capsys):
-
     table = load_experiment("flow_grpo_fast")
     for name, rewards, cpu, after in (("grpo", [0.5, 0.5, 0.7, 0.7], 30.0, [0.6, 0.7, 0.8]), ("fast", [0.5, 0.6], 15.0, [0.5, 0.6, 0.7])):
         run = tmp_path / name

@@ -393,7 +393,6 @@ class RecordingOptimizer:
 
 def _lora_unet_and_samples(tiny_model):
     """A LoRA UNet with B moved off zero and a stored batch of 4 trajectories of 4 steps."""
-
     torch.manual_seed(0)
     unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
     add_lora(unet, rank=4)
@@ -417,7 +416,6 @@ def _lora_unet_and_samples(tiny_model):
 
 def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef, **overrides):
     """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, every timestep)."""
-
     config = DDPOConfig(prompts="x", num_inference_steps=samples["timesteps"].shape[1], timestep_fraction=1.0, train_batch_size=2,
                         gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
                         clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0, **overrides)
@@ -501,7 +499,6 @@ def test_gradient_snr_script_prints_one_row_per_setting(tiny_model, prompt_file,
 
 
 def test_gradient_snr_script_runs_flow_grpo_windows(tmp_path, prompt_file, capsys):
-
     folder = build_tiny_sd3(tmp_path / "sd3")
     ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")
     ddpo_gradient_snr.main(["--model", str(folder), "--reward", "jpeg-compressibility", "--prompts", prompt_file,

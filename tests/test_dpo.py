@@ -116,7 +116,6 @@ def test_reward_run_end_to_end_and_lora_loads_in_plain_diffusers(tiny_model, pro
 
 
 def test_evaluation_batches_with_the_lora_merged_and_scores_as_unbatched_generation(tiny_model, tmp_path):
-
     class PixelProjection:
         """A fixed random projection of the pixels: any change to an image moves its score."""
 

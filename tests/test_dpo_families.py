@@ -43,7 +43,6 @@ def _images(pipe) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
 def test_lora_dpo_starts_at_ln2_under_bf16_and_its_lora_loads_in_the_familys_pipeline(family, family_models, pairs, tmp_path):
-
     model = family_models(family)
     run = dpo.train(small_config(model, tmp_path / "run", dataset=pairs, resolution=RESOLUTION, max_steps=2,
                                  mixed_precision="bf16", caption_dropout=0.5))

@@ -163,7 +163,6 @@ def test_generation_cache_key_follows_the_base_files_under_a_lora(tmp_path, base
 
 
 def test_load_trained_takes_a_run_with_a_full_denoiser_folder(tmp_path, base_and_run):
-
     family, base, _ = base_and_run
     fam = family_of(str(base))
     pipe = fam.load_pipeline(str(base), torch.float32, "cpu")
@@ -189,7 +188,6 @@ def flow_testbed_like(tmp_path_factory):
 
 
 def test_ai_feedback_pairs_from_a_flow_pipeline(tmp_path, flow_testbed_like):
-
     pipe = load_trained(str(flow_testbed_like))
     generate = make_pipeline_generator(pipe, num_inference_steps=3, guidance_scale=3.0, batch_size=4)
     prompts = ["a red circle", "two blue squares", "a green triangle on the left"]
@@ -217,7 +215,6 @@ def test_judge_comparison_on_a_flow_model(tmp_path, flow_testbed_like):
     """scripts/compare_judges.py on a tiny SD3 model, as on the SD testbed: each judge labels the same base
     images, its accuracy against the oracle is measured, Diffusion-DPO (flow-matching loss, LoRA) trains one
     model per judge on its labels, and every model is evaluated downstream."""
-
     cj = load_script("compare_judges")
     out = tmp_path / "compare"
     cj.main(["--model", str(flow_testbed_like), "--judges", "shapes-oracle,random", "--trainer_config",

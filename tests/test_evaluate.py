@@ -230,7 +230,6 @@ def test_compare_judges_gives_every_judge_the_same_trainer_budget(tmp_path):
 def test_fid_and_cmmd_with_shapes_clip_features(tmp_path):
     """The testbed's FID feature network: a CLIP judge's image embeddings (a tiny random CLIP saved
     in the real layout and loaded through rewards.load, as the bundled shapes-clip is)."""
-
     tokenizer = testbed_tokenizer()
     torch.manual_seed(0)
     build_shapes_clip(tokenizer).save_pretrained(tmp_path / "clip")

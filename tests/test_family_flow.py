@@ -252,7 +252,6 @@ def test_full_transformer_folder_loads_with_load_trained(built, pipe, tmp_path):
 
 @pytest.mark.parametrize("part", ["transformer", "text_encoder"])
 def test_a_truncated_weights_file_is_one_clear_error(built, tmp_path, part):
-
     broken = tmp_path / "broken"
     shutil.copytree(built[1], broken)
     weights = next((broken / part).glob("*.safetensors"))
@@ -287,7 +286,6 @@ def test_lora_training_step_reaches_only_the_adapter(pipe):
 
 @pytest.mark.parametrize("built", ["sd3"], indirect=True)
 def test_sd3_with_dynamic_shifting_samples_as_the_pipeline(built, pipe):
-
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=True)
     latents = initial_latents(pipe)
     expected = pipeline_call(pipe, latents, num_inference_steps=3, guidance_scale=2.0, output_type="latent")
@@ -311,7 +309,6 @@ def test_model_index_of_the_t5_less_folder_has_null_t5(built):
 
 
 def test_flux_packing_is_the_pipelines():
-
     latents = torch.randn(2, 4, 6, 10)
     packed = pack_latents(latents)
     torch.testing.assert_close(packed, FluxPipeline._pack_latents(latents, 2, 4, 6, 10), rtol=0, atol=0)

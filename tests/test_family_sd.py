@@ -19,7 +19,6 @@ PROMPTS = ["a red circle", "two blue squares on the left"]
 def tiny_sd2_model(tiny_model, tmp_path_factory):
     """The tiny SD pipeline made SD 2.1-like: v-prediction DDIM scheduler (SD 2.1's scheduler config) and a UNet
     with linear projections, per-block head sizes and upcast attention (SD 2.x's UNet settings)."""
-
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
     torch.manual_seed(1)
     pipe.unet = UNet2DConditionModel(
@@ -87,7 +86,6 @@ def test_ddim_through_guided_prediction_reproduces_the_pipeline(pipe):
 
 
 def test_sd2_v_prediction_trains_on_the_velocity(tiny_sd2_model):
-
     pipe = load_pipeline(tiny_sd2_model)
     family = family_of_pipeline(pipe)
     scheduler = DDPMScheduler.from_config(pipe.scheduler.config)

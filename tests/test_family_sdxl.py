@@ -24,7 +24,6 @@ def pipe(tiny_sdxl_model):
 
 def fresh_diffusers_pipeline(folder):
     """Plain diffusers, nothing of ours, with the DDIM scheduler our family samples with."""
-
     plain = StableDiffusionXLPipeline.from_pretrained(folder)
     plain.scheduler = DDIMScheduler.from_config(plain.scheduler.config)
     plain.set_progress_bar_config(disable=True)
@@ -167,7 +166,6 @@ def test_a_float16_vae_with_force_upcast_runs_in_float32_and_stays_float16(tiny_
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_training_target_follows_the_prediction_type(pipe, prediction_type):
-
     family = family_of_pipeline(pipe)
     scheduler = DDPMScheduler.from_config(pipe.scheduler.config, prediction_type=prediction_type)
     timesteps = family.draw_training_timesteps(scheduler, 64, torch.Generator().manual_seed(0))
@@ -205,7 +203,6 @@ def test_lora_targets_are_the_dreambooth_sdxl_scripts(adapted):
 
 
 def test_the_saved_lora_loads_in_a_fresh_diffusers_sdxl_pipeline(adapted, tiny_sdxl_model):
-
     _, base_images, adapted_images, folder, written = adapted
     assert written == folder / LORA_WEIGHTS
     keys = list(load_file(str(written)))

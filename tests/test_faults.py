@@ -286,7 +286,6 @@ def _broken_copy(tiny_model: str, folder: Path) -> str:
 
 
 def test_overwrite_with_a_model_that_fails_to_load_leaves_the_old_run_byte_for_byte(tiny_model, prompt_file, dpo_straight, tmp_path):
-
     old = tmp_path / "old"
     shutil.copytree(dpo_straight, old)
     (old / "notes.txt").write_text("mine")

@@ -213,7 +213,6 @@ def test_a_damaged_store_is_refused_before_the_run_folder_is_written(tiny_model,
 
 
 def test_a_key_in_a_variable_named_by_api_key_env_is_masked_in_the_benchmarks_files(tmp_path, monkeypatch):
-
     key = "plain-words-credential-value-4417"  # no key shape, in a variable whose name says nothing of keys
     monkeypatch.setenv("MY_JUDGE_CRED", key)
 
@@ -258,7 +257,6 @@ def test_a_full_disk_while_writing_a_checkpoint_ends_in_one_line(tiny_model, pai
 
 
 def test_dataloader_workers_are_capped_at_the_cpus_in_one_line(capsys):
-
     assert capped_workers(0) == 0 and capped_workers(1) == 1
     assert capped_workers(100_000) == os.cpu_count()
     assert capsys.readouterr().out.strip() == (f"[data] --dataloader_num_workers 100000 is more than this machine's "
@@ -266,7 +264,6 @@ def test_dataloader_workers_are_capped_at_the_cpus_in_one_line(capsys):
 
 
 def test_a_full_disk_ends_the_evaluation_commands_in_one_line_too(tmp_path, monkeypatch, capsys):
-
     real = os.replace
 
     def full(src, dst):

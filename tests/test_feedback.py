@@ -256,7 +256,6 @@ def test_killed_run_shards_are_merged_on_rerun(tmp_path, monkeypatch):
 
 def test_make_pipeline_generator_seeds_each_image(tmp_path):
     """With the tiny SD pipeline: image i depends on seeds[i] only, whatever batch it is in."""
-
     pipe = StableDiffusionPipeline.from_pretrained(build_tiny_pipeline(tmp_path))
     pipe.set_progress_bar_config(disable=True)
     generate = make_pipeline_generator(pipe, num_inference_steps=2, guidance_scale=3.0, batch_size=2)

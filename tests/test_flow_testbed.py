@@ -160,20 +160,17 @@ def test_ceiling_refuses_a_folder_with_results_before_any_work(ceiling, tmp_path
 
 
 def test_testbed_flow_without_bundled_weights_says_how_to_build_them(monkeypatch, tmp_path):
-
     monkeypatch.setattr(weights, "FLOW_TESTBED_PIPELINE_DIR", tmp_path / "nothing")
     with pytest.raises(ModelLoadError, match="scripts/build_flow_testbed.py"):
         resolve_model("testbed-flow")
 
 
 def test_testbed_settings_reads_a_flow_testbed_folders_settings(built):
-
     out, settings = built
     assert read_testbed_settings(str(out))["max_sequence_length"] == settings["max_sequence_length"] == 2
 
 
 def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_settings_and_samples_at_its_resolution():
-
     folder = resolve_model("testbed-flow")
     assert folder == str(weights.FLOW_TESTBED_PIPELINE_DIR)
     # small enough to ship inside the package (the SD testbed's pipeline is ~8 MB)
@@ -230,7 +227,6 @@ def test_paired_heldout_gain_reads_captions_consecutively_and_counts_better_and_
 
 
 def test_paired_heldout_gives_every_image_its_own_noise_and_a_model_no_gain_over_itself(tmp_path, capsys):
-
     paired = load_experiment("paired_heldout")
     paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",
                  "--first-seed", "7", "--out", str(tmp_path)])

@@ -69,7 +69,6 @@ class RecordingScaler(torch.amp.GradScaler):
 def fp16_as_on_a_gpu(monkeypatch, request):
     """accelerate.Accelerator with a recording GradScaler for fp16, as accelerate sets it up on a GPU (indirect
     parametrisation may name the steps at which it overflows, see RecordingScaler)."""
-
     scalers: list[RecordingScaler] = []
     overflow_at = getattr(request, "param", ())
 

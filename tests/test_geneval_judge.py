@@ -78,7 +78,6 @@ def test_mask_boxes_and_upsampling_geometry():
 
 
 def _tiny_mask2former(folder):
-
     backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
                           window_size=2, out_features=["stage1", "stage2", "stage3", "stage4"])
     config = Mask2FormerConfig(backbone_config=backbone, feature_size=32, mask_feature_size=32, hidden_dim=32,
@@ -180,7 +179,6 @@ def test_geneval_shapes_scores_renders_by_the_rules():
 
 
 def test_missing_weights_name_the_option_to_pass(tmp_path, tiny_models):
-
     with pytest.raises(MissingWeightsError, match="Pass detector="):
         rewards.load("geneval", detector=str(tmp_path / "none"), clip_model=str(tiny_models / "clip"))
     with pytest.raises(MissingWeightsError, match="Pass clip_model="):
@@ -213,7 +211,6 @@ def test_agreement_script_compares_with_the_authors_results(tmp_path, tiny_model
 def test_colour_classification_matches_the_authors_code_on_a_tiny_clip(tmp_path):
     """tests/data/geneval_colour_reference.json: GenEval's color_classification (its crops, clip_benchmark's
     classifier and classification, float32) on save_tiny_clip(seed=0), run by experiments/rules_reference.py."""
-
     reference = json.loads((Path(__file__).parent / "data" / "geneval_colour_reference.json").read_text())
     save_tiny_clip(tmp_path / "clip", seed=0)
     colours = load_clip_colours(tmp_path / "clip", device="cpu")

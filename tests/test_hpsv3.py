@@ -69,7 +69,6 @@ def test_a_checkpoint_of_another_layout_fails_with_one_message(tiny, tmp_path):
 
 
 def test_best_of_n_runs_with_the_tiny_hpsv3_judge(tiny, tmp_path):
-
     base, checkpoint = tiny
     torch.manual_seed(1)
     build_pipeline(testbed_tokenizer()).save_pretrained(tmp_path / "pipe")

@@ -159,7 +159,6 @@ def test_bad_inputs_get_clear_errors(clip_folder, tmp_path):
 
 
 def test_a_folder_of_another_model_type_is_refused(tmp_path):
-
     BertConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'bert' model"):
         rewards.load("clip", model=str(tmp_path))

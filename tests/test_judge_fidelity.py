@@ -92,7 +92,6 @@ def test_clip_family_processors_use_the_pil_backend_whatever_is_installed(tmp_pa
 
 
 def test_aesthetic_and_hps_judges_use_the_authors_preprocessing(tmp_path):
-
     folder = tmp_path / "clip"
     save_tiny_clip(folder, image_size=32)
     torch.save(ScoreMLP(16).state_dict(), tmp_path / "head.pth")

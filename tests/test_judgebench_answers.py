@@ -168,7 +168,6 @@ def test_prompt_template_file_is_sent_verbatim_without_a_forced_schema(tmp_path,
 
 
 def test_judge_cache_gives_the_parse_outcome_per_judge_and_question(tmp_path, capsys):
-
     cache = JudgeCache(tmp_path / "answers.sqlite")
     question = JudgeQuestion("single", protocol="mjbench").key()
     for i, raw in enumerate(['{"ALIGNMENT-RATING": "7"}', "RATING: 9", "no idea", "I'm sorry, I can't help with that."]):

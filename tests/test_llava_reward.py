@@ -41,7 +41,6 @@ PROMPTS = ["a red circle", "two blue square on the left of a red circle", "a blu
 
 
 def tiny_processor(padding_side="left"):
-
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS + SPECIAL)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>", eos_token="<|im_end|>",
@@ -57,7 +56,6 @@ def tiny_processor(padding_side="left"):
 
 
 def tiny_qwen(processor, seed=0):
-
     t = processor.tokenizer
     ids = {name: t.convert_tokens_to_ids(tok) for name, tok in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
@@ -208,7 +206,6 @@ def test_own_save_reloads_by_path_and_general_preference(tmp_path, processor):
 
 
 def test_lora_skipca_and_head_train_with_bradley_terry(processor):
-
     model = LlavaRewardModel(tiny_qwen(processor), processor, "qwen2.5-vl", skip_cross_attention=True)
     model.init_reward_head()
     model.add_lora(rank=4, alpha=8, dropout=0.0)
@@ -239,12 +236,10 @@ def test_lora_skipca_and_head_train_with_bradley_terry(processor):
     ((20, 10), (84, 56)),          # below 4 x 28 x 28 pixels: grown (ceil) to at least that area
 ])
 def test_qwen_fetch_size_is_the_authors_smart_resize(size, expected):
-
     assert qwen_fetch_size(*size) == expected
 
 
 def test_qwen_processor_bounds_are_the_authors():
-
     # a 256 px image: the processor's default bounds (56 x 56 px up) keep 252 x 252 = 81 tokens; the
     # authors' lower bound of 256 tokens of 28 x 28 px grows it to 448 x 448 = 256 tokens
     assert qwen_fetch_size(252, 252, min_pixels=56 * 56, max_pixels=28 * 28 * 1280) == (252, 252)
@@ -256,7 +251,6 @@ def test_qwen_processor_bounds_are_the_authors():
 
 
 def test_qwen_backbone_gets_the_authors_pixel_limits_and_fetch_resize(tmp_path):
-
     build_qwen25_vl(tmp_path / "qwen")
     model = LlavaRewardModel.from_base(str(tmp_path / "qwen"))
     size = model.processor.image_processor.size

@@ -93,7 +93,6 @@ def test_fid_of_a_set_against_itself_is_zero_and_grows_with_shift():
 
 
 def test_fid_default_inception_fails_clearly_without_torch_fidelity():
-
     if _TORCH_FIDELITY_AVAILABLE:
         pytest.skip("torch-fidelity is installed here; the error path cannot be reached")
     with pytest.raises(RuntimeError, match="torch-fidelity"):

@@ -19,7 +19,6 @@ from rewards.ocr_shapes import caption_target, transcribe
 
 def _tiny_got_ocr2(folder):
     """GOT-OCR2's classes at toy size; the final norm zeroed so greedy decoding always says "7"."""
-
     tok = tiny_tokenizer(["<|im_start|>", "<|im_end|>", "<img>", "</img>", "<imgpad>", "OCR", "system"])
     # 64 px at patch 1 -> 64x64 patches -> the projector's two stride-2 convs -> 16x16 = 256 tokens, the
     # processor's fixed count per image

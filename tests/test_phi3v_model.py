@@ -137,7 +137,6 @@ def tiny_phi_backbone(folder, tokenizer):
 
 
 def test_llava_reward_phi_checkpoint_loads_and_scores_without_remote_code(tmp_path):
-
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "rewards" / "weights" / "shapes-clip"))
     base = tiny_phi_backbone(tmp_path / "base", tokenizer)
     # a "trained" reward model: LoRA on the LLM, SkipCA, value head, projector, all non-trivial
@@ -179,7 +178,6 @@ def test_llava_reward_phi_checkpoint_loads_and_scores_without_remote_code(tmp_pa
 def test_full_size_hub_config_builds_the_checkpoint_layout(tmp_path):
     """The hub's config.json fields (Phi-3-vision layout: "su" rope with 48 factors, flash-attention
     default, auto_map) build the full-size model (on the meta device) with the remote code's names."""
-
     hub = {
         "architectures": ["Phi3VForCausalLM"], "auto_map": {"AutoConfig": "configuration_phi3_v.Phi3VConfig",
                                                              "AutoModelForCausalLM": "modeling_phi3_v.Phi3VForCausalLM"},
@@ -211,7 +209,6 @@ def test_full_size_hub_config_builds_the_checkpoint_layout(tmp_path):
 
 
 def test_checkpoint_that_does_not_fit_is_refused(checkpoint, tmp_path):
-
     state = load_file(str(checkpoint / "model.safetensors"))
     # older checkpoints store CLIP's position_ids buffer: tolerated
     state["model.vision_embed_tokens.img_processor.vision_model.embeddings.position_ids"] = torch.arange(577)[None]
@@ -226,7 +223,6 @@ def test_checkpoint_that_does_not_fit_is_refused(checkpoint, tmp_path):
 
 
 def test_llava_reward_phi_trains_lora_and_projector_not_the_vision_tower(tmp_path):
-
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "rewards" / "weights" / "shapes-clip"))
     base = tiny_phi_backbone(tmp_path / "base", tokenizer)
     model = LlavaRewardModel.from_base(str(base), skip_cross_attention=True, processor=Phi3VInputs(tokenizer, num_crops=1))

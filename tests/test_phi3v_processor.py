@@ -16,7 +16,6 @@ REFERENCE = json.loads((ROOT / "tests" / "data" / "phi3v_reference.json").read_t
 
 
 def _script(name):
-
     spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -80,7 +80,6 @@ def test_deepspeed_and_fsdp_are_refused_with_what_works(monkeypatch, tmp_path, c
 def test_a_cpu_launch_of_several_processes_that_runs_one_is_refused(tiny_model, pairs, tmp_path):
     """`accelerate launch --cpu --num_processes 2` starts the script once (accelerate's simple launcher): a run that
     silently trains one process with half the pairs per step was issue 49's "two processes != one process"."""
-
     alone = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     assert cpu_launch_lost_its_processes(alone)
     assert not cpu_launch_lost_its_processes({**alone, "WORLD_SIZE": "2", "RANK": "0"})  # torch's launcher: really N
@@ -103,7 +102,6 @@ def test_a_cpu_launch_of_several_processes_that_runs_one_is_refused(tiny_model, 
 @pytest.mark.parametrize("trainer", ["ddpo", "train_reward"])
 def test_the_other_trainers_refuse_a_cpu_launch_that_runs_alone(trainer, tiny_model, tmp_path, monkeypatch, capsys):
     """The online-RL trainer and the reward-model trainer build their Accelerator the same way: the same line."""
-
     for variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
@@ -187,7 +185,6 @@ def test_bf16_ddpo_rounds_start_exactly_on_policy(tiny_model, tmp_path, finetune
 
 
 def test_ddpo_gradient_checkpointing_trains_the_same_weights(tiny_model, tmp_path):
-
     plain = ddpo.train(ddpo_config(tiny_model, tmp_path / "plain", num_epochs=1, checkpointing_epochs=1, mixed_precision="no"))
     saved = ddpo.train(ddpo_config(tiny_model, tmp_path / "ckpt", num_epochs=1, checkpointing_epochs=1, mixed_precision="no",
                                    gradient_checkpointing=True))
@@ -214,7 +211,6 @@ def test_8bit_adam_without_bitsandbytes_is_refused_before_loading(tiny_model, pa
 
 
 def test_another_attention_processor_is_put_back_to_sdpa(tiny_model):
-
     unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
     assert all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())  # diffusers' default
     unet.set_attn_processor(AttnProcessor())

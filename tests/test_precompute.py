@@ -72,7 +72,6 @@ def test_store_round_trip_holds_the_trainers_latents_for_both_flips(tiny_model, 
 
 
 def test_a_format_1_store_of_text_embeddings_is_still_read(tiny_model, pairs_file, tmp_path):
-
     store = build(tiny_model, pairs_file, tmp_path / "store")
     new = StoreLatents(store, read_manifest(store))
     expected = [new[(1, False, drop)]["cond.prompt_embeds"] for drop in (False, True)]
@@ -142,7 +141,6 @@ def test_latent_store_run_builds_the_runs_store_once_and_trains_as_from_images(t
 
 def test_resume_mid_epoch_from_images_with_workers_is_exact(tiny_model, pairs_file, tmp_path):
     """5 pairs, 2 a step: step 2 starts mid-epoch. The resumed half reads through two workers."""
-
     common = dict(dataset=pairs_file, latent_store="none", max_steps=4)
     straight = dpo.train(small_config(tiny_model, tmp_path / "straight", **common))
     dpo.train(small_config(tiny_model, tmp_path / "halves", **{**common, "max_steps": 2}))
@@ -165,7 +163,6 @@ def _fails(capsys, call, *expected):
 
 
 def test_refusals_are_one_line_and_lose_nothing(tiny_model, pairs_file, tmp_path, capsys):
-
     store = build(tiny_model, pairs_file, tmp_path / "store")
     before = {p.name: p.read_bytes() for p in store.iterdir()}
     other_model = str(build_tiny_pipeline(tmp_path / "other", seed=1))

@@ -82,13 +82,11 @@ def test_only_the_torchvision_fallback_notice_is_dropped():
 
 @pytest.mark.filterwarnings("error::FutureWarning")
 def test_pipelines_load_in_the_asked_dtype_without_a_deprecation_warning():
-
     pipe = load_pipeline("testbed", dtype=torch.bfloat16)
     assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
 
 
 def test_only_peft_s_deprecated_property_read_is_silenced():
-
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         quiet_output()  # its filter goes in front of "always"

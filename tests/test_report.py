@@ -122,7 +122,6 @@ def tiny_dpo_run(tmp_path_factory):
 
 
 def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_config(tiny_dpo_run):
-
     run = tiny_dpo_run
     text = (run / "report.html").read_text()
     before = json.loads((run / "eval_before.json").read_text())
@@ -190,7 +189,6 @@ def test_trainer_report_opens_in_headless_chromium(tiny_dpo_run, tmp_path):
 
 
 def test_small_images_are_enlarged_sharply_and_large_ones_shrunk():
-
     small = Image.new("RGB", (32, 32), (0, 0, 0))
     small.putpixel((0, 0), (255, 0, 0))
     big = readable(small)

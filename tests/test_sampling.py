@@ -212,7 +212,6 @@ def test_a_coarse_deterministic_jump_is_diffusers_step_on_the_coarser_schedule()
 
 
 def test_sampling_with_the_lora_merged_matches_the_adapter_and_restores_the_weights(tiny_unet):
-
     unet = copy.deepcopy(tiny_unet)
     add_lora(unet, rank=4, target_modules=("to_q", "to_k", "to_v", "to_out.0"))
     torch.manual_seed(3)

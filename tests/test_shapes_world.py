@@ -182,7 +182,6 @@ def test_render_500_captions_is_fast(monkeypatch):
     """Fast as a property, not a wall-clock bound (which depends on the machine and its load): the placement's
     rejection sampling finishes in a few draws and rarely falls back to the grid (measured: 13.6 placements tried
     per image, 6 grid fallbacks in 500; 0.06 s on the 2-core CI machine)."""
-
     counts = {"tried": 0, "grid": 0}
     valid, grid = scene._valid, scene._grid_place
 
@@ -265,7 +264,6 @@ def test_rendered_pairs_have_the_pick_a_pic_schema_and_balanced_winners(tmp_path
 
 
 def test_judged_pairs_label_generations_with_any_judge():
-
     def generate(prompts, seeds):
         """A stand-in model: right for even seeds, a near miss for odd seeds."""
         return [render(p if s % 2 == 0 else corrupt_caption(p, s)[0], s) for p, s in zip(prompts, seeds)]

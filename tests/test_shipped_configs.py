@@ -53,7 +53,6 @@ def test_shipped_config_parses_and_validates(name, monkeypatch):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_accelerate_configs_load_and_use_only_supported_modes(path):
-
     config = load_config_from_file(str(path))
     assert config.mixed_precision == "bf16"
     assert str(getattr(config.distributed_type, "value", config.distributed_type)) in ("NO", "MULTI_GPU")  # no DeepSpeed/FSDP

@@ -54,7 +54,6 @@ def test_tokenizer_rejects_non_letter_words():
 
 
 def test_grammar_captions_round_trip_as_whole_words(tmp_path):
-
     tokenizer = save_tokenizer(tmp_path / "tok", grammar_words())
     assert {"vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in (tmp_path / "tok").iterdir()
@@ -92,7 +91,6 @@ def test_every_grammar_word_is_in_the_vocabulary():
 
 
 def test_pipeline_from_configs_saves_and_loads(tmp_path):
-
     torch.manual_seed(0)
     tokenizer = build_tokenizer(grammar_words())
     pipe = models.build_pipeline(tokenizer)
@@ -138,7 +136,6 @@ def _bundled_pipeline_or_skip():
 
 
 def test_bundled_pipeline_loads_offline_and_generates_32px():
-
     folder = _bundled_pipeline_or_skip()
     size_mb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
     assert size_mb <= 25
@@ -174,7 +171,6 @@ def _held_out_pairs(n: int = 24):
 
 
 def test_bundled_shapes_clip_loads_with_transformers_and_prefers_the_right_scene():
-
     folder = _bundled_clip_or_skip()
     model = CLIPModel.from_pretrained(folder, local_files_only=True).eval()
     processor = CLIPProcessor.from_pretrained(folder, local_files_only=True)
@@ -216,7 +212,6 @@ def test_headroom_script_scores_renders_perfectly_and_the_base_models_generation
 
 
 def test_headroom_scripts_stochastic_sampler_reduces_to_the_pipelines_sampler_without_noisy_steps(capsys):
-
     testbed_headroom = load_experiment("testbed_headroom")
     pipe = load_trained("testbed")
     pipe.set_progress_bar_config(disable=True)

@@ -33,7 +33,6 @@ from rewards.trained import write_marker
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
     """A tiny random CLIPModel + processor saved like any CLIP checkpoint."""
-
     tokenizer = testbed_tokenizer()
     config = CLIPConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -52,7 +51,6 @@ def tiny_clip(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory):
-
     path = tmp_path_factory.mktemp("pairs") / "pairs.parquet"
     table = rendered_pairs(20, seed=0)
     write_parquet(table, path)
@@ -166,7 +164,6 @@ def test_bad_config_fails_with_one_clear_message(argv, message, tmp_path, capsys
 @pytest.fixture(scope="module")
 def tiny_blip(tmp_path_factory):
     """A tiny random BLIP image-text retrieval model + processor (BERT WordPiece tokenizer)."""
-
     folder = tmp_path_factory.mktemp("blip")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *grammar_words()]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")

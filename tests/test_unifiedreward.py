@@ -66,7 +66,6 @@ def test_local_pointwise_shows_the_image_then_the_question(tiny_unifiedreward, t
 
 
 def _img():
-
     return Image.new("RGB", (56, 56))
 
 
@@ -109,7 +108,6 @@ def test_server_pairwise_reconciles_orders_ties_and_abstentions(tmp_path):
 
 
 def test_best_of_n_runs_with_the_tiny_unifiedreward_judge(tiny_unifiedreward, tmp_path):
-
     torch.manual_seed(1)
     build_pipeline(testbed_tokenizer()).save_pretrained(tmp_path / "pipe")
     name = f"unifiedreward-hf:{tiny_unifiedreward}[max_tokens=2]"

@@ -37,7 +37,6 @@ IDEFICS2_TEMPLATE = (
 
 
 def build_llava(folder, constant_answer=False):
-
     tok = tiny_tokenizer(["<image>"])
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -62,7 +61,6 @@ def build_llava(folder, constant_answer=False):
 
 
 def build_idefics2(folder):
-
     tok = tiny_tokenizer(["<image>", "<fake_token_around_image>", "<end_of_utterance>"])
     config = Idefics2Config(
         vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -83,7 +81,6 @@ def build_idefics2(folder):
 
 def build_instructblip(folder):
     """InstructBLIP: no chat template; the instruction also goes to the Q-Former."""
-
     tok, qformer_tok = tiny_tokenizer(["<image>"]), tiny_tokenizer([])
     config = InstructBlipConfig(
         vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -87,7 +87,6 @@ def test_single_mode_scores_one_image_per_question(name, tmp_path):
 @pytest.mark.parametrize("name, processor_class", [("qwen2.5-vl-7b", "Qwen2_5_VLProcessor"),
                                                    ("internvl", "InternVLProcessor")])
 def test_processors_load_without_their_video_processor(name, processor_class, tmp_path):
-
     CASES[name][0](tmp_path)
     with pytest.raises((ImportError, ValueError), match="orchvision"):  # what AutoProcessor says here
         transformers.AutoProcessor.from_pretrained(tmp_path)

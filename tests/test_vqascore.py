@@ -103,7 +103,6 @@ def test_server_without_logprobs_fails_with_one_line():
 
 
 def test_cost_guard_prices_the_api_and_counts_a_local_server_free(monkeypatch):
-
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     paid = rewards.load("vqascore-openai:gpt-4o")
     free = rewards.load("vqascore-openai:my-vlm[base_url=http://127.0.0.1:9/v1]")
@@ -115,7 +114,6 @@ def test_cost_guard_prices_the_api_and_counts_a_local_server_free(monkeypatch):
 
 
 def test_best_of_n_runs_with_the_tiny_vqascore_judge(tiny_qwen, tmp_path):
-
     torch.manual_seed(1)
     build_pipeline(testbed_tokenizer()).save_pretrained(tmp_path / "pipe")
     bon.main(["--model", str(tmp_path / "pipe"), "--reward", f"vqascore-hf:{tiny_qwen}", "--prompts", "testbed",
@@ -128,7 +126,6 @@ def test_best_of_n_runs_with_the_tiny_vqascore_judge(tiny_qwen, tmp_path):
 
 @pytest.mark.parametrize("builder", ["build_llava_next", "build_internvl"])
 def test_other_families_score_the_full_vocabulary_softmax(builder, tmp_path):
-
     getattr(tiny_vlms, builder)(tmp_path, words=("Yes", "No"))
     judge = rewards.load(f"vqascore-hf:{tmp_path}")
     images, captions = vqascore_images(2), ["a red cube", "a cat"]

@@ -63,7 +63,6 @@ def shard_name(index: int) -> str:
 
 def model_folder(model: str) -> Path:
     """The local folder of a pipeline: the folder given, or a hub id's Hugging Face cache snapshot."""
-
     resolved = resolve_model(model)
     folder = Path(resolved).expanduser()
     if folder.is_dir():
@@ -347,7 +346,6 @@ def stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def encode_shard(pipe, table, indices, resolution: int, batch_size: int, progress=None) -> dict[str, torch.Tensor]:
     """Latents of both images of each pair of ``indices`` (a list of pair indices), un-flipped and flipped, the
     shard's caption conditioning, and the pair indices held (``pairs``); ``progress(pairs done)`` after each batch."""
-
     family = family_of_pipeline(pipe)
     latents = []
     indices = list(indices)

@@ -70,7 +70,6 @@ class PairTable:
 
     def pair(self, k: int) -> PreferencePair:
         """Pair k, winner first, with its encoded image bytes (read from the memory-mapped table)."""
-
         row = int(self.rows[k])
         record = self.dataset[row]
         where = f"{self.source}: row {row}"

@@ -126,7 +126,6 @@ def pipeline_call_defaults(model: str) -> dict:
 def model_family_name(model: str) -> str | None:
     """The family (``align.families``) of a pipeline folder, hub id or run folder (its base's); None where it
     cannot be told without loading anything (a bare LoRA folder, a hub id offline)."""
-
     try:
         return family_of(resolve_model(base_of(model))).name
     except Exception:

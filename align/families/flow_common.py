@@ -33,7 +33,6 @@ def is_null_component(entry) -> bool:
 
 def trained_max_sequence_length(model: str) -> int | None:
     """``max_sequence_length`` stored in ``flow_testbed.json`` beside a local pipeline, if any."""
-
     path = Path(model).expanduser() / FLOW_SETTINGS_FILE
     if not path.is_file():
         return None

@@ -47,7 +47,6 @@ VAE_SHIFT, VAE_SCALE = 0.0609, 1.5035  # diffusers' own SD3/FLUX test VAE values
 
 
 def _clip_tokenizer(folder: Path):
-
     write_char_tokenizer(folder)
     tokenizer = CLIPTokenizer.from_pretrained(folder)
     tokenizer.model_max_length = CLIP_MAX_LENGTH
@@ -56,7 +55,6 @@ def _clip_tokenizer(folder: Path):
 
 def _t5_tokenizer():
     """A T5 tokenizer (Unigram over single characters, ``</s>`` appended, ``<pad>`` = 0), built offline."""
-
     chars = list(string.ascii_lowercase + string.digits + ".,'-")
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
     pieces += [(c, -2.0) for c in chars] + [("\u2581" + c, -1.5) for c in chars]
@@ -69,13 +67,11 @@ def _t5_tokenizer():
 
 
 def _t5_encoder(vocab_size: int):
-
     return T5EncoderModel(T5Config(vocab_size=vocab_size, d_model=JOINT_DIM, d_kv=8, d_ff=64, num_layers=1,
                                    num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0))
 
 
 def _clip_config(tokenizer, hidden: int = CLIP_HIDDEN):
-
     return CLIPTextConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
         num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH, projection_dim=hidden,
@@ -106,7 +102,6 @@ def build_tiny_sd3(folder: str | Path, t5: bool = False, seed: int = 0, settings
     ``T5_MAX_SEQUENCE_LENGTH`` beside it (without it the SD3 default, 256, applies). ``shift`` is
     the scheduler's static shift (SD3/SD3.5 use 3.0).
     """
-
     folder = Path(folder)
     torch.manual_seed(seed)
     tokenizer = _clip_tokenizer(folder / "_tok")
@@ -137,7 +132,6 @@ def build_tiny_flux(folder: str | Path, guidance_embeds: bool = True, seed: int 
     ``settings_file`` writes ``flow_testbed.json`` with ``max_sequence_length`` = ``T5_MAX_SEQUENCE_LENGTH``
     (without it FLUX's default, 512, applies). The scheduler shifts dynamically with the resolution, as FLUX's.
     """
-
     folder = Path(folder)
     torch.manual_seed(seed)
     tokenizer = _clip_tokenizer(folder / "_tok")

@@ -35,7 +35,6 @@ TEMPLATE = (
 
 def write_base(folder) -> None:
     """Qwen2-VL base: config, tokenizer, image processor and chat template (the files HPSv3 takes from its base)."""
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {w: i for i, w in enumerate(["<unk>", *WORDS, *SPECIALS])}
@@ -84,7 +83,6 @@ def fill(key: str, shape: tuple[int, ...]) -> torch.Tensor:
 def authors_checkpoint_shapes(base) -> dict[str, tuple[int, ...]]:
     """The names and shapes of the authors' state dict for ``base`` (transformers 5 classes, renamed to 4.45's
     layout), with the vocabulary grown by <|Reward|> and the ranknet reward head."""
-
     config = AutoConfig.from_pretrained(base)
     config.text_config.vocab_size = _vocab_with_reward(base)
     with torch.device("meta"):
@@ -123,7 +121,6 @@ def build_hpsv3(folder) -> tuple[Path, Path]:
 
 def hpsv3_images():
     """A square image at the authors' size, one smaller and one wider (both resized by smart_resize)."""
-
     rng = np.random.default_rng(0)
     sizes = [(448, 448), (300, 260), (520, 380)]
     return [Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for w, h in sizes]

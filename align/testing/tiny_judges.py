@@ -21,12 +21,10 @@ WORDS = ["a", "red", "blue", "green", "circle", "square", "triangle", "on", "the
 
 def clip_tokenizer():
     """A CLIPTokenizer (CLIP's byte-level BPE layout) whose words are single tokens."""
-
     return build_tokenizer(WORDS)
 
 
 def tiny_clip_config(tokenizer, image_size: int = 32, patch_size: int = 8, hidden_act: str = "quick_gelu"):
-
     text = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, max_position_embeddings=77, hidden_act=hidden_act,
@@ -41,7 +39,6 @@ def tiny_clip_config(tokenizer, image_size: int = 32, patch_size: int = 8, hidde
 
 
 def tiny_clip_model(tokenizer, seed: int = 0, **config_kwargs):
-
     torch.manual_seed(seed)
     model = CLIPModel(tiny_clip_config(tokenizer, **config_kwargs)).eval()
     with torch.no_grad():  # random init leaves embeddings nearly identical; spread them out
@@ -52,7 +49,6 @@ def tiny_clip_model(tokenizer, seed: int = 0, **config_kwargs):
 
 def clip_processor(tokenizer, image_size: int = 32):
     """CLIP's preprocessing (shortest side -> size, bicubic, centre crop, CLIP mean/std) at ``image_size``."""
-
     images = CLIPImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
@@ -70,7 +66,6 @@ def save_tiny_clip(folder: Path, seed: int = 0, image_size: int = 32, **config_k
 
 def bert_tokenizer(folder: Path):
     """A lowercasing BertTokenizer (vocab.txt) like bert-base-uncased, over the test words."""
-
     folder.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "."]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")

@@ -33,7 +33,6 @@ def write_char_tokenizer(folder: Path) -> None:
 
 def build_tiny_unet(sample_size: int = 8):
     """The tiny pipeline's random UNet (SD v1.5's block types, UpBlock2D after the mid block)."""
-
     return UNet2DConditionModel(
         sample_size=sample_size,
         in_channels=4,
@@ -52,7 +51,6 @@ def build_tiny_unet(sample_size: int = 8):
 def build_tiny_vae(sample_size: int, **config):
     """A two-block AutoencoderKL (8x downsampling would be too much for 16-32 px: this one halves once);
     ``config`` overrides or adds config entries (latent channels, scaling and shift factors, ...)."""
-
     return AutoencoderKL(**{
         "in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
         "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"), "block_out_channels": (8, 16),
@@ -62,7 +60,6 @@ def build_tiny_vae(sample_size: int, **config):
 
 def build_tiny_pipeline(folder: str | Path, seed: int = 0, sample_size: int = 8):
     """Save a tiny random SD pipeline (16 px images, 4x8x8 latents) to ``folder`` and return the path."""
-
     folder = Path(folder)
     torch.manual_seed(seed)
     unet = build_tiny_unet(sample_size)

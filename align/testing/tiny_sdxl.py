@@ -29,7 +29,6 @@ IMAGE_SIDE = 32  # default resolution: the UNet's sample_size (16) x the VAE's s
 
 
 def _text_config(width: int, pad_token_id: int, projection_dim: int | None = None):
-
     extra = {"projection_dim": projection_dim} if projection_dim else {}
     return CLIPTextConfig(
         vocab_size=83, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
@@ -47,7 +46,6 @@ def _write_second_tokenizer(folder: Path) -> None:
 
 
 def build_tiny_sdxl_unet():
-
     return UNet2DConditionModel(
         sample_size=IMAGE_SIDE // 2,
         in_channels=4,
@@ -69,7 +67,6 @@ def build_tiny_sdxl_unet():
 
 def build_tiny_sdxl_pipeline(folder: str | Path, seed: int = 0, force_zeros_for_empty_prompt: bool = True):
     """Save a tiny random SDXL pipeline (32 px images, 4x16x16 latents) under ``folder``; return its path."""
-
     folder = Path(folder)
     torch.manual_seed(seed)
     unet = build_tiny_sdxl_unet()

@@ -89,7 +89,6 @@ QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end
 def build_qwen25_vl(folder, constant_answer: bool = False, words: tuple[str, ...] = (), logit_scale: float = 1.0) -> None:
     """Qwen2.5-VL: 14 px patches merged 2x2; every image is resized to 56x56 -> 16 patches, 4 tokens.
     ``logit_scale`` multiplies the output head, so that random answers' probabilities spread more."""
-
     tok = tiny_tokenizer(QWEN_SPECIALS, words=words)
     ids = tok.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
@@ -113,7 +112,6 @@ def build_qwen25_vl(folder, constant_answer: bool = False, words: tuple[str, ...
 
 def build_llava_next(folder, constant_answer: bool = False, words: tuple[str, ...] = ()) -> None:
     """LLaVA-NeXT (anyres): a 28 px base view plus the tiles of the best grid pinpoint, 2x2 patches each."""
-
     tok = tiny_tokenizer(["<image>", "<|im_start|>", "<|im_end|>"], words=words)
     pinpoints = [[28, 28], [28, 56], [56, 28]]
     config = LlavaNextConfig(
@@ -138,7 +136,6 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "c
 
 def build_internvl(folder, constant_answer: bool = False, words: tuple[str, ...] = ()) -> None:
     """InternVL (transformers-native, ``-hf`` layout): 28 px tiles of 2x2 patches, pixel-shuffled to 1 token."""
-
     tok = tiny_tokenizer(["<|im_start|>", "<|im_end|>"], named=INTERNVL_TOKENS, words=words)
     config = InternVLConfig(
         vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -175,6 +172,5 @@ def build_vqascore_qwen(folder) -> None:
 
 def vqascore_images(n: int = 4):
     """Deterministic 56x56 RGB test images (a multiple of 28: qwen-vl-utils and the processor leave them as they are)."""
-
     rng = np.random.default_rng(0)
     return [Image.fromarray(rng.integers(0, 256, size=(56, 56, 3), dtype=np.uint8)) for _ in range(n)]

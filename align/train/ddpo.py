@@ -128,7 +128,6 @@ def check_inputs(config: DDPOConfig) -> None:
 def resolve_family(config: DDPOConfig) -> ModelFamily:
     """The model's family (from its model_index.json, before any weight loads); fills the sampler options
     left unset with that family's defaults (DDIM: the DDPO paper's; flow: Flow-GRPO's)."""
-
     try:
         family = family_of(check_model(config.model))
     except ModelLoadError:
@@ -238,7 +237,6 @@ def collect_samples(pipe, family, sampler, config, prompts, negative, epoch, pro
     ``sampler`` is the family's denoiser; ``negative`` the one-row unconditional side of classifier-free
     guidance (the family's); ``sigmas`` the flow families' σ schedule.
     """
-
     batches, futures = [], []
     merge = merged_adapter(family.denoiser(pipe)) if sampling_merges_lora(config) else contextlib.nullcontext()
     with merge:

@@ -142,7 +142,6 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
-
     rounds = config.feedback_rounds
     path = feedback_file(run_path, round_index, rounds)
     stopped = None
@@ -184,7 +183,6 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
 def healthy_images_only(generate_images):
     """The feedback image source, stopping training at a degenerate batch (NaN images, which the PIL
     conversion turns black, or blank ones: align/health.py): a diverged model's images are not judged."""
-
     def generate(prompts, seeds):
         images = generate_images(prompts, seeds)
         problem = degenerate_reason(images if isinstance(images, torch.Tensor) else to_tensor(images))
@@ -204,7 +202,6 @@ def run_store_path(run_path: Path, round_index: int, rounds: int) -> Path:
 def check_latent_store(config: DPOConfig, table, resolution: int) -> None:
     """A --latent_store that exists must fit the model, the resolution and (with --dataset) the pairs:
     checked from the model's files, before the run folder is written or the model loads."""
-
     if read_manifest(config.store_folder) is None and table is not None:
         return  # built after the model loads
     complete = table is None or read_manifest(config.store_folder).get("complete", False)
@@ -278,7 +275,6 @@ def consumed_pairs(order: PairOrder, config: DPOConfig, start: int, end: int | N
 
 def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start: int, end: int):
     """An iterator over the micro-batches of steps [start, end), read by DataLoader workers."""
-
     def plan(step, micro):
         return micro_batch_keys(order, config, step, micro, accelerator.process_index, accelerator.num_processes)[1]
 
@@ -289,7 +285,6 @@ def micro_batches(data, order: PairOrder, config: DPOConfig, accelerator, start:
 @torch.no_grad()
 def batch_latents_and_conditioning(family, pipe, batch: dict, resolution: int):
     """(winner latents, loser latents, conditioning dict) of a micro-batch, on the CPU."""
-
     if "error" in batch:
         raise DataError(batch["error"])
     if "latents_w" in batch:  # from a latent store: conditioning under "cond.<key>"

@@ -45,7 +45,6 @@ def shown_images(config) -> int:
 def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path, label: str) -> float:
     """Mean judge score (and its standard error) on the held-out prompts with fixed seeds,
     ``eval_images_per_prompt`` seeds each; writes the scores and an image row."""
-
     held_out = load_prompt_list(config.eval_prompts)
     repeats = config.eval_images_per_prompt
     prompts = held_out * repeats

@@ -212,7 +212,6 @@ def make_oracle_pairs(spec: str, path: Path, batch: int = 256) -> Path:
     the distillation set-up, an expensive judge's labels for a cheap model. The construction's
     label is kept in ``label_0_ground_truth`` for reference.
     """
-
     n, seed = parse_testbed_oracle(spec)
     table = rendered_pairs(n, seed)
     oracle = rewards.load("shapes-oracle")
