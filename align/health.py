@@ -1,6 +1,6 @@
 """Health checks on what a model produces: finite weights, finite images, images that are not blank.
 
-Pure functions on tensors. Training stops on a non-finite value (align/train/, the trainers); the
+Pure functions on tensors. Training stops on a non-finite value (align/train/checkpoints.py, the trainers); the
 evaluations mark a model whose images are degenerate instead of scoring and ranking it.
 """
 

@@ -152,7 +152,6 @@ class Mask2FormerDetector:
     def load(cls, source: str | Path, device=None, dtype=None) -> Mask2FormerDetector:
         from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
 
-
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         try:

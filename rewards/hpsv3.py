@@ -120,7 +120,6 @@ class HpsV3(Judge):
                  device=None, dtype=None, batch_size: int = 8, pixels: int = PIXELS, tie_margin: float = 0.0):
         from transformers import AutoConfig, Qwen2VLModel
 
-
         super().__init__(name="hpsv3", tie_margin=tie_margin)
         self.device = resolve_device(device)
         # bfloat16 on a GPU, as the authors run it (float16 risks Qwen2-VL overflow); float32 on a CPU

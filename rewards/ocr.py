@@ -76,7 +76,6 @@ class GotOcr2Reader:
              batch_size: int = 8) -> GotOcr2Reader:
         from transformers import AutoProcessor, GotOcr2ForConditionalGeneration
 
-
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         check_batch_size(batch_size)

@@ -364,8 +364,7 @@ def test_two_process_cpu_run(tiny_model, prompt_file, tmp_path):
 
 
 def test_end_training_frees_the_prepared_model_before_the_process_group_goes():
-    # A DDP model that outlives its process group deadlocked 2-process gloo runs at exit (align/train/).
-
+    # A DDP model that outlives its process group deadlocked 2-process gloo runs at exit (align/train/accelerator.py).
 
     accelerator = Accelerator()
     model = torch.nn.Linear(2, 2)

@@ -202,7 +202,6 @@ def check_shards(store: Path, manifest: dict) -> None:
             raise DataError(f"{where} is {path.stat().st_size} bytes, {record['size']} were written (truncated or "
                             "changed); rebuild the store (or delete the run's latents/ to re-encode)")
         if "sha256" in record and total <= HASH_AT_OPEN_BYTES:
-
             if file_sha256(path) != record["sha256"]:
                 raise DataError(f"{where} has changed since it was written (hash mismatch); rebuild the store")
         try:
@@ -285,7 +284,6 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
     whole encoding takes is estimated once, early (estimate), and again after each shard. Returns the manifest."""
     from safetensors.torch import save_file
 
-
     store = Path(store)
     prepare_store(store, spec)
     manifest = read_manifest(store)
@@ -296,7 +294,8 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
             empty = family_of_pipeline(pipe).encode_prompts(pipe, [""], spec.resolution)
             save_file({COND_PREFIX + key: stored(value[0], dtype) for key, value in empty.items()}, str(tmp))
     wanted = torch.arange(spec.num_pairs) if pairs is None else torch.as_tensor(pairs, dtype=torch.int64).unique()
-    missing = wanted[~torch.isin(wanted, held_pairs(store, manifest))]
+    held = held_pairs(store, manifest)
+    missing = wanted[~torch.isin(wanted, held)]
     chunks = [chunk for chunk in missing.split(spec.shard_size) if len(chunk)]
     started = time.perf_counter()
     estimated = False
@@ -310,24 +309,24 @@ def build_store(pipe, table, store: str | Path, spec: StoreSpec, batch_size: int
             log(f"[latents] {done:,} of {len(missing):,} pairs encoded in {_duration(spent)}: about "
                 f"{_duration(spent / done * (len(missing) - done))} left")
 
+    encoded = 0  # pairs of ``missing`` encoded so far
     for number, chunk in enumerate(chunks):
-        shard = len(records)
-        path = store / shard_name(shard)
-        before = sum(len(c) for c in chunks[:number])
+        path = store / shard_name(len(records))
         tensors = encode_shard(pipe, table.remapped(), chunk.tolist(), spec.resolution, batch_size,
-                               progress=lambda done, before=before: estimate(before + done))
+                               progress=lambda done, before=encoded: estimate(before + done))
         with atomic_path(path) as tmp:
             save_file({k: stored(v, dtype) for k, v in tensors.items()}, str(tmp))
         records[path.name] = {"size": path.stat().st_size, "sha256": file_sha256(path), "pairs": len(chunk)}
         write_manifest(store, {**manifest, "shards": records})
+        encoded += len(chunk)
         left = ""
-        if number + 1 < len(chunks):
-            per_pair = (time.perf_counter() - started) / sum(len(c) for c in chunks[: number + 1])
-            left = f"; about {_duration(per_pair * sum(len(c) for c in chunks[number + 1 :]))} left"
+        if encoded < len(missing):
+            per_pair = (time.perf_counter() - started) / encoded
+            left = f"; about {_duration(per_pair * (len(missing) - encoded))} left"
         log(f"[latents] shard {number + 1}/{len(chunks)} ({len(chunk)} pairs) -> {path}{left}")
         if after_shard is not None:
             after_shard(number)
-    complete = held_pairs(store, {**manifest, "shards": records}).numel() == spec.num_pairs
+    complete = len(held) + len(missing) == spec.num_pairs  # what was held, and what this build added
     manifest = {**manifest, "complete": complete, "shards": records}
     write_manifest(store, manifest)
     return read_manifest(store)

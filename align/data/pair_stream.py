@@ -182,10 +182,10 @@ def load_pairs(
     for k in range(len(table)):
         try:
             pair = table.pair(k)
-            if validate_images:
-                chosen, rejected = ("jpg_1", "jpg_0") if table.swap[k] else ("jpg_0", "jpg_1")
-                for data, column in sorted([(pair.chosen, chosen), (pair.rejected, rejected)], key=lambda item: item[1]):
-                    decode_image(data, f"row {pair.source_index} {column}")
+            if validate_images:  # in the file's column order, so the first unreadable one is named
+                jpg_0, jpg_1 = (pair.rejected, pair.chosen) if table.swap[k] else (pair.chosen, pair.rejected)
+                decode_image(jpg_0, f"row {pair.source_index} jpg_0")
+                decode_image(jpg_1, f"row {pair.source_index} jpg_1")
         except (DataError, UnreadableImageError) as err:
             stats.unreadable += 1
             stats.kept -= 1
@@ -205,8 +205,7 @@ def _open_table(source: str, split: str, cache_dir: str | None):
     if path.is_file():
         if path.suffix.lower() != ".parquet":
             raise DataError(f"preference file {source!r} must be a .parquet file (Pick-a-Pic schema)")
-        _check_parquet(path)
-        if _parquet_rows(path) == 0:  # datasets cannot build a table of no rows: say what the user needs to know
+        if _check_parquet(path) == 0:  # datasets cannot build a table of no rows: say what the user needs to know
             raise DataError(f"no usable preference pairs in {source!r}: the file has the Pick-a-Pic columns and 0 rows")
         try:
             return datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir)
@@ -222,23 +221,15 @@ def _open_table(source: str, split: str, cache_dir: str | None):
     return load_hf_dataset(source, split, "preference dataset", cache_dir)
 
 
-def _parquet_rows(path: Path) -> int | None:
-    """The row count in a parquet file's footer (None if it cannot be read: the load reports that)."""
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_metadata(path).num_rows
-    except Exception:  # pyarrow's errors: the load below names them
-        return None
-
-
-def _check_parquet(path: Path) -> None:
-    """The columns, from the footer only: a file without them is refused before any conversion."""
+def _check_parquet(path: Path) -> int:
+    """The columns, from the footer only: a file without them is refused before any conversion. Returns the
+    footer's row count."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        names = pq.read_schema(path).names
+        footer = pq.read_metadata(path)
+        names = footer.schema.to_arrow_schema().names
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"cannot read {path} as parquet: {err}") from err
     missing = [c for c in PAIR_COLUMNS if c not in names]
@@ -247,6 +238,7 @@ def _check_parquet(path: Path) -> None:
             f"preference source {str(path)!r} lacks the Pick-a-Pic columns {', '.join(missing)}; needed: "
             f"{', '.join(PAIR_COLUMNS)} (found: {', '.join(names)})"
         )
+    return footer.num_rows
 
 
 def _bytes_only(dataset):
