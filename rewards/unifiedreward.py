@@ -53,8 +53,20 @@ def parse_unifiedreward(raw: str | None, mode: str) -> Parsed:
     return Parsed(OK, {"better": better})
 
 
+class UnifiedRewardQuestion:
+    """What the local and the server UnifiedReward judge share: the authors' question for the mode (a benchmark's
+    --protocol does not change it) and their answer parsing."""
+
+    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
+        self.question = _question(self.mode, prompt_template)
+        self.protocol, self.prompt_template = "project", None
+
+    def parse(self, raw: str | None) -> Parsed:
+        return parse_unifiedreward(raw, self.mode)
+
+
 @dataclass
-class HfUnifiedReward(HfVlmJudge):
+class HfUnifiedReward(UnifiedRewardQuestion, HfVlmJudge):
     """UnifiedReward under transformers: images first, then the authors' question; greedy decoding."""
 
     mode: str = "single"
@@ -65,16 +77,10 @@ class HfUnifiedReward(HfVlmJudge):
         _refuse_protocol(self)
         super().__post_init__()
 
-    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _question(self.mode, prompt_template)
-        self.protocol, self.prompt_template = "project", None
-
     @property
     def judge_id(self) -> str:
         return f"unifiedreward-hf:{self.model}"
 
-    def parse(self, raw: str | None) -> Parsed:
-        return parse_unifiedreward(raw, self.mode)
 
     def _chat_text(self, req) -> str:
         content = [{"type": "image"} for _ in req.images] + [{"type": "text", "text": req.prompt}]

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 from rewards.api import ApiJudge
 from rewards.api_openai import OpenAIBackend
-from rewards.parsing import Parsed
-from rewards.unifiedreward import _question, _refuse_protocol, parse_unifiedreward
+from rewards.unifiedreward import UnifiedRewardQuestion, _refuse_protocol
 
 
 class ImagesFirstBackend(OpenAIBackend):
@@ -21,7 +20,7 @@ class ImagesFirstBackend(OpenAIBackend):
 
 
 @dataclass
-class ApiUnifiedReward(ApiJudge):
+class ApiUnifiedReward(UnifiedRewardQuestion, ApiJudge):
     """UnifiedReward behind an OpenAI-compatible server; free text answers (no JSON schema)."""
 
     mode: str = "single"
@@ -36,16 +35,10 @@ class ApiUnifiedReward(ApiJudge):
         self._backend = ImagesFirstBackend(model=self.model, base_url=self.base_url, timeout=float(self.timeout),
                                            key_envs=self.key_envs)
 
-    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _question(self.mode, prompt_template)
-        self.protocol, self.prompt_template = "project", None
-
     @property
     def judge_id(self) -> str:
         return f"unifiedreward-openai:{self.model}"
 
-    def parse(self, raw: str | None) -> Parsed:
-        return parse_unifiedreward(raw, self.mode)
 
 
 def unifiedreward_openai(model: str, **options) -> ApiUnifiedReward:

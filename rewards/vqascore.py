@@ -61,8 +61,20 @@ def _parse_probability(raw: str | None, answer: str) -> Parsed:
     return Parsed(OK, p)
 
 
+class VqaScoreQuestion:
+    """What the local and the server VQAScore judge share: the authors' question (a benchmark's --protocol does
+    not change it) and the probability parsed from the recorded answer."""
+
+    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
+        self.question = _template_question(self.question_template, prompt_template)
+        self.protocol, self.prompt_template = "project", None
+
+    def parse(self, raw: str | None) -> Parsed:
+        return _parse_probability(raw, self.answer)
+
+
 @dataclass
-class HfVqaScore(HfVlmJudge):
+class HfVqaScore(VqaScoreQuestion, HfVlmJudge):
     """P(answer) from a local transformers VLM: full-vocab softmax at the first answer position."""
 
     question_template: str = QUESTION_TEMPLATE
@@ -80,10 +92,6 @@ class HfVqaScore(HfVlmJudge):
         if not self._answer_ids:
             raise ValueError(f"answer {self.answer!r} encodes to no token with this tokenizer")
 
-    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _template_question(self.question_template, prompt_template)
-        self.protocol, self.prompt_template = "project", None
-
     @property
     def judge_id(self) -> str:
         return f"vqascore-hf:{self.model}"
@@ -91,8 +99,6 @@ class HfVqaScore(HfVlmJudge):
     def decoding(self) -> dict:
         return {"rule": "softmax-first-tokens", "answer": self.answer}
 
-    def parse(self, raw: str | None) -> Parsed:
-        return _parse_probability(raw, self.answer)
 
     @torch.no_grad()
     def _generate_batch(self, batch) -> list[str]:

@@ -13,8 +13,7 @@ from rewards.api import ApiJudge
 from rewards.api_openai import OpenAIBackend, map_error
 from rewards.cache import CachedAnswer
 from rewards.concurrency import FatalCallError, RetryableError
-from rewards.parsing import Parsed
-from rewards.vqascore import _parse_probability, _template_question
+from rewards.vqascore import VqaScoreQuestion
 from rewards.vqascore_rules import ANSWER, QUESTION_TEMPLATE, raw_from_top_logprobs
 
 
@@ -52,7 +51,7 @@ class OpenAILogprobsBackend(OpenAIBackend):
 
 
 @dataclass
-class ApiVqaScore(ApiJudge):
+class ApiVqaScore(VqaScoreQuestion, ApiJudge):
     """P(answer) from an OpenAI-compatible server's first-token top logprobs (the authors' API rule)."""
 
     question_template: str = QUESTION_TEMPLATE
@@ -76,10 +75,6 @@ class ApiVqaScore(ApiJudge):
         self._backend = OpenAILogprobsBackend(model=self.model, base_url=self.base_url, timeout=float(self.timeout),
                                               key_envs=self.key_envs, top_logprobs=int(self.top_logprobs))
 
-    def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
-        self.question = _template_question(self.question_template, prompt_template)
-        self.protocol, self.prompt_template = "project", None
-
     @property
     def judge_id(self) -> str:
         return f"vqascore-openai:{self.model}"
@@ -87,8 +82,6 @@ class ApiVqaScore(ApiJudge):
     def decoding(self) -> dict:
         return {**super().decoding(), "rule": "top-logprobs", "top_logprobs": int(self.top_logprobs)}
 
-    def parse(self, raw: str | None) -> Parsed:
-        return _parse_probability(raw, self.answer)
 
 
 def vqascore_openai(model: str, **options) -> ApiVqaScore:
