@@ -6,7 +6,7 @@
 
 Each estimate is the gradient of the trainer's first-minibatch objective, -mean(A · log p(x_next | x)),
 with group-relative advantages, on its own fresh batch of prompts and samples, all from the same model,
-computed with the trainer's own sampler, step Gaussian and guided prediction (``align.train.ddpo``), for the
+computed with the trainer's own sampler (``align.train.rollout``) and guided prediction, for the
 weights the trainer trains (a fresh LoRA: only its B matrices have a gradient at the start; ``--full``:
 every weight of the denoiser). The mean pairwise cosine between estimates measures signal against
 noise: if g_i = μ + ε_i, then E[cos(g_i, g_j)] ≈ |μ|² / (|μ|² + E|ε|²), so a cosine near 0 means an
@@ -19,8 +19,8 @@ Rows (``--rows``), each ``selection:k`` with k trained steps of the chain:
               --timestep_selection high_noise)
     window:k  flow only: a k-step stochastic window drawn per batch in the first half (Flow-GRPO-Fast)
 ``--shared-noise`` gives a caption's images one starting noise (DanceGRPO), so that they differ only by the
-sampler's noise. ``--both-cfg-halves`` also differentiates the unconditional half of guidance on flow models (the
-trainer, as Flow-GRPO, detaches it).
+sampler's noise. ``--detach-uncond`` takes no gradient through the unconditional half of guidance (Flow-GRPO before
+its commit a482878; the trainer, as Flow-GRPO now, differentiates both halves).
 """
 
 from __future__ import annotations
@@ -35,18 +35,10 @@ import torch
 import rewards
 from align.data.prompt_sets import load_prompt_list
 from align.families import family_of_pipeline
-from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
+from align.families.base import cat_conditioning, expand_conditioning, guided_prediction, repeat_conditioning
 from align.pipeline import add_lora, decode_latents, load_pipeline, testbed_settings
 from align.train.advantages import group_advantages
-from align.train.ddpo import (
-    DDPOConfig,
-    draw_prompts,
-    policy_step,
-    sample_steps,
-    step_pairs,
-    train_timestep_indices,
-    trained_prediction,
-)
+from align.train.ddpo import DDPOConfig, build_sampler, draw_prompts, train_timestep_indices
 
 
 def parse_args(argv=None):
@@ -64,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--targets", nargs="+", default=None, help="LoRA target modules (default: the family's)")
     p.add_argument("--full", action="store_true", help="the gradient of every denoiser weight instead of a LoRA's")
-    p.add_argument("--both-cfg-halves", action="store_true", help="flow: differentiate the unconditional half too")
+    p.add_argument("--detach-uncond", action="store_true", help="no gradient through the unconditional half of guidance")
     p.add_argument("--shared-noise", action="store_true",
                    help="one starting noise per group of a caption's images (DanceGRPO; not a trainer option)")
     p.add_argument("--shift", type=float, default=None, help="flow: sample with this static σ shift (SD3.5: 3)")
@@ -91,8 +83,19 @@ def pairwise_cosine(estimates: list[torch.Tensor]) -> tuple[float, float]:
     return float(cos.mean()), float(cos.std() / len(cos) ** 0.5) if len(cos) > 1 else float("nan")
 
 
-def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, resolution, config, seed, both_halves, params,
-                      shared_noise=False):
+def detached_uncond_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale):
+    """uncond + w·(cond - uncond) with no gradient through uncond (Flow-GRPO's compute_log_prob until a482878)."""
+    if guidance_scale == 1.0 or family.uses_guidance_embedding(denoiser):
+        return guided_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale)
+    out = family.predict(denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+                         cat_conditioning([uncond, cond]))
+    uncond_out, cond_out = out.float().chunk(2)
+    uncond_out = uncond_out.detach()
+    return uncond_out + guidance_scale * (cond_out - uncond_out)
+
+
+def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sampler, resolution, config, seed, detach_uncond,
+                      params, shared_noise=False):
     """One flattened policy gradient (the PPO objective at ratio 1) and the batch's mean reward."""
     g = torch.Generator().manual_seed(seed)
     batch = draw_prompts(prompts, config, g)
@@ -105,22 +108,23 @@ def gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas, 
         noise = torch.randn((n, *shape), generator=g)
     uncond = expand_conditioning(negative, n)
     with torch.no_grad():
-        final, steps = sample_steps(pipe, family, denoiser, config, cond, uncond, noise, g, sigmas)
-        rewards = judge.score(batch, decode_latents(pipe, final)).double().numpy()
+        steps = sampler.run(lambda x, t: guided_prediction(family, denoiser, x, t, cond, uncond, config.guidance_scale),
+                            noise, g)
+        rewards = judge.score(batch, decode_latents(pipe, steps["final_latents"])).double().numpy()
     advantages = torch.as_tensor(group_advantages(batch, rewards), dtype=torch.float32)
     steps_total = steps["timesteps"].shape[1]
     k = min(config.num_train_timesteps, steps_total)
     chosen = train_timestep_indices(n, steps_total, k, "high_noise" if config.deterministic_tail else "random", g)
     rows = torch.arange(n)[:, None]
-    latents, next_latents = (x.flatten(0, 1) for x in step_pairs(steps, rows, chosen))
+    latents, next_latents = (steps[key][rows, chosen].flatten(0, 1) for key in ("latents", "next_latents"))
     timesteps = steps["timesteps"][rows, chosen].flatten()
-    step_indices = steps["step_indices"][rows, chosen].flatten() if family.is_flow else None
+    step_indices = steps["step_indices"][rows, chosen].flatten()
     denoiser.zero_grad(set_to_none=True)
-    predict = guided_prediction if both_halves else trained_prediction
+    predict = detached_uncond_prediction if detach_uncond else guided_prediction
     pred = predict(family, denoiser, latents, timesteps, repeat_conditioning(cond, k),
                    expand_conditioning(negative, len(latents)), config.guidance_scale)
-    mean, std, log_density, _ = policy_step(family, pipe.scheduler, config, {"sigmas": sigmas}, pred, timesteps, latents, step_indices)
-    loss = -(advantages.repeat_interleave(k) * log_density(next_latents, mean, std)).mean()
+    log_prob = sampler.step(pred, latents, timesteps, step_indices).log_prob(next_latents)
+    loss = -(advantages.repeat_interleave(k) * log_prob).mean()
     loss.backward()
     grad = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
     return grad, float(rewards.mean())
@@ -156,11 +160,10 @@ def main(argv=None):
     prompts = load_prompt_list(args.prompts)
     resolution = family.native_resolution(pipe)
     negative = family.unconditional(pipe, 1, resolution)
-    sigmas = family.flow_sigmas(pipe, steps, resolution) if family.is_flow else None
     print(f"model {args.model} ({family.name}) | reward {args.reward} | {args.samples} samples per estimate "
           f"({args.images_per_prompt} per prompt) | {steps} steps, eta {args.eta}, guidance {guidance} | "
           f"{args.estimates} estimates per row | " + ("every denoiser weight" if args.full else f"LoRA r{args.lora_rank}")
-          + (" | both CFG halves differentiated" if args.both_cfg_halves else "")
+          + (" | no gradient through the unconditional half" if args.detach_uncond else "")
           + (" | one starting noise per group" if args.shared_noise else "")
           + (f" | σ shift {args.shift}" if args.shift is not None else ""))
     print(f"{'row':<11} {'cos(g_i, g_j)':>14} {'± s.e.':>8} {'mean reward':>12}")
@@ -168,8 +171,10 @@ def main(argv=None):
         config = row_config(args, steps, guidance, row)
         if config.deterministic_tail and not family.is_flow and config.timestep_selection != "high_noise":
             sys.exit(f"--rows {row}: windows are for flow models")
-        estimates = [gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sigmas,
-                                       resolution, config, args.seed * 1000 + i, args.both_cfg_halves, params,
+        config.resolve_for_family(family.is_flow)
+        sampler = build_sampler(family, pipe, config, resolution, "cpu")
+        estimates = [gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sampler,
+                                       resolution, config, args.seed * 1000 + i, args.detach_uncond, params,
                                        args.shared_noise)
                      for i in range(args.estimates)]
         cosine, se = pairwise_cosine([grad for grad, _ in estimates])

@@ -8,8 +8,7 @@ w), the gradient of E[R] with respect to the trained weights can be computed exa
 backpropagating through the sampling chain with its noises held fixed (the reparameterised gradient). The
 trainer's estimate is the score-function one, mean(A · Σ_t ∇ log p(x_{t+1} | x_t)) over the stochastic
 window, with A = R - mean(R), computed with the trainer's own sampler and step Gaussian (both halves of
-classifier-free guidance differentiated, as the exact gradient does; the trainer, as Flow-GRPO, detaches the
-unconditional half).
+classifier-free guidance differentiated, as the exact gradient does and as the trainer and Flow-GRPO do).
 Only the path through the window's steps counts in the comparison: the deterministic steps after the window
 see the trained weights without gradient (the score-function estimate cannot see that path). Both
 estimates are accumulated over batches of 32 and their cosine is printed after each batch: it should grow
@@ -30,7 +29,7 @@ from align.families import family_of_pipeline
 from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
 from align.pipeline import add_lora, load_pipeline
 from align.sampling.flow import sample_flow_with_logprob
-from align.train.ddpo import DDPOConfig, policy_step
+from align.train.rollout import FlowSampler
 
 
 def parse_args(argv=None):
@@ -68,8 +67,7 @@ def main(argv=None):
     negative = family.unconditional(pipe, 1, resolution)
     sigmas = family.flow_sigmas(pipe, args.steps, resolution)
     shape = family.latent_shape(pipe, resolution)
-    config = DDPOConfig(prompts="-", num_inference_steps=args.steps, guidance_scale=args.guidance, eta=args.eta,
-                        timestep_fraction=args.window / args.steps, deterministic_tail=True, timestep_selection="high_noise")
+    sampler = FlowSampler(sigmas, args.eta, window=args.window, window_at="start")  # the trainer's sampler
     prompts = load_prompt_list(args.prompts)
     direction = torch.randn(*shape, generator=torch.Generator().manual_seed(args.seed + 5))
 
@@ -112,9 +110,8 @@ def main(argv=None):
         step_indices = torch.arange(args.window).repeat(batch)
         prediction = guided_prediction(family, denoiser, latents, timesteps, repeat_conditioning(cond, args.window),
                                         expand_conditioning(negative, len(latents)), args.guidance)
-        mean, std, log_density, _ = policy_step(family, pipe.scheduler, config, {"sigmas": sigmas}, prediction,
-                                                timesteps, latents, step_indices)
-        log_prob = log_density(next_latents, mean, std).reshape(batch, args.window).sum(1)
+        step = sampler.step(prediction, latents, timesteps, step_indices)
+        log_prob = step.log_prob(next_latents).reshape(batch, args.window).sum(1)
         advantages = rewards.detach() - rewards.detach().mean()
         score_function = score_function + gradient((advantages * log_prob).mean())
         cosine = torch.nn.functional.cosine_similarity(score_function, reparameterised, dim=0)

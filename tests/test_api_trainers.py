@@ -114,7 +114,7 @@ def test_a_resumed_ddpo_run_asks_the_server_nothing_it_asked_before(tiny_model, 
     straight_calls = len(server.calls)
 
     # the same run, stopped during epoch 2's update: after the server judged epoch 2, before its checkpoint
-    update = ddpo.train_inner_epoch
+    update = ddpo.train_epoch
     updates = []
 
     def stops_in_the_second_epoch(*args, **kwargs):
@@ -123,10 +123,10 @@ def test_a_resumed_ddpo_run_asks_the_server_nothing_it_asked_before(tiny_model, 
             raise KeyboardInterrupt
         return update(*args, **kwargs)
 
-    monkeypatch.setattr(ddpo, "train_inner_epoch", stops_in_the_second_epoch)
+    monkeypatch.setattr(ddpo, "train_epoch", stops_in_the_second_epoch)
     with pytest.raises(KeyboardInterrupt):
         ddpo.main(command(tmp_path / "stopped"))
-    monkeypatch.setattr(ddpo, "train_inner_epoch", update)
+    monkeypatch.setattr(ddpo, "train_epoch", update)
     asked = len(server.calls) - straight_calls
     assert asked == straight_calls  # both epochs were judged once
 

@@ -4,6 +4,7 @@ flow path's rounds start exactly on-policy (fp32 and bf16) and resume exactly.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -21,6 +22,7 @@ from align.pipeline import add_lora, load_pipeline
 from align.sampling.flow import draw_window
 from align.train import ddpo
 from align.train.ddpo_config import DDPOConfig
+from align.train.rollout import FlowSampler
 
 
 @pytest.fixture(scope="module")
@@ -94,26 +96,24 @@ def test_flow_defaults_follow_flow_grpo_and_ddim_ones_the_ddpo_paper(family_mode
 
 
 def test_fast_window_sits_at_the_start_or_is_drawn_per_batch_in_the_first_half():
-    cfg = DDPOConfig(prompts="x", num_inference_steps=10, timestep_fraction=0.2, deterministic_tail=True,
-                     timestep_selection="high_noise")
-    assert ddpo.flow_window(cfg, 10, torch.Generator().manual_seed(0)) == (0, 2)
-    cfg.timestep_selection = "random"
-    windows = {ddpo.flow_window(cfg, 10, torch.Generator().manual_seed(s)) for s in range(40)}
+    sigmas = torch.linspace(1, 0, 11)
+    assert FlowSampler(sigmas, 0.7, window=2, window_at="start").draw_window(torch.Generator().manual_seed(0)) == (0, 2)
+    fast = FlowSampler(sigmas, 0.7, window=2, window_at="random")
+    windows = {fast.draw_window(torch.Generator().manual_seed(s)) for s in range(40)}
     assert all(end - start == 2 and 0 <= start and end <= 5 for start, end in windows) and len(windows) == 4
     assert draw_window(2, (0, 5), torch.Generator().manual_seed(3)) in windows
-    cfg.deterministic_tail = False
-    assert ddpo.flow_window(cfg, 10, torch.Generator()) is None  # Flow-GRPO: every step stochastic
+    assert FlowSampler(sigmas, 0.7).draw_window(torch.Generator()) == (0, 10)  # Flow-GRPO: every step stochastic
 
 
 def test_fast_run_stores_and_trains_only_the_window(family_models, prompt_file, tmp_path, monkeypatch):
     seen = []
-    real = ddpo.train_inner_epoch
+    real = ddpo.train_epoch
 
-    def spy(cfg, accelerator, train_unet, unet, reference, optimizer, params, scheduler, samples, *args, **kwargs):
-        seen.append({key: samples[key].clone() for key in ("step_indices", "log_probs", "timesteps")})
-        return real(cfg, accelerator, train_unet, unet, reference, optimizer, params, scheduler, samples, *args, **kwargs)
+    def spy(update, rollout, *args):
+        seen.append({key: getattr(rollout, key).clone() for key in ("step_indices", "log_probs", "timesteps")})
+        return real(update, rollout, *args)
 
-    monkeypatch.setattr(ddpo, "train_inner_epoch", spy)
+    monkeypatch.setattr(ddpo, "train_epoch", spy)
     ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "fast", num_inference_steps=6, timestep_fraction=0.34,
                       deterministic_tail=True, timestep_selection="high_noise", num_epochs=1))
     (record,) = seen
@@ -175,10 +175,9 @@ def test_deterministic_tail_with_random_steps_is_refused_for_ddim_families(famil
     assert not (tmp_path / "x").exists()
 
 
-def test_flow_update_differentiates_the_conditional_half_only(family_models):
-    # Flow-GRPO's compute_log_prob detaches the unconditional half of classifier-free guidance: the same value,
-    # and the gradient of guidance x the conditional prediction alone.
-
+def test_flow_update_differentiates_both_halves_of_guidance(family_models):
+    # Flow-GRPO since its commit a482878 ("fix cfg gradient detach"): the trained prediction is
+    # uncond + w·(cond - uncond) with both halves differentiated, so its gradient is w·∂cond - (w - 1)·∂uncond.
     pipe = load_pipeline(family_models("sd3"))
     family = family_of_pipeline(pipe)
     transformer = add_lora(pipe.transformer, rank=2, target_modules=family.lora_targets)
@@ -189,11 +188,13 @@ def test_flow_update_differentiates_the_conditional_half_only(family_models):
     params = [p for p in transformer.parameters() if p.requires_grad]
     cond, uncond = family.encode_prompts(pipe, ["a red circle"], 32), family.unconditional(pipe, 1, 32)
     latents, timesteps = torch.randn(1, 4, 16, 16), torch.tensor([500.0])
-    trained = ddpo.trained_prediction(family, transformer, latents, timesteps, cond, uncond, 3.0)
+    models = ddpo.PolicyModels(family, transformer, transformer, None, None, 3.0, contextlib.nullcontext)
+    trained = models.predict(latents, timesteps, cond, uncond)
     torch.testing.assert_close(trained, guided_prediction(family, transformer, latents, timesteps, cond, uncond, 3.0),
                                rtol=0, atol=0)
     got = torch.autograd.grad(trained.sum(), params)
-    want = torch.autograd.grad(3.0 * family.predict(transformer, latents, timesteps, cond).float().sum(), params)
+    want = torch.autograd.grad((3.0 * family.predict(transformer, latents, timesteps, cond).float()
+                                - 2.0 * family.predict(transformer, latents, timesteps, uncond).float()).sum(), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 

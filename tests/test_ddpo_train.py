@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import weakref
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from diffusers import DDIMScheduler, UNet2DConditionModel
 from safetensors.torch import load_file
 from script_loader import load_experiment
 
-from align.pipeline import add_lora, disabled_adapter, load_trained
+from align.families.sd import StableDiffusion
+from align.pipeline import add_lora, load_trained
 from align.sampling.ddim import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
 from align.testing.tiny_flow import build_tiny_sd3
 from align.testing.two_processes import launch_two_cpu_processes
@@ -23,6 +25,8 @@ from align.train.accelerator import end_training
 from align.train.ddpo import DDPOConfig
 from align.train.ddpo_rewards import MixedReward, RewardError, win_rates
 from align.train.losses import ddpo_clipped_loss
+from align.train.policy_gradient import PolicyGradient
+from align.train.rollout import DDIMSampler, Rollout
 from rewards.base import Judge, Preference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -415,12 +419,24 @@ def _lora_unet_and_samples(tiny_model):
 
 def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef, **overrides):
     """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, every timestep)."""
-    config = DDPOConfig(prompts="x", num_inference_steps=samples["timesteps"].shape[1], timestep_fraction=1.0, train_batch_size=2,
+    n, steps = samples["timesteps"].shape
+    config = DDPOConfig(prompts="x", num_inference_steps=steps, timestep_fraction=1.0, train_batch_size=2,
                         gradient_accumulation_steps=2, timestep_batch=timestep_batch, guidance_scale=3.0,
                         clip_range=0.5, kl_coef=kl_coef, max_grad_norm=0.0, **overrides)
+    config.resolve_for_family(is_flow=False)
     optimizer = RecordingOptimizer(params)
-    updates = ddpo.train_inner_epoch(config, Accelerator(cpu=True), unet, unet, None, optimizer, params, scheduler,
-                                     samples, negative, torch.Generator().manual_seed(1), {}, disabled_adapter)
+    sampler = DDIMSampler(scheduler, steps, config.eta)
+    objective = PolicyGradient(sampler, config.clip_range, config.adv_clip_max, config.kl_coef)
+    models = ddpo.PolicyModels(StableDiffusion(), unet, unet, None, None, config.guidance_scale, contextlib.nullcontext)
+    update = ddpo.Update(config, Accelerator(cpu=True), models, objective, optimizer, params)
+    chain = samples["all_latents"]
+    rollout = Rollout(prompts=["x"] * n, cond=samples["cond"], latents=chain[:, :-1], next_latents=chain[:, 1:],
+                      timesteps=samples["timesteps"], step_indices=torch.arange(steps).expand(n, -1),
+                      log_probs=samples["log_probs"], final_latents=chain[:, -1], images=torch.zeros(n, 3, 8, 8))
+    gen = torch.Generator().manual_seed(1)
+    order = torch.randperm(n, generator=gen)
+    plan = ddpo.EpochPlan(order, ddpo.train_timestep_indices(n, steps, steps, "random", gen), None)
+    updates = ddpo.train_epoch(update, rollout, samples["advantages"], plan, negative, {})
     assert updates == 1 and len(optimizer.steps) == 1
     return optimizer.steps[0]
 
@@ -475,6 +491,22 @@ def test_zero_advantage_samples_skip_the_unet_with_the_same_gradient(tiny_model)
     expected = _all_terms_gradient(unet, params, scheduler, samples, negative, clip_range=0.5)
     assert any(g.abs().sum() > 0 for g in expected)
     for a, b in zip(expected, skipped):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_dropped_zero_advantage_samples_average_the_step_over_the_rest(tiny_model):
+    # Flow-GRPO's train_sd3.py: samples with advantage 0 leave the update, which is averaged over the others.
+    unet, params, scheduler, samples, negative = _lora_unet_and_samples(tiny_model)
+    samples["advantages"] = torch.tensor([1.5, 0.0, -2.0, 0.0])
+    kept = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 4, 0.0)
+    dropped = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 4, 0.0, drop_zero_advantage=True)
+    for a, b in zip(kept, dropped):  # 4 samples counted, or the 2 informative ones
+        torch.testing.assert_close(b, 2 * a, rtol=1e-4, atol=1e-7)
+    with_kl = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 4, 0.5, drop_zero_advantage=True)
+    informative = {key: value[[0, 2]] if key != "cond" else {"prompt_embeds": value["prompt_embeds"][[0, 2]]}
+                   for key, value in samples.items()}
+    only_informative = _inner_epoch_gradient(unet, params, scheduler, informative, negative, 4, 0.5)
+    for a, b in zip(only_informative, with_kl):  # their KL terms leave too
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
 
 

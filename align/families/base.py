@@ -38,6 +38,12 @@ def dtype_argument(dtype: torch.dtype) -> dict:
     return {"dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype": dtype}
 
 
+def lora_metadata(denoiser) -> dict:
+    """The adapter's LoRA config (rank, alpha, targets) saved beside its weights, so that ``load_lora_weights`` scales
+    it as trained when alpha differs from the rank (diffusers' training scripts save the same metadata)."""
+    return denoiser.peft_config["default"].to_dict()
+
+
 def one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 

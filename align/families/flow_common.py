@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from align.families.base import LORA_WEIGHTS, ModelFamily
+from align.families.base import LORA_WEIGHTS, ModelFamily, lora_metadata
 from align.testbed.flow_models import FLOW_SETTINGS_FILE
 
 # The pipeline attribute that holds the T5 length the model was trained with (set at load).
@@ -121,7 +121,7 @@ def save_transformer_lora(pipeline_class, denoiser, folder: str | Path) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     pipeline_class.save_lora_weights(folder, transformer_lora_layers=transformer_lora_state_dict(denoiser),
-                                     safe_serialization=True)
+                                     transformer_lora_adapter_metadata=lora_metadata(denoiser), safe_serialization=True)
     return folder / LORA_WEIGHTS
 
 

@@ -10,6 +10,7 @@ from align.families.base import (
     LORA_WEIGHTS,
     Conditioning,
     ModelFamily,
+    lora_metadata,
     pretrained_pipeline,
 )
 
@@ -49,7 +50,8 @@ class StableDiffusion(ModelFamily):
     def save_lora(self, denoiser, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.pipeline_class().save_lora_weights(folder, unet_lora_layers=peft_lora_state_dict(denoiser), safe_serialization=True)
+        self.pipeline_class().save_lora_weights(folder, unet_lora_layers=peft_lora_state_dict(denoiser),
+                                                unet_lora_adapter_metadata=lora_metadata(denoiser), safe_serialization=True)
         return folder / LORA_WEIGHTS
 
     def load_lora(self, pipe, folder: str | Path) -> None:

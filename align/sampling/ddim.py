@@ -49,7 +49,7 @@ def _alpha(scheduler, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tens
     return _per_sample(torch.where(timesteps >= 0, alphas_cumprod[timesteps.clamp(min=0)], final), like)
 
 
-def _predicted_x0_and_eps(scheduler, model_output: torch.Tensor, alpha_t: torch.Tensor, sample: torch.Tensor):
+def predicted_x0_and_eps(scheduler, model_output: torch.Tensor, alpha_t: torch.Tensor, sample: torch.Tensor):
     """x̂0 (clipped or thresholded as the scheduler is configured) and ε̂ from the model output, in float32;
     ``alpha_t`` is ᾱ at the step's timestep ([B, 1, ...])."""
     config = scheduler.config
@@ -89,7 +89,7 @@ def ddim_step_mean_std(scheduler, model_output: torch.Tensor, timestep, sample: 
     t = _timesteps_tensor(timestep, sample.shape[0], sample.device)
     prev_t = t - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
     alpha_t, alpha_prev = _alpha(scheduler, t, sample), _alpha(scheduler, prev_t, sample)
-    x0, eps = _predicted_x0_and_eps(scheduler, model_output, alpha_t, sample)
+    x0, eps = predicted_x0_and_eps(scheduler, model_output, alpha_t, sample)
     variance = (1 - alpha_prev) / (1 - alpha_t) * (1 - alpha_t / alpha_prev)
     std = eta * variance.sqrt()
     mean = alpha_prev.sqrt() * x0 + (1 - alpha_prev - std**2).sqrt() * eps
@@ -103,7 +103,7 @@ def ddim_deterministic_jump(scheduler, model_output: torch.Tensor, timestep, sam
     a larger jump is that step on a coarser schedule. Returns the sample in ``sample``'s dtype.
     """
     t = _timesteps_tensor(timestep, sample.shape[0], sample.device)
-    x0, eps = _predicted_x0_and_eps(scheduler, model_output, _alpha(scheduler, t, sample), sample)
+    x0, eps = predicted_x0_and_eps(scheduler, model_output, _alpha(scheduler, t, sample), sample)
     alpha_prev = _alpha(scheduler, torch.full_like(t, int(prev_timestep)), sample)
     return (alpha_prev.sqrt() * x0 + (1 - alpha_prev).sqrt() * eps).to(sample.dtype)
 

@@ -198,3 +198,20 @@ def sample_flow_with_logprob(
         timesteps=torch.stack(timesteps),
         step_indices=list(range(start, end)),
     )
+
+
+def cps_step(sample, velocity, sigma, sigma_next, noise_level: float) -> FlowStep:
+    """Flow-CPS (coefficients-preserving): std σ_next·sin(a·π/2), mean (1-σ_next)·x̂0 + √(σ_next² - std²)·x̂1."""
+    x = sample.float()
+    v = velocity.float()
+    sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    x0, x1 = x - sigma * v, x + (1 - sigma) * v
+    mean = x0 * (1 - sigma_next) + x1 * torch.sqrt(sigma_next**2 - std**2)
+    return FlowStep(mean=mean, std=std, sde_sigma=std)
+
+
+def cps_log_prob(x, mean) -> torch.Tensor:
+    """The authors' CPS log-probability: -mean((x - mean)²) over the non-batch dimensions, no constants."""
+    squared = (x.detach().float() - mean) ** 2
+    return -squared.mean(dim=tuple(range(1, squared.ndim)))

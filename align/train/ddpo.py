@@ -1,30 +1,24 @@
-"""DDPO (Black et al. 2023, "Training Diffusion Models with Reinforcement Learning") for SD 1.x/2.x and
-SDXL, and Flow-GRPO (Liu et al. 2025) / Flow-GRPO-Fast for flow-matching models (SD3, FLUX), with rewards
-from any judge in ``rewards``. What differs between model families comes from ``align.families``.
+"""Online RL for diffusion and flow models, one trainer: DDPO (Black et al. 2023) on SD 1.x/2.x and SDXL, Flow-GRPO
+(Liu et al. 2025) with its Fast window and Flow-CPS on SD3/FLUX, DiffusionNFT (Zheng et al. 2025) and Advantage
+Weighted Matching (Xue et al. 2025) on every family, with rewards from any judge in ``rewards``.
 
-    accelerate launch align/ddpo.py --reward aesthetic --prompts prompts.txt
-    accelerate launch align/ddpo.py --config configs/ddpo_sd15.yaml
-    python align/ddpo.py --config configs/testbed_ddpo.yaml          # offline, on a CPU
+    accelerate launch align/ddpo.py --reward aesthetic --prompts prompts.txt                 # DDPO / Flow-GRPO
+    accelerate launch align/ddpo.py --config configs/sd35_nft_lora_1gpu.yaml                 # DiffusionNFT
+    python align/ddpo.py --config configs/testbed_ddpo.yaml                                  # offline, on a CPU
 
-The algorithm box, per epoch:
-    1. sample: draw prompts, run stochastic DDIM (η > 0; align/sampling/ddim.py) or, for flow families,
-       Flow-GRPO's SDE (noise level a = η; align/sampling/flow.py) with classifier-free guidance, and keep
-       every stochastic step's latent, next latent and log-probability. With --deterministic_tail only the
-       trained steps are stochastic (DDIM: the noisiest ones; flow: Flow-GRPO-Fast's window);
-    2. reward: score the final images with the judge(s), in a worker thread while the next batch
-       samples; pairwise-only judges give win rates within each prompt's group of images;
-    3. advantages: gather rewards from all processes, normalise them per prompt (DDPO's stat
-       tracker) or per group (GRPO), give each process its share back;
-    4. train: shuffle samples and, per sample, the order of its timesteps; for a fraction of the
-       timesteps re-score the stored step under the current model and take the PPO-clip loss (plus,
-       optionally, the KL to the reference model, as Flow-GRPO does; losses in align/train/losses.py);
-       gradients accumulate over the timesteps and ``gradient_accumulation_steps`` batches.
+One epoch, in four files:
+    1. sample (align/train/rollout.py): draw prompts and run the sampler the family and --algorithm chose (stochastic
+       DDIM, Flow-GRPO's SDE or CPS, with or without a window; the ODE for nft/awm), recording each step;
+    2. reward: the judge(s) score the final images in a worker thread while the next batch samples (pairwise-only
+       judges give win rates within each prompt's group);
+    3. advantages (align/train/advantages.py): over every process's rewards, then each process takes its share;
+    4. update: the objective (align/train/policy_gradient.py, nft.py or awm.py) turns the trained steps of a
+       micro-batch into a loss; gradients accumulate over the steps and micro-batches of one optimiser step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -41,17 +35,14 @@ from align.data.pairs import DataError
 from align.data.prompt_sets import load_prompt_list
 from align.families import UnknownFamilyError, family_of, family_of_pipeline
 from align.families.base import (
-    Conditioning,
     ModelFamily,
     ModelLoadError,
-    cat_conditioning,
     expand_conditioning,
     guided_prediction,
     one_line,
     repeat_conditioning,
     select_conditioning,
 )
-from align.families.sd import StableDiffusion
 from align.health import images_finite
 from align.judges import check_judge_names, check_judges_take_prompts, load_judge
 from align.pipeline import (
@@ -64,19 +55,8 @@ from align.pipeline import (
     merged_adapter,
 )
 from align.progress import progress_bar
-from align.run_folder import (
-    RunFolder,
-    atomic_write_text,
-    restores_old_run_on_failure,
-)
-from align.sampling.ddim import (
-    check_scheduler_steps,
-    ddim_step_mean_std,
-    gaussian_log_prob,
-    sample_with_logprob,
-)
-from align.sampling.flow import draw_window, flow_grpo_kl, sample_flow_with_logprob, sde_step
-from align.sampling.flow import gaussian_log_prob as flow_gaussian_log_prob
+from align.run_folder import RunFolder, atomic_write_text, restores_old_run_on_failure
+from align.sampling.ddim import check_scheduler_steps
 from align.train.accelerator import (
     adamw_class,
     end_training,
@@ -85,6 +65,7 @@ from align.train.accelerator import (
     tracker_config,
 )
 from align.train.advantages import PerPromptStatTracker, compute_advantages
+from align.train.awm import AdvantageWeightedMatching
 from align.train.checkpoints import (
     check_resume_settings,
     register_trainable_checkpoint_hooks,
@@ -95,7 +76,7 @@ from align.train.checkpoints import (
     write_diffusion_model_card,
 )
 from align.train.command import TrainingStopped, check_config_and_model, keep_judge_answers, run_trainer
-from align.train.ddpo_config import FAST_WINDOW_SHARE, DDPOConfig
+from align.train.ddpo_config import DDPOConfig
 from align.train.ddpo_order import gathered_slots, global_batch, in_global_order, stratified_order
 from align.train.ddpo_rewards import BackgroundRewards, MixedReward, RewardError
 from align.train.heldout import (
@@ -105,8 +86,11 @@ from align.train.heldout import (
     require_pointwise_eval_judge,
     save_image_row,
 )
-from align.train.losses import ddpo_clipped_loss, gaussian_mean_kl
+from align.train.nft import DiffusionNFT
+from align.train.old_policy import OldPolicy
+from align.train.policy_gradient import PolicyGradient
 from align.train.report import write_training_report
+from align.train.rollout import DDIMSampler, FlowSampler, ODESampler, Rollout, TrainBatch, cat_rollouts
 
 STATE_FILE = "ddpo_state.json"
 STAT_BUFFER_SIZE, STAT_MIN_COUNT = 32, 16  # --advantage per-prompt: ddpo-pytorch's per-prompt stat tracking
@@ -127,7 +111,7 @@ def check_inputs(config: DDPOConfig) -> None:
 
 def resolve_family(config: DDPOConfig) -> ModelFamily:
     """The model's family (from its model_index.json, before any weight loads); fills the sampler options
-    left unset with that family's defaults (DDIM: the DDPO paper's; flow: Flow-GRPO's)."""
+    left unset with that family's and algorithm's defaults (DDIM: the DDPO paper's; flow: Flow-GRPO's)."""
     try:
         family = family_of(check_model(config.model))
     except ModelLoadError:
@@ -160,7 +144,7 @@ def check_batch_sizes(config: DDPOConfig, num_processes: int) -> int:
 # Every random draw of epoch e comes from a generator seeded by (seed, e, part, process), so an
 # interrupted run resumes exactly without saving sampler or data-loader state.
 
-SAMPLE, TRAIN = "sample", "train"
+SAMPLE, TRAIN, NOISE = "sample", "train", "noise"
 
 
 def epoch_generator(seed: int, epoch: int, part: str, index: int, process: int) -> torch.Generator:
@@ -175,14 +159,81 @@ def draw_prompts(prompts: list[str], config: DDPOConfig, gen: torch.Generator) -
     return [prompts[i] for i in picks for _ in range(config.images_per_prompt)]
 
 
-@dataclass
-class SampleBatch:
-    prompts: list[str]
-    cond: Conditioning  # the family's conditioning of each prompt (batch-first tensors)
-    # The recorded steps, [B, T, ...] each. DDIM: all_latents [B, T+1, C, H, W], timesteps, log_probs.
-    # Flow: latents and next_latents of each stochastic step, timesteps (σ·1000), step_indices, log_probs.
-    steps: dict[str, torch.Tensor]
-    images: torch.Tensor  # [B, 3, H, W] in [0, 1], CPU
+# ----------------------------------------------------------------------------------------------
+# The sampler and the objective, chosen once from the family and the config
+
+
+def build_sampler(family: ModelFamily, pipe, config: DDPOConfig, resolution: int, device):
+    window = config.num_train_timesteps if config.deterministic_tail else None
+    if family.is_flow:
+        sigmas = family.flow_sigmas(pipe, config.num_inference_steps, resolution).to(device)
+        num_train_timesteps = pipe.scheduler.config.num_train_timesteps
+        if config.sampler == "ode":
+            return ODESampler(config.num_inference_steps, sigmas=sigmas, num_train_timesteps=num_train_timesteps)
+        return FlowSampler(sigmas, config.eta, kind=config.sampler, window=window,
+                           window_at="start" if config.timestep_selection == "high_noise" else "random",
+                           num_train_timesteps=num_train_timesteps)
+    if config.sampler == "ode":
+        return ODESampler(config.num_inference_steps, scheduler=pipe.scheduler)
+    check_scheduler_steps(pipe.scheduler, config.num_inference_steps, config.eta)
+    return DDIMSampler(pipe.scheduler, config.num_inference_steps, config.eta, stochastic_steps=window)
+
+
+def build_objective(config: DDPOConfig, sampler):
+    if config.algorithm == "nft":
+        return DiffusionNFT(sampler, beta=config.nft_beta, adv_clip_max=config.adv_clip_max, kl_coef=config.kl_coef,
+                            decay_schedule=config.old_policy_decay)
+    if config.algorithm == "awm":
+        return AdvantageWeightedMatching.from_config(sampler, config)
+    return PolicyGradient(sampler, clip_range=config.clip_range, adv_clip_max=config.adv_clip_max, kl_coef=config.kl_coef)
+
+
+def method_name(config: DDPOConfig, family: ModelFamily) -> str:
+    if config.algorithm == "nft":
+        return "DiffusionNFT"
+    if config.algorithm == "awm":
+        return "AWM"
+    return "Flow-GRPO" if family.is_flow else "DDPO"
+
+
+PAPERS = {"DDPO": "Black et al. 2023", "Flow-GRPO": "Liu et al. 2025", "DiffusionNFT": "Zheng et al. 2025",
+          "AWM": "Xue et al. 2025"}
+
+
+class PolicyModels:
+    """The denoiser as the objectives see it: the trained policy (with gradient, through accelerate's wrapper), the
+    reference (the adapter off, or a frozen copy) and the old policy (DiffusionNFT, AWM), each as the guided
+    prediction the sampler uses."""
+
+    def __init__(self, family: ModelFamily, denoiser, trained, reference, old: OldPolicy | None, guidance_scale: float,
+                 autocast, samples_with_old_policy: bool = False):
+        self.family, self.denoiser, self.trained, self.reference = family, denoiser, trained, reference
+        self.old, self.guidance_scale, self.autocast = old, guidance_scale, autocast
+        self.samples_with_old_policy = samples_with_old_policy
+
+    def predict(self, latents, timesteps, cond, uncond, which: str = "policy") -> torch.Tensor:
+        def guided(model):
+            with self.autocast():
+                return guided_prediction(self.family, model, latents, timesteps, cond, uncond, self.guidance_scale)
+
+        if which == "policy":
+            return guided(self.trained)
+        with torch.no_grad():
+            if which == "old":
+                with self.old.swapped_in():
+                    return guided(self.denoiser)
+            if self.reference is not None:
+                return guided(self.reference)
+            with disabled_adapter(self.denoiser):
+                return guided(self.denoiser)
+
+    @contextlib.contextmanager
+    def sampling(self, merge_lora: bool):
+        """The policy that samples: the old one where the objective keeps one, else the trained one; with LoRA folded
+        into the weights when that computes what the training forward does."""
+        with self.old.swapped_in() if self.samples_with_old_policy else contextlib.nullcontext():
+            with merged_adapter(self.denoiser) if merge_lora else contextlib.nullcontext():
+                yield self.denoiser
 
 
 def sampling_merges_lora(config: DDPOConfig) -> bool:
@@ -192,54 +243,16 @@ def sampling_merges_lora(config: DDPOConfig) -> bool:
     return config.mixed_precision == "no"
 
 
-def flow_window(config: DDPOConfig, num_steps: int, gen: torch.Generator) -> tuple[int, int] | None:
-    """The stochastic steps of a flow sampling batch: every step (None: Flow-GRPO) or, with
-    --deterministic_tail, a window of num_train_timesteps steps (Flow-GRPO-Fast): at the start
-    (high_noise) or drawn per batch within the first half of the steps (random, the authors' window range)."""
-    if not config.deterministic_tail:
-        return None
-    size = config.num_train_timesteps
-    if config.timestep_selection == "high_noise":
-        return 0, size
-    return draw_window(size, (0, max(size, int(num_steps * FAST_WINDOW_SHARE))), gen)
+# ----------------------------------------------------------------------------------------------
+# 1-2. Sample, reward
 
 
 @torch.no_grad()
-def sample_steps(pipe, family, sampler, config, cond, uncond, noise, gen, sigmas) -> tuple[torch.Tensor, dict]:
-    """One batch's chain from ``noise``: (final latents, the recorded steps of SampleBatch.steps)."""
-    if family.is_flow:
-        def velocity(x, t):
-            return guided_prediction(family, sampler, x, t, cond, uncond, config.guidance_scale)
-
-        trajectory = sample_flow_with_logprob(velocity, noise, sigmas, flow_window(config, len(sigmas) - 1, gen),
-                                              config.eta, generator=gen,
-                                              num_train_timesteps=pipe.scheduler.config.num_train_timesteps)
-        batch, width = trajectory.log_probs.shape
-        return trajectory.final_latents, {
-            "latents": trajectory.latents, "next_latents": trajectory.next_latents, "log_probs": trajectory.log_probs,
-            "timesteps": trajectory.timesteps.expand(batch, -1).clone(),
-            "step_indices": torch.tensor(trajectory.step_indices, device=noise.device).expand(batch, width).clone(),
-        }
-    trajectory = sample_with_logprob(
-        sampler, pipe.scheduler, cond, uncond,
-        num_inference_steps=config.num_inference_steps, guidance_scale=config.guidance_scale,
-        eta=config.eta, latents=noise, generator=gen,
-        stochastic_steps=config.num_train_timesteps if config.deterministic_tail else None, family=family,
-    )
-    return trajectory.final_latents, {"all_latents": trajectory.all_latents, "timesteps": trajectory.timesteps,
-                                      "log_probs": trajectory.log_probs}
-
-
-def collect_samples(pipe, family, sampler, config, prompts, negative, epoch, process, num_batches, background,
-                    latent_shape, resolution, sigmas=None, num_processes=1):
-    """Sample num_batches batches; rewards are computed in the background as each batch finishes.
-
-    ``sampler`` is the family's denoiser; ``negative`` the one-row unconditional side of classifier-free
-    guidance (the family's); ``sigmas`` the flow families' σ schedule.
-    """
-    batches, futures = [], []
-    merge = merged_adapter(family.denoiser(pipe)) if sampling_merges_lora(config) else contextlib.nullcontext()
-    with merge:
+def collect_rollouts(pipe, family, models: PolicyModels, sampler, config, prompts, negative, epoch, process,
+                     num_batches, background, latent_shape, resolution, num_processes=1):
+    """Sample num_batches batches; rewards are computed in the background as each batch finishes."""
+    rollouts, futures = [], []
+    with models.sampling(sampling_merges_lora(config)) as denoiser:
         for b in range(num_batches):
             # keyed by the global batch: N processes draw what one process with N times the batches draws
             gen = epoch_generator(config.seed, epoch, SAMPLE, global_batch(b, process, num_processes), 0)
@@ -247,12 +260,16 @@ def collect_samples(pipe, family, sampler, config, prompts, negative, epoch, pro
             cond = family.encode_prompts(pipe, batch_prompts, resolution)
             embeds = cond["prompt_embeds"]
             noise = torch.randn((len(batch_prompts), *latent_shape), generator=gen).to(embeds.device, embeds.dtype)
-            final, steps = sample_steps(pipe, family, sampler, config, cond, expand_conditioning(negative, len(batch_prompts)),
-                                        noise, gen, sigmas)
-            images = decode_latents(pipe, final).cpu()  # the family's decoder
+            uncond = expand_conditioning(negative, len(batch_prompts))
+
+            def predict(x, t, cond=cond, uncond=uncond):
+                return guided_prediction(family, denoiser, x, t, cond, uncond, config.guidance_scale)
+
+            steps = sampler.run(predict, noise, gen)
+            images = decode_latents(pipe, steps["final_latents"]).cpu()  # the family's decoder
             futures.append(background.submit(batch_prompts, images))
-            batches.append(SampleBatch(batch_prompts, cond, steps, images))
-    return batches, futures
+            rollouts.append(Rollout(prompts=batch_prompts, cond=cond, images=images, **steps))
+    return rollouts, futures
 
 
 def gather_rewards(accelerator, futures) -> tuple[torch.Tensor | None, dict[str, float], str | None]:
@@ -275,12 +292,146 @@ def gather_rewards(accelerator, futures) -> tuple[torch.Tensor | None, dict[str,
 
 
 # ----------------------------------------------------------------------------------------------
-# Training
+# 4. The update
+
+
+@dataclass
+class Update:
+    """What an epoch's update needs, built once per run."""
+
+    config: DDPOConfig
+    accelerator: object
+    models: PolicyModels
+    objective: object
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+
+
+@dataclass
+class EpochPlan:
+    """The epoch's draws for this process: the order samples are trained in, each sample's trained steps (indices into
+    its recorded steps) and, for forward-process objectives, the noise of each trained step."""
+
+    order: torch.Tensor  # [n]
+    steps: torch.Tensor  # [n, k]
+    noise: torch.Tensor | None  # [n, k, C, H, W]
+
+
+def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen: torch.Generator) -> torch.Tensor:
+    """[n, k] indices into each sample's recorded steps: a random subset per sample, or the k noisiest steps."""
+    if selection == "high_noise":
+        # Sampling runs from high to low noise: the first k steps of the chain, in random order.
+        return torch.stack([torch.randperm(k, generator=gen) for _ in range(n)])
+    return torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, :k]
+
+
+def plan_epoch(config: DDPOConfig, rollout: Rollout, epoch: int, process: int, num_processes: int, num_batches: int,
+               forward_noise: bool) -> EpochPlan:
+    """Drawn from one generator per sampling batch, keyed by the global batch (ddpo_order.py), so that N processes
+    train what one process with N times the accumulation trains."""
+    keys = [global_batch(b, process, num_processes) for b in range(num_batches)]
+    gens = [epoch_generator(config.seed, epoch, TRAIN, key, 0) for key in keys]
+    k = min(config.num_train_timesteps, rollout.timesteps.shape[1])
+    order, steps = stratified_order(gens, config.sample_batch_size, functools.partial(
+        train_timestep_indices, config.sample_batch_size, rollout.timesteps.shape[1], k, config.timestep_selection))
+    noise = None
+    if forward_noise:
+        shape = (config.sample_batch_size, k, *rollout.final_latents.shape[1:])
+        noise = torch.cat([torch.randn(shape, generator=epoch_generator(config.seed, epoch, NOISE, key, 0)) for key in keys])
+        noise = noise.to(rollout.final_latents.device, rollout.final_latents.dtype)
+    return EpochPlan(order, steps, noise)
+
+
+def update_members(update: Update, members: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(the samples of one optimiser step that go through the model, the divisor of the step's summed per-sample loss
+    on this process).
+
+    Without --drop_zero_advantage every sample counts (divisor: the samples per step); a sample whose advantage is 0
+    and whose loss is then exactly 0 (PPO without KL) is skipped, which changes nothing but the time. With it, the
+    zero-advantage samples are left out and the step is averaged over the rest, counted over every process, so that N
+    processes still equal one. A process left with no sample keeps one with weight 0, so that it still takes the
+    step's synchronising backward (DDP all-reduces there).
+    """
+    config, accelerator = update.config, update.accelerator
+    per_update = len(members)
+    informative = members[advantages[members] != 0]
+    if config.drop_zero_advantage:
+        kept = torch.tensor([float(len(informative))], device=accelerator.device)
+        total = float(accelerator.reduce(kept, "sum")) if accelerator.num_processes > 1 else float(kept)
+        divisor = total / accelerator.num_processes
+        return (informative, divisor) if len(informative) else (members[:1], float("inf"))
+    if update.objective.zero_advantage_is_zero_loss:
+        return (informative if len(informative) else members[:1]), per_update
+    return members, per_update
+
+
+def train_epoch(update: Update, rollout: Rollout, advantages: torch.Tensor, plan: EpochPlan, negative,
+                stats: dict[str, list[float]]) -> int:
+    """One pass over this epoch's rollouts; returns the number of optimiser steps taken."""
+    config = update.config
+    per_update = config.train_batch_size * config.gradient_accumulation_steps
+    updates = 0
+    for u0 in range(0, len(plan.order), per_update):
+        members, divisor = update_members(update, plan.order[u0 : u0 + per_update], advantages)
+        stats.setdefault("trained_sample_fraction", []).append(len(members) / per_update if divisor != float("inf") else 0.0)
+        micro_batches = members.split(config.train_batch_size)
+        for m, idx in enumerate(micro_batches):
+            train_micro_batch(update, rollout, advantages, plan, negative, idx, divisor, stats,
+                              last_of_update=m == len(micro_batches) - 1)
+        if config.max_grad_norm > 0:
+            update.accelerator.clip_grad_norm_(update.params, config.max_grad_norm)
+        update.optimizer.step()
+        update.optimizer.zero_grad(set_to_none=True)
+        updates += 1
+    return updates
+
+
+def train_micro_batch(update: Update, rollout: Rollout, advantages, plan: EpochPlan, negative, idx, divisor: float,
+                      stats, last_of_update: bool) -> None:
+    """Forward and backward of the samples ``idx`` at their trained steps, ``timestep_batch`` steps per model call
+    (flattened into the batch, sample-major). Each chunk's loss is its rows' mean, weighted so that the step's gradient
+    is the sum over its samples' per-step losses divided by (k x divisor): one-step-at-a-time accumulation, exactly."""
+    config, accelerator = update.config, update.accelerator
+    device = accelerator.device
+    chosen = plan.steps[idx]  # [b, k]
+    k = chosen.shape[1]
+    rows = idx[:, None]
+    sample_cond = select_conditioning(rollout.cond, idx)
+    weight_total = 0.0 if divisor == float("inf") else len(idx) / (k * divisor)
+    for j0 in range(0, k, config.timestep_batch):
+        js = slice(j0, min(j0 + config.timestep_batch, k))
+        c = js.stop - js.start
+        steps = chosen[:, js]
+        batch = TrainBatch(
+            latents=rollout.latents[rows, steps].flatten(0, 1),
+            next_latents=rollout.next_latents[rows, steps].flatten(0, 1),
+            timesteps=rollout.timesteps[rows, steps].flatten().to(device),
+            step_indices=rollout.step_indices[rows, steps].flatten(),
+            old_log_probs=rollout.log_probs[rows, steps].flatten(),
+            advantages=advantages[idx].repeat_interleave(c),
+            final_latents=rollout.final_latents[idx].repeat_interleave(c, dim=0),
+            noise=plan.noise[rows, j0 + torch.arange(c)].flatten(0, 1) if plan.noise is not None else None,
+            cond=repeat_conditioning(sample_cond, c),
+            uncond=expand_conditioning(negative, len(idx) * c),
+            num_samples=len(idx),
+        )
+        sync = last_of_update and js.stop == k
+        with contextlib.nullcontext() if sync else accelerator.no_sync(update.models.trained):
+            loss, metrics = update.objective.loss(update.models, batch)
+            if not torch.isfinite(loss):
+                raise TrainingStopped(f"non-finite {config.algorithm} loss; stopped before the update (lower --learning_rate)")
+            accelerator.backward(loss * (weight_total * c))
+        for key, value in {"loss": loss.detach(), **metrics}.items():
+            stats.setdefault(key, []).append(float(value))
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
 
 
 @restores_old_run_on_failure
 def train(config: DDPOConfig) -> Path:
-    """Run DDPO; returns the run folder."""
+    """Run the trainer; returns the run folder."""
     from accelerate.utils import gather_object, set_seed
 
     check_inputs(config)
@@ -292,6 +443,7 @@ def train(config: DDPOConfig) -> Path:
         config.mixed_precision, "ddpo", log_with=log_with, project_dir=str(run.path))
     main, process = accelerator.is_main_process, accelerator.process_index
     num_batches = check_batch_sizes(config, accelerator.num_processes)
+    method = method_name(config, family)
 
     # The judges and prompts before anything is written or generated: a missing API key stops us here,
     # and with --overwrite the old run is still whole.
@@ -326,41 +478,41 @@ def train(config: DDPOConfig) -> Path:
     pipe = load_pipeline(config.model, dtype=weight_dtype if config.finetune == "lora" else torch.float32, device=accelerator.device)
     if family_of_pipeline(pipe) is not family:
         raise ConfigError(f"--model {config.model!r} loaded as {family_of_pipeline(pipe).name}, detected as {family.name}")
-    if not family.is_flow:
-        check_scheduler_steps(pipe.scheduler, config.num_inference_steps, config.eta)
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
-    unet = family.denoiser(pipe)  # the UNet (or transformer) that trains
+    denoiser = family.denoiser(pipe)  # the UNet (or transformer) that trains
     resolution = config.resolution or family.native_resolution(pipe)
     latent_shape = family.latent_shape(pipe, resolution)
+    sampler = build_sampler(family, pipe, config, resolution, accelerator.device)
+    objective = build_objective(config, sampler)
 
     if not family.is_flow:  # SD3/FLUX keep their joint-attention processors
-        keep_default_attention(unet)
+        keep_default_attention(denoiser)
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank, target_modules=family.lora_targets)
-        for p in unet.parameters():
+        add_lora(denoiser, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=family.lora_targets)
+        for p in denoiser.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-        reference = None  # the same UNet with the adapter off
+        reference = None  # the same denoiser with the adapter off
     else:
-        unet.requires_grad_(True)
-        reference = frozen_copy(unet) if config.kl_coef > 0 else None
+        denoiser.requires_grad_(True)
+        reference = frozen_copy(denoiser) if config.kl_coef > 0 else None
     if config.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    params = [p for p in unet.parameters() if p.requires_grad]
+        denoiser.enable_gradient_checkpointing()
+    params = [p for p in denoiser.parameters() if p.requires_grad]
+    old_policy = OldPolicy(params) if objective.uses_old_policy else None
 
     samples_per_process = config.samples_per_epoch // accelerator.num_processes
     updates_per_epoch = samples_per_process // (config.train_batch_size * config.gradient_accumulation_steps)
     if main:
         print(
-            f"[ddpo] samples per epoch: {config.samples_per_epoch} = {config.sample_batch_size} per batch x "
+            f"[ddpo] {method} | samples per epoch: {config.samples_per_epoch} = {config.sample_batch_size} per batch x "
             f"{num_batches} batches x {accelerator.num_processes} processes | images per prompt: {config.images_per_prompt} | "
             f"train batch: {config.train_batch_size} x {config.gradient_accumulation_steps} accumulation x "
             f"{config.num_train_timesteps}/{config.num_inference_steps} timesteps | optimiser steps per epoch: "
             f"{updates_per_epoch} | epochs: {config.num_epochs} | finetune: {config.finetune} "
             f"({sum(p.numel() for p in params):,} trainable parameters) | reward: {config.reward} | "
-            f"advantage: {config.advantage} | kl_coef: {config.kl_coef} | family: {family.name} "
-            f"({sampler_name(family, config)})",
+            f"advantage: {config.advantage} | kl_coef: {config.kl_coef} | family: {family.name} ({sampler.describe()})",
             flush=True,
         )
         if reward_fn.needs_groups:  # what a paid judge will be asked, before it is asked
@@ -370,12 +522,16 @@ def train(config: DDPOConfig) -> Path:
                   "caption is drawn twice in a batch; API and VLM judges ask each in both image orders)", flush=True)
 
     optimizer = adamw_class(config.use_8bit_adam)(params, lr=config.learning_rate, weight_decay=config.adam_weight_decay)  # β, ε: PyTorch's
-    train_unet, optimizer = accelerator.prepare(unet, optimizer)  # a constant learning rate, as the papers
+    trained, optimizer = accelerator.prepare(denoiser, optimizer)  # a constant learning rate, as the papers
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
+    if old_policy is not None:
+        accelerator.register_for_checkpointing(old_policy)  # resumed with the run
+    models = PolicyModels(family, denoiser, trained, reference, old_policy, config.guidance_scale, accelerator.autocast,
+                          objective.samples_with_old_policy)
+    update = Update(config, accelerator, models, objective, optimizer, params)
     tracker = PerPromptStatTracker(STAT_BUFFER_SIZE, STAT_MIN_COUNT)
     negative = family.unconditional(pipe, 1, resolution)  # what the family's pipeline uses without a negative prompt
-    sigmas = family.flow_sigmas(pipe, config.num_inference_steps, resolution).to(accelerator.device) if family.is_flow else None
-    # Resume: weights, optimiser and the reward statistics; the epoch seeds do the rest.
+    # Resume: weights, optimiser, old policy and the reward statistics; the epoch seeds do the rest.
     start_epoch, global_step = 0, 0
     checkpoint = run.resume_checkpoint()
     if checkpoint is not None:
@@ -402,12 +558,11 @@ def train(config: DDPOConfig) -> Path:
         for epoch in progress:
             epoch_start, epoch_cpu_start = time.perf_counter(), time.process_time()
             # 1-2. Sample and reward (the judge works on batch b while batch b+1 samples).
-            unet.eval()
+            denoiser.eval()
             with accelerator.autocast():
-                batches, futures = collect_samples(
-                    pipe, family, unet, config, prompts, negative, epoch, process, num_batches, background,
-                    latent_shape, resolution, sigmas, accelerator.num_processes,
-                )
+                batches, futures = collect_rollouts(pipe, family, models, sampler, config, prompts, negative, epoch,
+                                                    process, num_batches, background, latent_shape, resolution,
+                                                    accelerator.num_processes)
             local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
             stop_on_nonfinite_images(accelerator, batches, epoch, last_good)
             if error:
@@ -418,29 +573,21 @@ def train(config: DDPOConfig) -> Path:
             sample_seconds = time.perf_counter() - epoch_start
 
             # 3. Advantages on every process's rewards, then this process's share.
-            local_prompts = [p for b in batches for p in b.prompts]
+            rollout = cat_rollouts(batches)
             all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu().double().numpy()
-            all_prompts = gather_object(local_prompts)
+            all_prompts = gather_object(rollout.prompts)
             advantages = in_global_order(lambda p, r: compute_advantages(config.advantage, p, r, tracker), all_prompts, all_rewards,
                                          gathered_slots(accelerator.num_processes, num_batches, config.sample_batch_size))
             advantages = torch.as_tensor(advantages, dtype=torch.float32).reshape(accelerator.num_processes, -1)[process]
 
-            # 4. PPO on the stored trajectories.
-            unet.train()
-            samples = {key: torch.cat([b.steps[key] for b in batches]) for key in batches[0].steps}
-            samples.update(cond=cat_conditioning([b.cond for b in batches]), advantages=advantages.to(accelerator.device))
-            if sigmas is not None:
-                samples["sigmas"] = sigmas  # the σ schedule the step indices point into (not per sample)
+            # 4. Update on the recorded steps; then the old policy follows the trained one.
+            denoiser.train()
             stats: dict[str, list[float]] = {}
-            gens = [epoch_generator(config.seed, epoch, TRAIN, global_batch(b, process, accelerator.num_processes), 0)
-                    for b in range(num_batches)]  # one per sampling batch, keyed by the global batch (ddpo_order.py)
-            schedule = stratified_order(gens, config.sample_batch_size, functools.partial(
-                train_timestep_indices, config.sample_batch_size, samples["timesteps"].shape[1],
-                config.num_train_timesteps, config.timestep_selection))
-            global_step += train_inner_epoch(
-                config, accelerator, train_unet, unet, reference, optimizer, params, pipe.scheduler,
-                samples, negative, gens[0], stats, disabled_adapter, family=family, schedule=schedule,
-            )
+            plan = plan_epoch(config, rollout, epoch, process, accelerator.num_processes, num_batches,
+                              objective.needs_forward_noise)
+            global_step += train_epoch(update, rollout, advantages.to(accelerator.device), plan, negative, stats)
+            if old_policy is not None:
+                old_policy.update(objective.old_policy_decay(global_step))
 
             # 5. Log, save samples, checkpoint.
             done = epoch + 1
@@ -462,9 +609,9 @@ def train(config: DDPOConfig) -> Path:
                                                             config.guidance_scale, run.path, done)
             if main:
                 run.log(done, logs)
-                progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", kl=f"{logs.get('approx_kl', 0):.2e}")
+                progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", loss=f"{logs.get('loss', 0):.2e}")
                 if done % config.checkpointing_epochs == 0 or done == config.num_epochs or epoch == start_epoch:
-                    log_samples(accelerator, run, batches, local_rewards, LOGGED_IMAGES, done)
+                    log_samples(accelerator, run, rollout, local_rewards, LOGGED_IMAGES, done)
             accelerator.log(logs, step=done)
             if done % config.checkpointing_epochs == 0 or done == config.num_epochs:
                 last_good = save_ddpo_checkpoint(accelerator, run, done, global_step, tracker, config.checkpoints_total_limit)
@@ -479,14 +626,13 @@ def train(config: DDPOConfig) -> Path:
         if eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
-        save_final_weights(accelerator, train_unet, run.path, config.finetune, lambda final: write_model_card(final, config, run, family),
-                           family=family)
-
-        write_training_report(run.path, title=f"{method_name(family)}: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
-                              metric_keys=("reward_mean", "approx_kl", "kl_to_reference", "clipfrac", "policy_loss"))
+        save_final_weights(accelerator, trained, run.path, config.finetune,
+                           lambda final: write_model_card(final, config, run, method, sampler), family=family)
+        write_training_report(run.path, title=f"{method}: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
+                              metric_keys=("reward_mean", "approx_kl", "kl_to_reference", "clipfrac", "policy_loss", "loss"))
         run.let_go_of_old_run()
     reward_fn.close()
-    del train_unet, optimizer
+    del trained, optimizer
     end_training(accelerator)
     return run.path
 
@@ -514,145 +660,6 @@ def check_weights_in_sync(accelerator, params) -> None:
         print(f"[ddpo] trained weights identical on all {accelerator.num_processes} processes", flush=True)
 
 
-def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen: torch.Generator) -> torch.Tensor:
-    """[n, k] indices into each sample's chain: a random subset per sample, or the k noisiest steps."""
-    if selection == "high_noise":
-        # Sampling runs from high to low noise: the first k steps of the chain, in random order.
-        return torch.stack([torch.randperm(k, generator=gen) for _ in range(n)])
-    return torch.stack([torch.randperm(steps_total, generator=gen) for _ in range(n)])[:, :k]
-
-
-def train_inner_epoch(config, accelerator, train_unet, unet, reference, optimizer, params, scheduler,
-                      samples, negative, gen, stats, disabled_adapter, family: ModelFamily | None = None,
-                      schedule=None) -> int:
-    """One PPO pass over this epoch's samples; returns the number of optimiser steps taken.
-
-    ``schedule``: (sample order, each sample's trained steps) as the trainer draws them (ddpo_order.py); else drawn
-    from ``gen``.
-
-    ``samples["cond"]`` holds each sample's conditioning, ``negative`` the one-row unconditional side; ``family`` is the denoiser's (None: SD 1.x/2.x)."""
-    family = family or StableDiffusion()
-    if config.eta is None or config.num_inference_steps is None:  # built by hand (tests, benchmarks), not by train()
-        config = dataclasses.replace(config)
-        config.resolve_for_family(family.is_flow)
-    n, steps_total = samples["timesteps"].shape
-    if schedule is not None:
-        order, time_order = schedule
-    else:
-        order = torch.randperm(n, generator=gen)
-        time_order = train_timestep_indices(n, steps_total, config.num_train_timesteps, config.timestep_selection, gen)
-    per_update = config.train_batch_size * config.gradient_accumulation_steps
-    updates = 0
-    for u0 in range(0, n, per_update):
-        update_samples = order[u0 : u0 + per_update]
-        if config.kl_coef == 0:
-            # A zero advantage makes a sample's PPO term and its gradient exactly zero (the KL term
-            # would not be), so those samples skip the UNet. Binary-ish judges tie whole groups often.
-            # Processes may then run different numbers of micro-batches: DDP all-reduces only in each
-            # update's one synced backward (the UNet has no buffers to broadcast per forward). One
-            # sample is kept if all are zero, so that every process still takes that backward.
-            informative = update_samples[samples["advantages"][update_samples] != 0]
-            update_samples = informative if len(informative) else update_samples[:1]
-        stats.setdefault("trained_sample_fraction", []).append(len(update_samples) / per_update)
-        micro_batches = update_samples.split(config.train_batch_size)
-        for m, idx in enumerate(micro_batches):
-            train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative,
-                              stats, disabled_adapter, idx, time_order, per_update, last_of_update=m == len(micro_batches) - 1,
-                              family=family)
-        if config.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(params, config.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        updates += 1
-    return updates
-
-
-def step_pairs(samples, rows, chosen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input and output latents of the chosen steps: DDIM keeps the whole chain, flow its stochastic steps' pairs."""
-    if "all_latents" in samples:
-        return samples["all_latents"][rows, chosen], samples["all_latents"][rows, chosen + 1]
-    return samples["latents"][rows, chosen], samples["next_latents"][rows, chosen]
-
-
-def policy_step(family, scheduler, config, samples, prediction, timesteps, latents, step_indices):
-    """(mean, std, log-density function, KL function) of the step's Gaussian under ``prediction``, in float32:
-    DDIM's step (align/sampling/ddim.py) or Flow-GRPO's SDE step (align/sampling/flow.py) with the KL the authors
-    train with; each exactly as the sampler computed it, so the first minibatch is on-policy."""
-    if family.is_flow:
-        sigmas = samples["sigmas"]
-        step = sde_step(latents, prediction, sigmas[step_indices], sigmas[step_indices + 1], float(sigmas[1]), config.eta)
-        return step.mean, step.std, flow_gaussian_log_prob, lambda mean, ref_mean: flow_grpo_kl(mean, ref_mean, step.sde_sigma)
-    mean, std = ddim_step_mean_std(scheduler, prediction, timesteps, latents, config.eta)
-    return mean, std, gaussian_log_prob, lambda mean, ref_mean: gaussian_mean_kl(mean, ref_mean, std)
-
-
-def trained_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale) -> torch.Tensor:
-    """The guided prediction the update differentiates: ``guided_prediction``'s value; for flow families the
-    unconditional half carries no gradient, as Flow-GRPO's ``compute_log_prob`` detaches it (DDPO, as
-    ddpo-pytorch, differentiates both halves)."""
-    if not family.is_flow or guidance_scale == 1.0 or family.uses_guidance_embedding(denoiser):
-        return guided_prediction(family, denoiser, latents, timesteps, cond, uncond, guidance_scale)
-    out = family.predict(denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
-                         cat_conditioning([uncond, cond]))
-    uncond_out, cond_out = out.float().chunk(2)
-    uncond_out = uncond_out.detach()
-    return uncond_out + guidance_scale * (cond_out - uncond_out)
-
-
-def train_micro_batch(config, accelerator, train_unet, unet, reference, scheduler, samples, negative, stats,
-                      disabled_adapter, idx, time_order, per_update, last_of_update, family: ModelFamily | None = None) -> None:
-    """Forward and backward of the samples `idx` at their trained timesteps; gradients accumulate, each
-    term weighted 1 / (per_update x k), so an update's gradient is the mean over all its samples' terms."""
-    device = accelerator.device
-    family = family or StableDiffusion()
-    k = time_order.shape[1]
-    rows = idx[:, None]  # each sample's row, against its k chosen steps
-    sample_cond = select_conditioning(samples["cond"], idx)
-    chosen = time_order[idx]
-    latents, next_latents = step_pairs(samples, rows, chosen)  # [b, k, C, H, W]
-    timesteps = samples["timesteps"][rows, chosen]
-    step_indices = samples["step_indices"][rows, chosen] if family.is_flow else None
-    old_log_probs = samples["log_probs"][rows, chosen]
-    adv = samples["advantages"][idx]
-    # Timesteps go through the UNet `timestep_batch` at a time, flattened into the batch
-    # (sample-major): the loss of a chunk is the mean of its per-step losses, so weighting it
-    # by chunk / k gives exactly the gradient of one-step-at-a-time accumulation.
-    for j0 in range(0, k, config.timestep_batch):
-        js = slice(j0, min(j0 + config.timestep_batch, k))
-        c = js.stop - js.start
-        sync = last_of_update and js.stop == k
-        lat = latents[:, js].flatten(0, 1)
-        nxt = next_latents[:, js].flatten(0, 1)
-        ts = timesteps[:, js].flatten()
-        cond = repeat_conditioning(sample_cond, c)
-        uncond = expand_conditioning(negative, len(lat))
-        with contextlib.nullcontext() if sync else accelerator.no_sync(train_unet):
-            with accelerator.autocast():
-                pred = trained_prediction(family, train_unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
-            step_index = step_indices[:, js].flatten() if family.is_flow else None
-            mean, std, log_density, kl_to = policy_step(family, scheduler, config, samples, pred, ts, lat, step_index)
-            log_prob = log_density(nxt, mean, std)
-            loss, metrics = ddpo_clipped_loss(
-                log_prob, old_log_probs[:, js].flatten(), adv.repeat_interleave(c), config.clip_range, config.adv_clip_max
-            )
-            if config.kl_coef > 0:
-                with torch.no_grad(), accelerator.autocast():
-                    if reference is None:
-                        with disabled_adapter(unet):
-                            ref_pred = guided_prediction(family, unet, lat, ts.to(device), cond, uncond, config.guidance_scale)
-                    else:
-                        ref_pred = guided_prediction(family, reference, lat, ts.to(device), cond, uncond, config.guidance_scale)
-                ref_mean = policy_step(family, scheduler, config, samples, ref_pred, ts, lat, step_index)[0]
-                kl = kl_to(mean, ref_mean).mean()
-                loss = loss + config.kl_coef * kl
-                metrics["kl_to_reference"] = kl.detach()
-            if not torch.isfinite(loss):
-                raise TrainingStopped("non-finite DDPO loss; stopped before the update (lower --learning_rate)")
-            accelerator.backward(loss * (len(idx) * c / (k * per_update)))
-        for key, value in {"loss": loss.detach(), **metrics}.items():
-            stats.setdefault(key, []).append(float(value))
-
-
 # ----------------------------------------------------------------------------------------------
 # Checkpoints, samples, model card
 
@@ -674,10 +681,10 @@ def save_ddpo_checkpoint(accelerator, run: RunFolder, epoch: int, global_step: i
     return save_checkpoint(accelerator, run, epoch, keep, extra_files={STATE_FILE: json.dumps(state)})
 
 
-def log_samples(accelerator, run: RunFolder, batches, rewards: torch.Tensor, count: int, epoch: int) -> None:
+def log_samples(accelerator, run: RunFolder, rollout: Rollout, rewards: torch.Tensor, count: int, epoch: int) -> None:
     """A row of this process's first images under samples/, with their prompts and rewards beside it."""
-    images = torch.cat([b.images for b in batches])[:count]
-    prompts = [p for b in batches for p in b.prompts][:count]
+    images = rollout.images[:count]
+    prompts = rollout.prompts[:count]
     values = rewards[:count].tolist()
     path = run.path / "samples" / f"epoch_{epoch:05d}.png"
     save_image_row(images, path)
@@ -692,36 +699,20 @@ def log_samples(accelerator, run: RunFolder, batches, rewards: torch.Tensor, cou
             tracker.writer.add_images("samples", images, epoch)
 
 
-def method_name(family: ModelFamily) -> str:
-    return "Flow-GRPO" if family.is_flow else "DDPO"
-
-
-def sampler_name(family: ModelFamily, config: DDPOConfig) -> str:
-    """How the training sampler runs, in words (the startup line and the model card)."""
-    k, n = config.num_train_timesteps, config.num_inference_steps
-    if family.is_flow:
-        noise = f"SDE noise level {config.eta}"
-        if not config.deterministic_tail:
-            return f"Flow-GRPO SDE on all {n} steps, {noise}"
-        where = "the first steps" if config.timestep_selection == "high_noise" else "drawn per batch in the first half"
-        return f"Flow-GRPO-Fast: SDE on a window of {k} of {n} steps ({where}), ODE elsewhere, {noise}"
-    tail = f" on the first {k} steps, then {n - k} deterministic (eta 0) steps" if config.deterministic_tail else ""
-    return f"DDIM, {n} steps, eta {config.eta}{tail}"
-
-
-def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder, family: ModelFamily) -> None:
+def write_model_card(folder: Path, config: DDPOConfig, run: RunFolder, method: str, sampler) -> None:
     metrics = run.read_metrics()
     first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
-    method = method_name(family)
-    paper = "Liu et al. 2025" if family.is_flow else "Black et al. 2023"
+    objective = {"ppo": f"PPO clip range {config.clip_range}, advantage clip {config.adv_clip_max}",
+                 "nft": f"beta {config.nft_beta}, advantage clip {config.adv_clip_max}, old policy {config.old_policy_decay}",
+                 "awm": f"advantage clip {config.adv_clip_max}, clip range {config.clip_range}"}[config.algorithm]
     write_diffusion_model_card(folder, config.model, config.finetune, method, f"{method.lower()}, reinforcement-learning",
-                               f"Trained with {method} ({paper}) to maximise the reward `{config.reward}`.", {
-        "sampling": f"{sampler_name(family, config)}, guidance {config.guidance_scale}",
+                               f"Trained with {method} ({PAPERS[method]}) to maximise the reward `{config.reward}`.", {
+        "sampling": f"{sampler.describe()}, guidance {config.guidance_scale}",
         "evaluation sampler": f"the pipeline's own, {config.eval_inference_steps} steps",
         "trained steps per sample": f"{config.num_train_timesteps} ({config.timestep_selection})",
         "epochs x samples": f"{config.num_epochs} x {config.samples_per_epoch}",
         "advantages": config.advantage,
-        "PPO": f"clip range {config.clip_range}, advantage clip {config.adv_clip_max}, KL coefficient {config.kl_coef}",
+        "objective": f"{objective}, KL coefficient {config.kl_coef}",
         "learning rate": f"{config.learning_rate} (constant)",
         "reward mean, first epoch": f"{first.get('reward_mean', float('nan')):.4f}",
         "reward mean, last epoch": f"{last.get('reward_mean', float('nan')):.4f}",

@@ -1,8 +1,9 @@
-"""DDPO's options: the dataclass behind `align/ddpo.py`'s flags and its YAML configs.
+"""The online-RL trainer's options: the dataclass behind `align/ddpo.py`'s flags and its YAML configs.
 
-Defaults follow the paper (Black et al. 2023) as released in ddpo-pytorch for DDIM families (SD 1.x/2.x,
-SDXL) and Flow-GRPO (Liu et al. 2025) as released in its authors' code for flow-matching families (SD3,
-FLUX): the sampler options left unset (``None``) take the family's value in ``resolve_for_family``.
+``--algorithm ppo`` (the default) is DDPO (Black et al. 2023) as released in ddpo-pytorch on DDIM families (SD 1.x/2.x,
+SDXL) and Flow-GRPO (Liu et al. 2025) as its authors run it on flow-matching families (SD3, FLUX); ``nft`` is
+DiffusionNFT (Zheng et al. 2025) and ``awm`` Advantage Weighted Matching (Xue et al. 2025), on every family. The
+sampler options left unset (``None``) take the family's and the algorithm's value in ``resolve_for_family``.
 configs/testbed_ddpo.yaml holds the settings measured best on the shapes testbed
 (experiments/notes/removed-options.md lists the options removed after measurements showed they did not help).
 """
@@ -19,17 +20,22 @@ from align.train.options import HeldOutOptions, ModelOptions, RunOptions
 from align.validation import check_common_inputs, check_optimiser_ranges
 
 TIMESTEP_SELECTIONS = ("random", "high_noise")
+ALGORITHMS = ("ppo", "nft", "awm")
+SAMPLERS = ("ddim", "sde", "cps", "ode")
+OLD_POLICY_DECAYS = ("none", "linear-0.5", "delayed-linear-0.999")
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 # Sampler defaults per kind of family. DDIM: the DDPO paper (50 steps, η 1), evaluated with the same sampler.
 # Flow: Flow-GRPO's configs (config/grpo.py: sample.num_steps 10, eval_num_steps 40, noise_level 0.7).
 DDIM_DEFAULTS = {"num_inference_steps": 50, "eta": 1.0}
 FLOW_DEFAULTS = {"num_inference_steps": 10, "eval_inference_steps": 40, "eta": 0.7}
-# Flow-GRPO-Fast draws its stochastic window among the first half of the steps (the authors' sde_window_range).
-FAST_WINDOW_SHARE = 0.5
 
 
 @dataclass
 class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
     # --- what to train and with which reward
+    algorithm: str = option("ppo", "ppo: PPO-clip on the sampled steps' log-probabilities (DDPO on SD 1.x/2.x and SDXL, "
+                            "Flow-GRPO on SD3/FLUX); nft: DiffusionNFT (the forward process, an implicit positive and "
+                            "negative policy); awm: Advantage Weighted Matching", "optimisation")
     reward: str = option("aesthetic", "the reward: a judge name, name[opt=value], or a weighted mix such as "
                          "pickscore:0.7,aesthetic:0.3", "judge")
     prompts: str | None = option(None, "training prompts (required): a text file, a dataset column, or "
@@ -53,14 +59,35 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
         None, "noise of the training sampler, > 0 (a deterministic step has no log-probability): DDIM's η for "
         "DDIM families (None: 1, the paper; testbed: 0.7); for flow families the SDE noise level a of Flow-GRPO, "
         "step std a·√(σ/(1-σ))·√Δσ (None: 0.7, the authors')", "sampling")
+    sampler: str | None = option(
+        None, "the training sampler: ddim (stochastic DDIM, DDIM families), sde (Flow-GRPO's SDE) or cps (Flow-CPS, the "
+        "Flow-GRPO authors' current Fast configs) for flow families, ode (deterministic: Euler / DDIM eta 0; no "
+        "log-probabilities). None: ddim or sde for ppo, ode for nft and awm", "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling")
     sample_batch_size: int = option(8, "images per process per sampling batch", "sampling")
     images_per_prompt: int = option(1, "images drawn per prompt in a batch (>= 2 for group advantages or "
                                     "pairwise judges)", "sampling")
     # --- advantages
-    advantage: str = option("per-prompt", "per-prompt (DDPO's stat tracking), group (GRPO), group-mean "
+    advantage: str = option("per-prompt", "per-prompt (DDPO's stat tracking), group (GRPO), global-std (the group's "
+                            "mean, the std of the whole batch: Flow-GRPO's and DiffusionNFT's global_std), group-mean "
                             "(Dr. GRPO: no std division) or batch", "optimisation")
+    drop_zero_advantage: bool | None = option(
+        None, "leave samples whose advantage is exactly 0 (tied groups) out of the update and average it over the rest, "
+        "as Flow-GRPO's train_sd3.py (None: on for flow families with ppo, off otherwise: DDPO keeps them)", "optimisation")
+    # --- AWM
+    awm_weighting: str = option("ghuber", "AWM's weighting of the flow-matching error: uniform, t, t2, huber or ghuber "
+                                "(generalised Huber, the authors' recipes)", "optimisation")
+    awm_ghuber_power: float = option(0.25, "the generalised Huber's power p (the authors: 0.25)", "optimisation")
+    ema_kl_coef: float = option(1.0, "AWM: weight of the KL to the old (EMA) policy (the authors' ema_beta: 1)",
+                                "optimisation")
+    # --- DiffusionNFT
+    nft_beta: float = option(1.0, "DiffusionNFT's beta: how far the implicit positive/negative policies sit from the old "
+                             "policy (the authors: 1.0; 0.1 for OCR)", "optimisation")
+    old_policy_decay: str = option("linear-0.5", "DiffusionNFT's old (sampling) policy, an average of the trained "
+                                   "weights updated each epoch with decay: none (0: the trained weights), linear-0.5 "
+                                   "(min(0.001 x step, 0.5), the authors' default), delayed-linear-0.999 (0 for 75 steps, "
+                                   "then +0.0075 a step up to 0.999, their OCR recipe)", "optimisation")
     # --- objective (paper: PPO-clip, no KL)
     clip_range: float = option(1e-4, "PPO clip range of the probability ratio (the paper: 1e-4)", "optimisation")
     adv_clip_max: float = option(5.0, "advantages are clipped to [-this, this]", "optimisation")
@@ -131,7 +158,21 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
             raise ConfigError(
                 f"--sample_batch_size ({self.sample_batch_size}) must be a multiple of --images_per_prompt ({self.images_per_prompt})"
             )
-        if self.advantage in ("group", "group-mean") and self.images_per_prompt < 2:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            raise ConfigError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.old_policy_decay not in OLD_POLICY_DECAYS:
+            raise ConfigError(f"--old_policy_decay must be one of {', '.join(OLD_POLICY_DECAYS)}, got {self.old_policy_decay!r}")
+        if self.awm_weighting not in AWM_WEIGHTINGS:
+            raise ConfigError(f"--awm_weighting must be one of {', '.join(AWM_WEIGHTINGS)}, got {self.awm_weighting!r}")
+        if not self.awm_ghuber_power > 0:
+            raise ConfigError(f"--awm_ghuber_power must be > 0, got {self.awm_ghuber_power}")
+        if not self.ema_kl_coef >= 0:
+            raise ConfigError(f"--ema_kl_coef must be >= 0, got {self.ema_kl_coef}")
+        if not self.nft_beta > 0:
+            raise ConfigError(f"--nft_beta must be > 0, got {self.nft_beta}")
+        if self.advantage in ("group", "group-mean", "global-std") and self.images_per_prompt < 2:
             raise ConfigError(f"--advantage {self.advantage} needs --images_per_prompt >= 2 (a group per prompt)")
 
     def resolve_for_family(self, is_flow: bool) -> None:
@@ -142,6 +183,20 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
                 setattr(self, name, value)
         if self.eval_inference_steps is None:
             self.eval_inference_steps = self.num_inference_steps
+        if self.sampler is None:
+            self.sampler = "ode" if self.algorithm != "ppo" else "sde" if is_flow else "ddim"
+        if self.drop_zero_advantage is None:
+            self.drop_zero_advantage = is_flow and self.algorithm == "ppo"
+        kind = "flow-matching" if is_flow else "DDIM"
+        if self.sampler in (("ddim",) if is_flow else ("sde", "cps")):
+            raise ConfigError(f"--sampler {self.sampler} is not a sampler of {kind} models (they take "
+                              f"{'sde, cps or ode' if is_flow else 'ddim or ode'})")
+        if self.algorithm == "ppo" and self.sampler == "ode":
+            raise ConfigError("--algorithm ppo needs a stochastic sampler (its steps' log-probabilities): --sampler "
+                              f"{'sde or cps' if is_flow else 'ddim'}, or --algorithm nft / awm")
+        if self.deterministic_tail and (self.sampler == "ode" or self.algorithm != "ppo"):
+            raise ConfigError("--deterministic_tail is a window of stochastic steps for --algorithm ppo; nft and awm "
+                              "sample with the ODE")
         if self.deterministic_tail and not is_flow and self.timestep_selection != "high_noise":
             raise ConfigError("--deterministic_tail needs --timestep_selection high_noise (the trained steps must be the first ones)")
 

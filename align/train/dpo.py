@@ -371,7 +371,7 @@ def train(config: DPOConfig) -> Path:
     if family.denoiser_name == "unet":  # transformers keep their own (joint) attention processors
         keep_default_attention(unet)
     if config.finetune == "lora":
-        add_lora(unet, rank=config.lora_rank, target_modules=family.lora_targets)
+        add_lora(unet, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=family.lora_targets)
         reference = None  # same denoiser, adapter off
     else:
         unet.requires_grad_(True)

@@ -15,7 +15,7 @@ FINETUNES = ("full", "lora")
 PRECISIONS = (None, "no", "fp16", "bf16")
 TRACKERS = ("tensorboard", "wandb", "all", "none")
 LORA_RANK_HELP = ("LoRA rank of the model family's attention projections (SD, SDXL: to_q, to_k, to_v, to_out.0; SD3, "
-                  "FLUX: align/families); alpha = rank, as in diffusers' training scripts")
+                  "FLUX: align/families)")
 
 
 @dataclass
@@ -43,6 +43,8 @@ class ModelOptions:
                         "the pipeline to fine-tune: a hub id, a local pipeline folder, or 'testbed'", "model")
     finetune: str = option("lora", "'lora' (the adapter off is the reference) or 'full' (every denoiser weight)", "model")
     lora_rank: int = option(4, LORA_RANK_HELP, "model")
+    lora_alpha: float | None = option(None, "LoRA alpha: the update is scaled by alpha / rank (None: alpha = rank, as "
+                                      "diffusers' training scripts; Flow-GRPO and DiffusionNFT use 2 x rank)", "model")
     mixed_precision: str | None = option(
         None, "no, fp16 (the papers) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its "
         "config file), else no", "optimisation")
@@ -59,6 +61,8 @@ class ModelOptions:
             raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.lora_rank < 1:
             raise ConfigError(f"--lora_rank must be >= 1, got {self.lora_rank}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError(f"--lora_alpha must be > 0, got {self.lora_alpha}")
 
 
 @dataclass

@@ -1,0 +1,332 @@
+"""DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) as pure maths: tensors in, tensors out.
+
+Source: NVlabs/DiffusionNFT @ 24af555 (scripts/train_nft_sd3.py, config/nft.py, config/base.py, flow_grpo/ema.py,
+flow_grpo/diffusers_patch/solver.py, pipeline_with_logprob.py); X-GenGroup/Flow-Factory trainers/nft.py agrees.
+Pinned against the authors' own lines by experiments/nft_reference.py -> tests/data/nft_reference.json.
+
+The objective, per sample with clean latents x0 (the final latents of a rollout), a reward weight r in [0, 1]
+and a noised x_t of it (the same x_t, noise and timestep for the current, old and reference models):
+
+    x0+ = beta*x0_theta + (1 - beta)*x0_old          (x0 of the authors' v+ = beta*v_theta + (1-beta)*v_old)
+    x0- = (1 + beta)*x0_old - beta*x0_theta          (x0 of v- = (1+beta)*v_old - beta*v_theta)
+    w±  = max(mean |x0± - x0|, 1e-5)                 (float64, no gradient: self-normalising)
+    L   = adv_clip_max * mean_batch[ r*mean((x0+ - x0)^2)/w+ / beta + (1-r)*mean((x0- - x0)^2)/w- / beta ]
+          + train_beta * mean_batch mean((v_theta - v_ref)^2)          (the KL term, added by the caller)
+
+The authors mix velocities and take x0 = x_t - t*v; since x0 is affine in the model output for every
+parameterisation (flow velocity, epsilon, v-prediction), mixing x0's is the same thing, so ``nft_loss`` serves
+every family once the caller maps outputs through ``flow_x0`` / ``eps_x0`` / ``v_prediction_x0``.
+
+The authors' recipe (SD3.5-Medium, config/nft.py; 8 GPUs):
+- Rollouts: 48 prompts x 24 images per epoch, drawn by the OLD policy (the "old" LoRA adapter), 512 px,
+  guidance 1.0 (no CFG anywhere: config/nft.py overrides base 4.5 with 1.0 for every config, so the trained
+  forward's negative-embeds branch, ``guidance_scale > 1``, is unreachable), num_steps 10 (25 for
+  sd3_multi_reward), solver "dpm2" deterministic (ODE; no log-probs: ``dpm2_flow_sample``). Scheduler sigmas:
+  FlowMatchEulerDiscrete set_timesteps(N) with the static shift 3.0 (sigma_0 = 1.0 ... sigma_{N-1} = 0.00893, then 0).
+  The sampler feeds the transformer timestep = long(sigma*1000) (truncated); training feeds the float grid value.
+- Advantages: (reward - mean of its prompt's 24) / (std over all the epoch's rewards + 1e-4) (global_std), then
+  clipped to +-5 and mapped to r = clamp(A/5/2 + 0.5, 0, 1) (adv_mode "all").
+- Trained timesteps: per sample a fresh random permutation of the N grid timesteps, of which the first
+  int(N * 0.99) are trained (9 of 10; 24 of 25), each with its own noise draw, x_t = (1-t)x0 + t*noise with
+  t = grid timestep / 1000. One backward per (micro-batch, timestep), loss / (grad_accum * num_train_timesteps).
+- beta (config.beta): 1.0 (geneval, pickscore, hpsv2); 0.1 (ocr, multi_reward). KL weight train.beta = 1e-4 on
+  mean((v_theta - v_ref)^2), v_ref = base model (LoRA disabled). adv_clip_max 5.
+- Optimiser: AdamW lr 3e-4, betas (0.9, 0.999), wd 1e-4, eps 1e-8, grad-norm clip 1.0, fp16 autocast + GradScaler.
+  LoRA r 32, alpha 64, gaussian init, on attn.{to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out}.
+- Optimiser steps per epoch: 1 (geneval, pickscore, hpsv2, multi_reward) or 2 (ocr): micro-batch 9 per GPU,
+  16 micro-batches per GPU per epoch, gradient_accumulation 16 (ocr 8) micro-batches x num_train_timesteps.
+- Old policy: after each epoch's training, old = d*old + (1-d)*current with d = ``old_policy_decay(global_step)``,
+  global_step = optimiser steps so far; "linear-0.5" (decay_type 1) by default, "delayed-linear-0.999" (type 2) for
+  ocr. Starts equal to the current policy.
+- Eval/checkpoint weights: an EMA of the current LoRA, updated after every optimiser step with decay
+  ``eval_ema_decay(global_step)`` = min((1 + step)/(10 + step), 0.9); eval sampling is Euler ODE, 40 steps, cfg 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from align.train.rollout import TrainBatch
+
+ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
+WEIGHT_FLOOR = 1e-5  # the authors' clip on the self-normalising weights
+
+# The authors' return_decay(step, decay_type): (flat steps, rate per step, ceiling).
+OLD_POLICY_SCHEDULES = {
+    "none": (0, 0.0, 0.0),  # decay_type 0: old = current after every epoch (on-policy rollouts)
+    "linear-0.5": (0, 0.001, 0.5),  # decay_type 1: 0.001*step, held at 0.5 from step 500
+    "delayed-linear-0.999": (75, 0.0075, 0.999),  # decay_type 2: 0 until step 75, then 0.0075/step up to 0.999
+}
+AUTHORS_DECAY_TYPES = {0: "none", 1: "linear-0.5", 2: "delayed-linear-0.999"}
+
+
+def _per_sample(values, like: torch.Tensor) -> torch.Tensor:
+    """A scalar or [B] (float or tensor) -> a tensor broadcasting against ``like`` as [B, 1, ...]."""
+    values = torch.as_tensor(values, device=like.device)
+    if not values.is_floating_point():
+        values = values.float()
+    return values.reshape(-1, *([1] * (like.ndim - 1))) if values.ndim else values
+
+
+def _non_batch_dims(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(1, x.ndim))
+
+
+# ---------------------------------------------------------------- x0 of each parameterisation, noising
+
+
+def flow_sigma(timesteps: torch.Tensor, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """sigma = t = timestep / 1000, as the authors divide their grid timesteps."""
+    return timesteps / num_train_timesteps
+
+
+def flow_noised(x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
+    """Rectified flow (SD3, FLUX): x_t = (1 - t)*x0 + t*noise."""
+    t = _per_sample(sigma, x0)
+    return (1 - t) * x0 + t * noise
+
+
+def flow_x0(x_t: torch.Tensor, velocity: torch.Tensor, sigma) -> torch.Tensor:
+    """x0 of a velocity v = noise - x0: x_t - t*v (the authors' ``xt - t_expanded * prediction``)."""
+    return x_t - _per_sample(sigma, x_t) * velocity
+
+
+def ddpm_noised(x0: torch.Tensor, noise: torch.Tensor, alpha_cumprod) -> torch.Tensor:
+    """DDPM (SD 1.x/2.x, SDXL): x_t = sqrt(a)*x0 + sqrt(1 - a)*noise, a = alphas_cumprod[timestep]."""
+    a = _per_sample(alpha_cumprod, x0)
+    return a.sqrt() * x0 + (1 - a).sqrt() * noise
+
+
+def eps_x0(x_t: torch.Tensor, eps: torch.Tensor, alpha_cumprod) -> torch.Tensor:
+    """x0 of an epsilon prediction: (x_t - sqrt(1 - a)*eps) / sqrt(a)."""
+    a = _per_sample(alpha_cumprod, x_t)
+    return (x_t - (1 - a).sqrt() * eps) / a.sqrt()
+
+
+def v_prediction_x0(x_t: torch.Tensor, v: torch.Tensor, alpha_cumprod) -> torch.Tensor:
+    """x0 of a DDPM v-prediction (v = sqrt(a)*eps - sqrt(1-a)*x0, SD 2.x 768): sqrt(a)*x_t - sqrt(1 - a)*v."""
+    a = _per_sample(alpha_cumprod, x_t)
+    return a.sqrt() * x_t - (1 - a).sqrt() * v
+
+
+# ---------------------------------------------------------------- the objective
+
+
+def nft_reward_weight(advantages: torch.Tensor, adv_clip_max: float, adv_mode: str = "all") -> torch.Tensor:
+    """r = clamp(A/c/2 + 0.5, 0, 1) of A = clamp(advantages, -c, c), c = adv_clip_max (the authors' train step).
+
+    adv_mode as the authors: "all" (their configs); "positive_only" / "negative_only" clamp A to [0, c] / [-c, 0];
+    "one_only" maps A > 0 to 1 and the rest to 0, "binary" to sign(A), both before the same mapping (so r is
+    0.5 + 1/(2c) or 0.5 for "one_only": the authors' arithmetic, not a 0/1 weight).
+    """
+    if adv_clip_max <= 0:
+        raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
+    if adv_mode not in ADV_MODES:
+        raise ValueError(f"unknown adv_mode {adv_mode!r}; valid: {', '.join(ADV_MODES)}")
+    a = advantages.clamp(-adv_clip_max, adv_clip_max)
+    if adv_mode == "positive_only":
+        a = a.clamp(0, adv_clip_max)
+    elif adv_mode == "negative_only":
+        a = a.clamp(-adv_clip_max, 0)
+    elif adv_mode == "one_only":
+        a = torch.where(a > 0, torch.ones_like(a), torch.zeros_like(a))
+    elif adv_mode == "binary":
+        a = torch.sign(a)
+    return ((a / adv_clip_max) / 2.0 + 0.5).clamp(0, 1)
+
+
+def _normalised_sq_error(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """mean((x0_hat - x0)^2) / max(mean |x0_hat - x0|, 1e-5) per sample; the weight in float64 without gradient.
+
+    The float64 weight promotes the result to float64, as in the authors' code.
+    """
+    dims = _non_batch_dims(x0)
+    with torch.no_grad():
+        weight = (x0_hat.double() - x0.double()).abs().mean(dim=dims, keepdim=True).clip(min=WEIGHT_FLOOR)
+    return ((x0_hat - x0) ** 2 / weight).mean(dim=dims)
+
+
+def nft_loss(
+    x0_policy: torch.Tensor,
+    x0_old: torch.Tensor,
+    x0: torch.Tensor,
+    r: torch.Tensor,
+    beta: float,
+    adv_clip_max: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DiffusionNFT policy loss in x0 space (see the module docstring); ``x0_old`` is detached here.
+
+    x0_policy, x0_old: [B, ...] the current and old models' x0 predictions at the same x_t; x0: [B, ...] the
+    clean latents; r: [B] from ``nft_reward_weight``. Returns (loss, metrics); the KL term is the caller's
+    (``prediction_kl``). Metrics: ``policy_loss`` (this loss; the authors' logged ``policy_loss`` is policy + KL,
+    because their ``loss += kl`` adds in place to the tensor whose detached view they log) and
+    ``unweighted_policy_loss`` (the batch mean before x adv_clip_max) as the authors; ``old_deviate_x0`` / ``old_deviate_x0_max`` are mean / max of (x0_policy - x0_old)^2 in
+    x0 space (the authors' ``old_deviate`` is in velocity space: ``prediction_kl(v_theta, v_old).mean()``, equal
+    to old_deviate_x0 / t^2 per sample for flow models); ``x0_norm`` / ``x0_norm_max`` of x0^2 as the authors;
+    ``positive_loss`` / ``negative_loss`` (batch means) and ``r_mean``.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    x0_old = x0_old.detach()
+    x0_positive = beta * x0_policy + (1 - beta) * x0_old
+    x0_negative = (1.0 + beta) * x0_old - beta * x0_policy
+    positive = _normalised_sq_error(x0_positive, x0)
+    negative = _normalised_sq_error(x0_negative, x0)
+    per_sample = r * positive / beta + (1.0 - r) * negative / beta
+    loss = (per_sample * adv_clip_max).mean()
+    deviation = (x0_policy.detach() - x0_old) ** 2
+    metrics = {
+        "policy_loss": loss.detach(),
+        "unweighted_policy_loss": per_sample.mean().detach(),
+        "positive_loss": positive.mean().detach(),
+        "negative_loss": negative.mean().detach(),
+        "r_mean": r.float().mean().detach(),
+        "old_deviate_x0": deviation.mean(),
+        "old_deviate_x0_max": deviation.max(),
+        "x0_norm": (x0.detach() ** 2).mean(),
+        "x0_norm_max": (x0.detach() ** 2).max(),
+    }
+    return loss, metrics
+
+
+def prediction_kl(prediction: torch.Tensor, reference_prediction: torch.Tensor) -> torch.Tensor:
+    """[B] mean over non-batch dims of (prediction - reference)^2: the authors' KL term in model-output space.
+
+    The trainer adds ``train_beta * prediction_kl(v_theta, v_ref).mean()`` (train.beta = 1e-4 in their configs);
+    the reference is detached here. ``prediction_kl(v_theta, v_old).mean()`` is their ``old_deviate``.
+    """
+    return ((prediction - reference_prediction.detach()) ** 2).mean(dim=_non_batch_dims(prediction))
+
+
+# ---------------------------------------------------------------- old policy, EMA, trained timesteps
+
+
+def old_policy_decay(step: int, schedule: str | int = "linear-0.5") -> float:
+    """The authors' return_decay: 0 before ``flat`` steps, then min((step - flat)*rate, ceiling).
+
+    ``schedule`` is a name of OLD_POLICY_SCHEDULES or the authors' decay_type (0, 1, 2):
+    "none" (0): always 0, the old policy becomes the current one after each epoch;
+    "linear-0.5" (1, their default): 0.001*step, capped at 0.5 (reached at step 500);
+    "delayed-linear-0.999" (2, their OCR config): 0 for step < 75, then 0.0075*(step - 75), capped at 0.999.
+    ``step`` is the number of optimiser steps taken so far (their global_step at the end of the epoch).
+    """
+    name = AUTHORS_DECAY_TYPES.get(schedule, schedule) if isinstance(schedule, int) else schedule
+    if name not in OLD_POLICY_SCHEDULES:
+        raise ValueError(f"unknown old-policy schedule {schedule!r}; valid: {', '.join(OLD_POLICY_SCHEDULES)}")
+    flat, rate, ceiling = OLD_POLICY_SCHEDULES[name]
+    if step < flat:
+        return 0.0
+    return min((step - flat) * rate, ceiling)
+
+
+def eval_ema_decay(step: int, max_decay: float = 0.9) -> float:
+    """The authors' evaluation EMA (flow_grpo/ema.py, decay 0.9): min((1 + step)/(10 + step), max_decay)."""
+    return min((1 + step) / (10 + step), max_decay)
+
+
+@torch.no_grad()
+def ema_update_(old_params: Iterable[torch.Tensor], params: Iterable[torch.Tensor], decay: float) -> None:
+    """In place, without gradient: old = decay*old + (1 - decay)*new, for each pair (strictly the same length)."""
+    for old, new in zip(old_params, params, strict=True):
+        old.copy_(old * decay + new.detach().to(old) * (1.0 - decay))
+
+
+def nft_num_train_timesteps(num_steps: int, timestep_fraction: float = 0.99) -> int:
+    """int(num_steps * timestep_fraction): how many grid timesteps each sample is trained on (9 of 10)."""
+    return int(num_steps * timestep_fraction)
+
+
+def nft_timestep_columns(batch: int, num_steps: int, timestep_fraction: float = 0.99,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, K] indices into the N-step sampling grid, K = nft_num_train_timesteps: per sample the first K of a
+    fresh random permutation of the grid (the authors' perms_time), so K distinct timesteps in random order."""
+    k = nft_num_train_timesteps(num_steps, timestep_fraction)
+    return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch)])
+
+
+# ---------------------------------------------------------------- the rollout solver
+
+
+def _log_snr(sigma: float) -> float:
+    """lambda = log((1 - sigma)/sigma); -inf at sigma = 1 (alpha = 0)."""
+    return -math.inf if sigma >= 1.0 else math.log(1.0 - sigma) - math.log(sigma)
+
+
+def dpm2_flow_step(sample: torch.Tensor, x0_pred: torch.Tensor, previous_x0_pred: torch.Tensor | None,
+                   sigmas: list[float], index: int) -> torch.Tensor:
+    """One step of the authors' "dpm2" deterministic solver (solver.py: multistep DPM-Solver++(2M) in x0 form,
+    alpha = 1 - sigma). s = sigmas[index], t = sigmas[index + 1], s1 = sigmas[index - 1]:
+
+    first step, last step (t = 0) or no previous x0: the DDIM/Euler step (1 - t)*x0 + t*(x - (1 - s)*x0)/s
+        (= x + (t - s)*v; the last step returns x0 itself);
+    otherwise, with lambda = log((1 - sigma)/sigma), h = lambda_t - lambda_s, h0 = lambda_s - lambda_s1:
+        x_next = (t/s)*x - (1 - t)*(exp(-h) - 1)*(x0 + 0.5*(h/h0)*(x0 - x0_previous)).
+    At s1 = 1 lambda is -inf, so h/h0 = 0: the step after sigma = 1 is first order, as in the authors' float64 maths.
+    """
+    s, t = sigmas[index], sigmas[index + 1]
+    last = index == len(sigmas) - 2
+    if index == 0 or last or previous_x0_pred is None:
+        return (1 - t) * x0_pred + t * (sample - (1 - s) * x0_pred) / s
+    lam_t, lam_s, lam_s1 = _log_snr(t), _log_snr(s), _log_snr(sigmas[index - 1])
+    h = lam_t - lam_s
+    ratio = 0.0 if math.isinf(lam_s1) else h / (lam_s - lam_s1)
+    return (t / s) * sample - (1 - t) * math.expm1(-h) * (x0_pred + 0.5 * ratio * (x0_pred - previous_x0_pred))
+
+
+def dpm2_flow_sample(velocity_fn: Callable[[torch.Tensor, float], torch.Tensor], latents: torch.Tensor,
+                     sigmas) -> torch.Tensor:
+    """The authors' rollout ODE solve (run_sampling(solver="dpm2", deterministic=True)); sigmas (N + 1, last 0).
+
+    ``velocity_fn(x, sigma)`` returns the model's velocity at x; the authors' SD3 call feeds the transformer
+    timestep = long(sigma * 1000), truncated. Steps run in float32 as theirs (x0 = x - sigma*v); returns x_N.
+    """
+    sigmas = [float(s) for s in torch.as_tensor(sigmas).tolist()]
+    dtype = latents.dtype
+    x, previous = latents, None
+    for index in range(len(sigmas) - 1):
+        x32 = x.float()
+        x0_pred = x32 - sigmas[index] * velocity_fn(x, sigmas[index]).float()
+        x = dpm2_flow_step(x32, x0_pred, previous, sigmas, index).to(dtype)
+        previous = x0_pred
+    return x
+
+
+class DiffusionNFT:
+    """DiffusionNFT's objective for the trainer (align/train/ddpo.py --algorithm nft), on every family.
+
+    The rollouts' final latents are x0; each trained step noises them with the step's own noise through the
+    sampler's forward process, and the trained, old (and, for the KL, reference) policies predict at that x_t with the
+    sampler's guidance (none with --guidance_scale 1, as the authors; with guidance the policy is the guided one, for
+    the old and the trained weights alike). The sampler maps each prediction to x0 (velocity, epsilon or v).
+    """
+
+    needs_log_probs = False
+    uses_old_policy = True
+    samples_with_old_policy = True
+    needs_forward_noise = True
+    zero_advantage_is_zero_loss = False
+
+    def __init__(self, sampler, beta: float, adv_clip_max: float, kl_coef: float, decay_schedule: str):
+        self.sampler, self.beta, self.adv_clip_max = sampler, beta, adv_clip_max
+        self.kl_coef, self.decay_schedule = kl_coef, decay_schedule
+
+    def old_policy_decay(self, step: int) -> float:
+        return old_policy_decay(step, self.decay_schedule)
+
+    def loss(self, models, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sampler, x0 = self.sampler, batch.final_latents.float()
+        noisy = sampler.noisy(x0, batch.noise, batch.timesteps)
+        prediction = models.predict(noisy, batch.timesteps, batch.cond, batch.uncond)
+        old = models.predict(noisy, batch.timesteps, batch.cond, batch.uncond, which="old")
+        r = nft_reward_weight(batch.advantages, self.adv_clip_max)
+        loss, metrics = nft_loss(sampler.x0(prediction, noisy, batch.timesteps), sampler.x0(old, noisy, batch.timesteps),
+                                 x0, r, self.beta, self.adv_clip_max)
+        if self.kl_coef > 0:
+            reference = models.predict(noisy, batch.timesteps, batch.cond, batch.uncond, which="reference")
+            kl = prediction_kl(prediction, reference).mean()
+            loss = loss + self.kl_coef * kl
+            metrics["kl_to_reference"] = kl.detach()
+        return loss, metrics
