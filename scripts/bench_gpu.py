@@ -1,6 +1,7 @@
 """GPU benchmark: SD v1.5-architecture models with random weights (no download), a fixed number of Diffusion-DPO
-(LoRA and full) and DDPO steps at 512 px in bf16, and for each: steps/s, peak GPU memory and model FLOPs utilisation
-(MFU) with the FLOPs COUNTED (torch.utils.flop_counter.FlopCounterMode on one step), not guessed.
+(LoRA and full) and DDPO steps at 512 px in bf16, and for each: steps/s, peak GPU memory, model FLOPs utilisation
+(MFU) and hardware FLOPs utilisation (HFU) with the FLOPs COUNTED (torch.utils.flop_counter.FlopCounterMode on one
+step), not guessed.
 
     python scripts/bench_gpu.py                         # a CUDA GPU; under 5 minutes on an A100/H100
     python scripts/bench_gpu.py --peak_tflops 989       # a GPU not in the table below
@@ -9,22 +10,30 @@
 
 What runs is the project's own code: the trainers' Accelerator set-up (align.train.accelerator.make_accelerator, bf16
 autocast on the prepared UNet), align.pipeline's LoRA / frozen reference / disabled adapter, align.train.losses for
-Diffusion-DPO, and for DDPO align.sampling.ddim.sample_with_logprob (the sampling phase) then align.train.ddpo's
-train_micro_batch (the PPO update) on those samples. Diffusion-DPO's step reads cached latents and text embeddings
+Diffusion-DPO, and for the online-RL steps (DDPO, Flow-GRPO, DiffusionNFT) align.train.ddpo itself: its sampler
+(ddpo.build_sampler: align.train.rollout's DDIMSampler / FlowSampler / ODESampler), its objective
+(ddpo.build_objective: PolicyGradient or DiffusionNFT), ddpo.PolicyModels (trained, adapter-off reference, old
+policy), and ddpo.plan_epoch + ddpo.train_epoch on a Rollout of the sampled batch, set up as ddpo.train sets it up
+(frozen weights in the compute dtype, LoRA in float32). Diffusion-DPO's step reads cached latents and text embeddings
 (as the trainer does after its first pass, or from the precomputed store), so its VAE and text encoder run once.
 
-SDXL, SD3.5 Medium and FLUX.1-dev steps (DPO LoRA; Flow-GRPO on the flow models) run the same way from their real
-configs: docs/scale.md ("GPU benchmark") lists them.
+SDXL, SD3.5 Medium and FLUX.1-dev steps (DPO LoRA; Flow-GRPO on the flow models; DiffusionNFT on SD3.5 Medium) run
+the same way from their real configs: docs/scale.md ("GPU benchmark") lists them.
 
-MFU = counted FLOPs per step x steps per second / the GPU's peak dense bf16 FLOP/s. The FLOP counter counts
-matmuls and convolutions (and attention) forward and backward, including gradient checkpointing's recomputation:
-it is the work the GPU did, so recomputation raises MFU without making training faster (said in the output).
+FLOPs, three ways, from one counted step (StepFlops):
+- counted: every matmul, convolution and attention FlopCounterMode saw, forward and backward, gradient
+  checkpointing's recomputation included (a LoRA backward skips the frozen weights' gradients, so it counts less);
+- model FLOPs (MFU): a forward without gradient once, a trained forward three times (forward + backward = 3x forward,
+  the usual convention), no recomputation: the counted FLOPs outside the backward calls plus 2x the trained forwards;
+- hardware FLOPs (HFU): the model FLOPs plus the trained forwards once more when gradient checkpointing recomputes them.
+MFU = model FLOPs per step x steps per second / the GPU's peak dense bf16 FLOP/s; HFU the same with hardware FLOPs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import sys
 import time
@@ -44,18 +53,19 @@ from diffusers import (
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from align.families.base import cat_conditioning, expand_conditioning, select_conditioning
+from align.families.base import cat_conditioning, expand_conditioning, guided_prediction
 from align.families.flux import Flux
 from align.families.sd import StableDiffusion
 from align.families.sd3 import StableDiffusion3
 from align.families.sdxl import StableDiffusionXL
 from align.pipeline import add_lora, disabled_adapter, frozen_copy
-from align.sampling.ddim import sample_with_logprob
-from align.sampling.flow import flow_grpo_kl, gaussian_log_prob, sample_flow_with_logprob, sde_step
 from align.testing.sd15 import SD15_UNET
-from align.train.accelerator import keep_default_attention, make_accelerator
-from align.train.ddpo import train_micro_batch
-from align.train.losses import ddpo_clipped_loss, diffusion_dpo_loss, per_sample_mse
+from align.train import ddpo
+from align.train.accelerator import adamw_class, keep_default_attention, make_accelerator
+from align.train.ddpo_config import DDPOConfig
+from align.train.losses import diffusion_dpo_loss, per_sample_mse
+from align.train.old_policy import OldPolicy
+from align.train.rollout import Rollout
 
 # Peak dense bf16 tensor FLOP/s (no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = {
@@ -230,6 +240,60 @@ def count_flops(step) -> int:
     return int(counter.get_total_flops())
 
 
+@dataclass(frozen=True)
+class StepFlops:
+    """One step's counted FLOPs and the two parts that turn them into model and hardware FLOPs."""
+
+    counted: int  # everything FlopCounterMode saw
+    backward: int  # of which inside the backward calls: the gradients and gradient checkpointing's recomputation
+    trained_forward: int  # the trained model's forward calls with gradient, each counted whole
+
+    @property
+    def model(self) -> int:
+        """Model FLOPs: what ran outside the backward (a no-grad forward once, a trained forward once) plus a backward
+        of two forwards for each trained forward (3x forward in all), whatever the backward really computed."""
+        return self.counted - self.backward + 2 * self.trained_forward
+
+    def hardware(self, checkpointing: bool) -> int:
+        """Model FLOPs plus gradient checkpointing's recomputed forward of each trained forward."""
+        return self.model + (self.trained_forward if checkpointing else 0)
+
+
+def count_step_flops(step, accelerator, trained: torch.nn.Module) -> StepFlops:
+    """Run ``step`` once under FlopCounterMode, noting the FLOPs counted inside ``accelerator.backward`` (every step's
+    backward goes through it) and inside ``trained``'s forward calls made with gradient enabled (its hooks; the
+    recomputation under checkpointing calls its blocks, not the model, so it is not among them)."""
+    counter = FlopCounterMode(display=False)
+    parts = {"backward": 0, "trained_forward": 0}
+    starts: list[int | None] = []
+
+    def before_forward(module, args):
+        starts.append(counter.get_total_flops() if torch.is_grad_enabled() else None)
+
+    def after_forward(module, args, output):
+        start = starts.pop()
+        if start is not None:
+            parts["trained_forward"] += counter.get_total_flops() - start
+
+    backward = accelerator.backward
+
+    def counted_backward(loss, **kwargs):
+        start = counter.get_total_flops()
+        backward(loss, **kwargs)
+        parts["backward"] += counter.get_total_flops() - start
+
+    hooks = [trained.register_forward_pre_hook(before_forward), trained.register_forward_hook(after_forward)]
+    accelerator.backward = counted_backward  # this instance only, for this one step
+    try:
+        with counter:
+            step()
+    finally:
+        del accelerator.backward
+        for hook in hooks:
+            hook.remove()
+    return StepFlops(int(counter.get_total_flops()), parts["backward"], parts["trained_forward"])
+
+
 def unet_forward_flops(models: Models, batch: int) -> int:
     """Counted FLOPs of one UNet forward on ``batch`` latents (a yardstick for the steps' counts)."""
     unet = models.fresh_unet()
@@ -365,90 +429,153 @@ def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpoint
     return step, train_model, optimizer
 
 
-# The authors' Flow-GRPO recipes (flow_grpo's SD3.5 and FLUX.1-dev configs): SD3 samples with classifier-free
-# guidance 4.5 and trains with a KL to the reference; FLUX.1-dev embeds guidance 3.5 (one forward a step) and has no KL.
-FLOW_GRPO_RECIPES = {
-    "sd3": dict(guidance=4.5, noise_level=0.7, kl_coef=0.04, lora_rank=32, vae=SD3_VAE),
-    "flux": dict(guidance=3.5, noise_level=0.9, kl_coef=0.0, lora_rank=64, vae=FLUX_VAE),
+# ----------------------------------------------------------------------------------------------
+# Online RL (DDPO, Flow-GRPO, DiffusionNFT): one epoch of align.train.ddpo on one sampling batch
+
+# The schedulers of the real models (scheduler/scheduler_config.json): SD3.5 a static shift of 3; FLUX.1-dev a shift
+# from the image's token count (its pipeline's calculate_shift, which the trainer's flow_sigmas applies).
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                      base_image_seq_len=256, max_image_seq_len=4096)
+
+# The authors' recipes, as the trainer's options. Flow-GRPO (flow_grpo's SD3.5 and FLUX.1-dev configs): SD3 samples
+# with classifier-free guidance 4.5 and trains with a KL to the reference, 9 of 10 steps; FLUX.1-dev embeds guidance
+# 3.5 (one forward a step) and has no KL. DiffusionNFT (NVlabs/DiffusionNFT config/nft.py, SD3.5 Medium): no CFG
+# (guidance 1), the ODE from the old policy, beta 1, KL 1e-4 to the reference, 9 of 10 steps. LoRA alpha 2 x rank.
+ONLINE_RL_RECIPES = {
+    "sd3_grpo": dict(options=dict(algorithm="ppo", guidance_scale=4.5, eta=0.7, kl_coef=0.04, timestep_fraction=0.99),
+                     lora_rank=32, vae=SD3_VAE, scheduler=SD3_SCHEDULER),
+    "flux_grpo": dict(options=dict(algorithm="ppo", guidance_scale=3.5, eta=0.9, kl_coef=0.0, timestep_fraction=0.99),
+                      lora_rank=64, vae=FLUX_VAE, scheduler=FLUX_SCHEDULER),
+    "sd3_nft": dict(options=dict(algorithm="nft", guidance_scale=1.0, kl_coef=1e-4, nft_beta=1.0, adv_clip_max=5.0,
+                                 old_policy_decay="linear-0.5", timestep_fraction=0.99),
+                    lora_rank=32, vae=SD3_VAE, scheduler=SD3_SCHEDULER),
 }
+# The DDPO paper's (ddpo-pytorch): DDIM eta 1, CFG 5, PPO clip 1e-4, no KL, every step trained.
+DDPO_OPTIONS = dict(algorithm="ppo", guidance_scale=5.0, eta=1.0, clip_range=1e-4, adv_clip_max=5.0, kl_coef=0.0)
 
 
-def flow_grpo_bench(arch: Arch, accelerator, tiny: bool, samples: int, inference_steps: int, checkpointing: bool,
-                    resolution: int | None):
-    """One Flow-GRPO step as the authors' SD3 / FLUX recipe (FLOW_GRPO_RECIPES): sample ``samples`` images with the
-    SDE sampler (align.sampling.flow, σ shift 3), decode them, then train every SDE step but the last
-    (timestep_fraction 0.99): the policy's step log-probability (SD3: CFG with the unconditional branch without
-    gradient; FLUX: the guidance embedding), the clipped ratio (align.train.losses.ddpo_clipped_loss) and, for SD3, the
-    KL to the adapter-off reference. LoRA on the family's targets (align.families), rank 4 when tiny."""
-    recipe = FLOW_GRPO_RECIPES[arch.kind]
+def online_rl_config(samples: int, inference_steps: int, precision: str, lora_rank: int, lora_alpha: float | None,
+                     **options) -> DDPOConfig:
+    """The trainer's options for an epoch of one sampling batch of ``samples`` images trained in one optimiser step,
+    one sample per micro-batch and one timestep per model call (the trainer's least memory)."""
+    return DDPOConfig(prompts="bench", mixed_precision=precision, samples_per_epoch=samples, sample_batch_size=samples,
+                      train_batch_size=1, gradient_accumulation_steps=samples, timestep_batch=1,
+                      num_inference_steps=inference_steps, lora_rank=lora_rank, lora_alpha=lora_alpha, **options)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype ddpo.train loads a LoRA run's frozen weights in."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+
+
+def cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module``'s weights in ``dtype``, as from_pretrained(torch_dtype=...) loads them for the trainer (torch's own
+    ``to``: diffusers' warns on every cast, even with no module to keep in float32)."""
+    return torch.nn.Module.to(module, dtype)
+
+
+def in_dtype(cond: dict, dtype: torch.dtype) -> dict:
+    """Conditioning as the text encoders give it in ``dtype`` (the trainer's encoders run in the compute dtype)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in cond.items()}
+
+
+def trainer_pipe(scheduler, vae, denoiser) -> SimpleNamespace:
+    """The pipeline attributes the trainer's sampler (ddpo.build_sampler, the family's flow_sigmas) and decoder (the
+    family's decode_latents) read; no text encoders: the conditioning is given."""
+    return SimpleNamespace(scheduler=scheduler, vae=vae, vae_scale_factor=8, unet=denoiser, transformer=denoiser)
+
+
+class OnlineRLStep:
+    """One epoch of align.train.ddpo on one sampling batch, set up as ddpo.train sets it up: the denoiser's frozen
+    weights in the compute dtype and a LoRA in float32, gradient checkpointing, the old policy where the objective keeps
+    one, AdamW through accelerate; ddpo.build_sampler / build_objective, ddpo.PolicyModels and ddpo.Update.
+
+    A call: sample the batch with the sampler (from the old policy where the objective samples with it, as
+    ddpo.collect_rollouts), decode it (the images a judge scores), draw random advantages, then ddpo.plan_epoch and
+    ddpo.train_epoch (the objective's loss on each trained step, backward, gradient clipping, AdamW) and the old
+    policy's update."""
+
+    def __init__(self, family, denoiser, config: DDPOConfig, accelerator, pipe, cond: dict, negative: dict,
+                 latent_shape: tuple[int, int, int], checkpointing: bool, resolution: int):
+        config.resolve_for_family(family.is_flow)
+        device = accelerator.device
+        self.sampler = ddpo.build_sampler(family, pipe, config, resolution, device)
+        self.objective = ddpo.build_objective(config, self.sampler)
+        cast(denoiser, compute_dtype(config.mixed_precision))
+        add_lora(denoiser, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=family.lora_targets)
+        for p in denoiser.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        if checkpointing:
+            denoiser.enable_gradient_checkpointing()
+        params = [p for p in denoiser.parameters() if p.requires_grad]
+        self.old_policy = OldPolicy(params) if self.objective.uses_old_policy else None
+        optimizer = adamw_class(config.use_8bit_adam)(params, lr=config.learning_rate, weight_decay=config.adam_weight_decay)
+        self.trained, self.optimizer = accelerator.prepare(denoiser, optimizer)
+        self.models = ddpo.PolicyModels(family, denoiser, self.trained, None, self.old_policy, config.guidance_scale,
+                                        accelerator.autocast, self.objective.samples_with_old_policy)
+        self.update = ddpo.Update(config, accelerator, self.models, self.objective, self.optimizer, params)
+        self.family, self.denoiser, self.config, self.accelerator, self.pipe = family, denoiser, config, accelerator, pipe
+        self.cond, self.negative, self.latent_shape = cond, negative, latent_shape
+        self.epoch, self.global_step = 0, 0
+
+    def __call__(self) -> None:
+        config, accelerator, family = self.config, self.accelerator, self.family
+        samples = config.sample_batch_size
+        gen = ddpo.epoch_generator(config.seed, self.epoch, ddpo.SAMPLE, 0, 0)
+        embeds = self.cond["prompt_embeds"]
+        self.denoiser.eval()
+        with torch.no_grad(), accelerator.autocast(), self.models.sampling(ddpo.sampling_merges_lora(config)) as denoiser:
+            noise = torch.randn((samples, *self.latent_shape), generator=gen).to(embeds.device, embeds.dtype)
+            uncond = expand_conditioning(self.negative, samples)
+
+            def predict(x, t):
+                return guided_prediction(family, denoiser, x, t, self.cond, uncond, config.guidance_scale)
+
+            steps = self.sampler.run(predict, noise, gen)
+            images = family.decode_latents(self.pipe, steps["final_latents"]).cpu()  # the images a judge scores
+        rollout = Rollout(prompts=["bench"] * samples, cond=self.cond, images=images, **steps)
+        self.denoiser.train()
+        advantages = torch.randn(samples, generator=gen).to(accelerator.device)
+        plan = ddpo.plan_epoch(config, rollout, self.epoch, 0, 1, 1, self.objective.needs_forward_noise)
+        self.global_step += ddpo.train_epoch(self.update, rollout, advantages, plan, self.negative, {})
+        if self.old_policy is not None:
+            self.old_policy.update(self.objective.old_policy_decay(self.global_step))
+        self.epoch += 1
+
+
+def flow_rl_bench(recipe_name: str, arch: Arch, accelerator, precision: str, tiny: bool, samples: int,
+                  inference_steps: int, checkpointing: bool, resolution: int | None):
+    """One online-RL epoch of an SD3 / FLUX-architecture denoiser with the authors' recipe (ONLINE_RL_RECIPES):
+    Flow-GRPO (the SDE sampler, PPO with the step log-probabilities; SD3: CFG with both halves differentiated and the
+    KL to the adapter-off reference; FLUX: the guidance embedding) or DiffusionNFT (the ODE from the old policy, the
+    trained, old and reference predictions at the forward process's x_t). LoRA rank as the recipe, 4 when tiny."""
+    recipe = ONLINE_RL_RECIPES[recipe_name]
     device = accelerator.device
     model = build_denoiser(arch, tiny, device)
+    family = family_of_arch(arch, model)
     rank = 4 if tiny else recipe["lora_rank"]
-    add_lora(model, rank=rank, alpha=2 * rank, target_modules=family_of_arch(arch, model).lora_targets)  # alpha 2r
-    params, train_model, optimizer = prepare_training(accelerator, model, checkpointing, lr=3e-4)
+    config = online_rl_config(samples, inference_steps, precision, rank, 2 * rank, **recipe["options"])
+    dtype = compute_dtype(precision)
     with torch.device(device):
-        vae = AutoencoderKL(**(TINY_SD3_VAE if tiny else recipe["vae"])).eval().requires_grad_(False)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    scheduler.set_timesteps(inference_steps)
-    sigmas = scheduler.sigmas.to(device)
+        vae = cast(AutoencoderKL(**(TINY_SD3_VAE if tiny else recipe["vae"])), dtype).eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(2)
     side = latent_side(arch, tiny, resolution)
-    cond = random_conditioning(arch, model, samples, side, tiny, device, gen)
-    if arch.kind == "flux":
-        cond["guidance"] = torch.full((samples,), recipe["guidance"], device=device)
-    uncond = random_conditioning(arch, model, 1, side, tiny, device, gen)
-    trained = max(1, int(inference_steps * 0.99))
-    noise_level, kl_coef = recipe["noise_level"], recipe["kl_coef"]
-
-    def guided(net, x, t, rows, grad: bool):
-        if arch.kind == "flux":  # guidance-distilled: one conditional forward
-            with torch.set_grad_enabled(grad):
-                return predict(arch, net, x, t, select_conditioning(cond, rows)).float()
-        with torch.no_grad():  # the unconditional branch carries no gradient (the authors' train_sd3.py)
-            v_u = predict(arch, net, x, t, expand_conditioning(uncond, len(x)))
-        with torch.set_grad_enabled(grad):
-            v_c = predict(arch, net, x, t, select_conditioning(cond, rows))
-        return v_u.float() + recipe["guidance"] * (v_c.float() - v_u.float())
-
-    def step():
-        model.eval()
-        with torch.no_grad(), accelerator.autocast():
-            all_rows = torch.arange(samples)
-            noise = torch.randn((samples, latent_channels(arch, model), side, side), generator=gen).to(device)
-            trajectory = sample_flow_with_logprob(lambda x, t: guided(model, x, t, all_rows, False), noise, sigmas,
-                                                  window=None, noise_level=noise_level, generator=None)
-            latents = trajectory.final_latents / vae.config.scaling_factor + vae.config.shift_factor
-            vae.decode(latents.to(next(vae.parameters()).dtype))  # the images a judge scores
-        model.train()
-        advantages = torch.randn(samples, generator=gen).to(device)
-        for i in range(samples):
-            for j in range(trained):
-                x, x_next = trajectory.latents[i : i + 1, j], trajectory.next_latents[i : i + 1, j]
-                t = trajectory.timesteps[j].reshape(1)
-                rows = torch.tensor([i])
-                last = i == samples - 1 and j == trained - 1
-                with contextlib.nullcontext() if last else accelerator.no_sync(train_model):
-                    with accelerator.autocast():
-                        velocity = guided(train_model, x, t, rows, True)
-                    sde = sde_step(x, velocity, sigmas[j], sigmas[j + 1], float(sigmas[1]), noise_level)
-                    log_prob = gaussian_log_prob(x_next, sde.mean, sde.std)
-                    loss, _ = ddpo_clipped_loss(log_prob, trajectory.log_probs[i : i + 1, j], advantages[i : i + 1], 1e-4)
-                    if kl_coef:
-                        with torch.no_grad(), accelerator.autocast(), disabled_adapter(model) as ref:
-                            ref_mean = sde_step(x, guided(ref, x, t, rows, False), sigmas[j], sigmas[j + 1],
-                                                float(sigmas[1]), noise_level).mean
-                        loss = loss + kl_coef * flow_grpo_kl(sde.mean, ref_mean, sde.sde_sigma).mean()
-                    accelerator.backward(loss / (samples * trained))
-        optimiser_step(accelerator, params, optimizer)
-
-    return step, train_model, optimizer, vae
+    cond = in_dtype(random_conditioning(arch, model, samples, side, tiny, device, gen), dtype)
+    negative = in_dtype(random_conditioning(arch, model, 1, side, tiny, device, gen), dtype)
+    pipe = trainer_pipe(FlowMatchEulerDiscreteScheduler(**recipe["scheduler"]), vae, model)
+    step = OnlineRLStep(family, model, config, accelerator, pipe, cond, negative,
+                        (latent_channels(arch, model), side, side), checkpointing, side * 8)
+    return step, step.trained, step.optimizer, vae
 
 
-def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak: float | None, work: str) -> dict:
-    """Warm up, count one step's FLOPs, time ``steps`` steps, read the peak memory."""
+def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak: float | None, work: str,
+            accelerator, trained: torch.nn.Module, checkpointing: bool) -> dict:
+    """Warm up, count one step's FLOPs (StepFlops), time ``steps`` steps, read the peak memory."""
     for _ in range(warmup):
         step()
-    flops = count_flops(step)
+    flops = count_step_flops(step, accelerator, trained)
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -457,12 +584,18 @@ def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak
         step()
     synchronize(device)
     seconds = time.perf_counter() - start
-    result = {"bench": name, "work_per_step": work, "steps": steps, "steps_per_s": steps / seconds,
-              "flops_per_step": flops, "achieved_tflops": flops * steps / seconds / 1e12}
+    per_s = steps / seconds
+    hardware = flops.hardware(checkpointing)
+    result = {"bench": name, "work_per_step": work, "steps": steps, "steps_per_s": per_s,
+              "flops_per_step": flops.counted, "backward_flops_per_step": flops.backward,
+              "trained_forward_flops_per_step": flops.trained_forward, "model_flops_per_step": flops.model,
+              "hardware_flops_per_step": hardware, "achieved_tflops": flops.counted * per_s / 1e12,
+              "model_tflops": flops.model * per_s / 1e12, "hardware_tflops": hardware * per_s / 1e12}
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if peak:
-        result["mfu"] = result["achieved_tflops"] / peak
+        result["mfu"] = result["model_tflops"] / peak
+        result["hfu"] = result["hardware_tflops"] / peak
     return result
 
 
@@ -501,42 +634,25 @@ def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpoint
     return step, unet, optimizer
 
 
-def ddpo_bench(models: Models, accelerator, samples: int, inference_steps: int, checkpointing: bool, lora_rank: int):
-    """One DDPO step: sample ``samples`` images with per-step log-probabilities (CFG 5, eta 1, LoRA), decode them,
-    then one PPO update on every sampled timestep through align.train.ddpo.train_micro_batch."""
+def ddpo_bench(models: Models, accelerator, precision: str, samples: int, inference_steps: int, checkpointing: bool,
+               lora_rank: int):
+    """One DDPO epoch (OnlineRLStep): sample ``samples`` images with stochastic DDIM (CFG 5, eta 1, LoRA), decode them,
+    then one PPO update on every sampled timestep (both halves of the guided prediction differentiated)."""
     unet = models.fresh_unet()
-    add_lora(unet, rank=lora_rank)
-    params, train_unet, optimizer = prepare_training(accelerator, unet, checkpointing, lr=3e-4)
-    config = SimpleNamespace(timestep_batch=1, guidance_scale=5.0, eta=1.0, clip_range=1e-4, adv_clip_max=5.0, kl_coef=0.0)
+    config = online_rl_config(samples, inference_steps, precision, lora_rank, None, **DDPO_OPTIONS)
+    dtype = compute_dtype(precision)
+    vae = cast(copy.deepcopy(models.vae), dtype)  # the trainer's VAE is in the compute dtype; the DPO benches keep theirs
     gen = torch.Generator().manual_seed(2)
-    embeds = models.text_embeddings(samples, gen)
-    negative = models.text_embeddings(1, gen)
+    cond = {"prompt_embeds": models.text_embeddings(samples, gen).to(dtype)}
+    negative = {"prompt_embeds": models.text_embeddings(1, gen).to(dtype)}
     channels, size = models.unet_config["in_channels"], models.unet_config["sample_size"]
-
-    def step():
-        unet.eval()
-        with torch.no_grad(), accelerator.autocast():
-            noise = torch.randn((samples, channels, size, size), generator=gen).to(embeds.device, embeds.dtype)
-            trajectory = sample_with_logprob(unet, models.scheduler, embeds, negative.expand(samples, -1, -1),
-                                             num_inference_steps=inference_steps, guidance_scale=5.0, eta=1.0,
-                                             latents=noise, generator=gen)
-            models.vae.decode(trajectory.final_latents / models.vae.config.scaling_factor)  # the images a judge scores
-        unet.train()
-        batch = {"cond": {"prompt_embeds": embeds}, "all_latents": trajectory.all_latents, "timesteps": trajectory.timesteps,
-                 "log_probs": trajectory.log_probs, "advantages": torch.randn(samples, generator=gen).to(embeds.device)}
-        order = torch.stack([torch.randperm(inference_steps, generator=gen) for _ in range(samples)])
-        stats: dict = {}
-        for i in range(samples):  # one sample per micro-batch, every timestep: the paper's update
-            train_micro_batch(config, accelerator, train_unet, unet, None, models.scheduler, batch,
-                              {"prompt_embeds": negative}, stats,
-                              disabled_adapter, torch.tensor([i]), order, per_update=samples,
-                              last_of_update=i == samples - 1)
-        optimiser_step(accelerator, params, optimizer)
-
-    return step, train_unet, optimizer
+    step = OnlineRLStep(StableDiffusion(), unet, config, accelerator, trainer_pipe(models.scheduler, vae, unet), cond,
+                        negative, (channels, size, size), checkpointing, models.resolution)
+    return step, step.trained, step.optimizer, vae
 
 
-BENCHES = ("dpo_lora", "dpo_full", "ddpo_lora", "sdxl_dpo_lora", "sd35m_dpo_lora", "sd35m_grpo_lora", "flux_grpo_lora")
+BENCHES = ("dpo_lora", "dpo_full", "ddpo_lora", "sdxl_dpo_lora", "sd35m_dpo_lora", "sd35m_grpo_lora", "sd35m_nft_lora",
+           "flux_grpo_lora")
 # The forwards the one-GPU recipes' estimates use (configs/*_1gpu.yaml, configs/sdxl_*, sd35_*, flux_*).
 RECIPE_FORWARDS = "sd15:512,sdxl:1024,sd35m:512,sd35m:1024,sd35l:1024,flux-dev:512,flux-dev:1024"
 
@@ -569,10 +685,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s (else the table)")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated benchmarks to run, of {', '.join(BENCHES)}")
     parser.add_argument("--resolution", type=int, default=None,
-                        help="pixels for the SDXL / SD3.5 / FLUX benchmarks (default: 1024 for DPO, 512 for Flow-GRPO as the "
-                             "authors' recipe; SD v1.5's benchmarks stay at 512)")
+                        help="pixels for the SDXL / SD3.5 / FLUX benchmarks (default: 1024 for DPO, 512 for Flow-GRPO and "
+                             "DiffusionNFT as the authors' recipes; SD v1.5's benchmarks stay at 512)")
     parser.add_argument("--grpo_samples", type=int, default=4, help="Flow-GRPO images sampled and trained per step")
     parser.add_argument("--grpo_inference_steps", type=int, default=10, help="SDE steps per Flow-GRPO sample (authors: 10)")
+    parser.add_argument("--nft_samples", type=int, default=4, help="DiffusionNFT images sampled and trained per step")
+    parser.add_argument("--nft_inference_steps", type=int, default=10, help="ODE steps per DiffusionNFT sample (authors: 10)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--count_forward", nargs="?", const="sd15:512", default=None, metavar="ARCH:PX,...",
                         help="only count one denoiser forward per image on the meta device (any machine) and exit; "
@@ -609,34 +727,46 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "images, cached latents)")
         elif bench in ("sd35m_grpo_lora", "flux_grpo_lora"):
             arch = ARCHS["sd35m" if bench == "sd35m_grpo_lora" else "flux-dev"]
-            step, *held = flow_grpo_bench(arch, accelerator, args.tiny, args.grpo_samples, args.grpo_inference_steps,
-                                          checkpointing, args.resolution or 512)
+            recipe = "sd3_grpo" if arch.kind == "sd3" else "flux_grpo"
+            step, *held = flow_rl_bench(recipe, arch, accelerator, precision, args.tiny, args.grpo_samples,
+                                        args.grpo_inference_steps, checkpointing, args.resolution or 512)
             side = latent_side(arch, args.tiny, args.resolution or 512)
-            how = ("with CFG", "policy with CFG + adapter-off reference for the KL") if arch.kind == "sd3" else \
-                  ("with the guidance embedding", "policy only: no CFG, no KL")
+            how = ("with CFG", "policy with CFG, both halves with gradient, + adapter-off reference for the KL") \
+                if arch.kind == "sd3" else ("with the guidance embedding", "policy only: no CFG, no KL")
             work = (f"{args.grpo_samples} images x {args.grpo_inference_steps} SDE steps at {side}x{side} latents sampled "
                     f"{how[0]}, decoded, then trained on {max(1, int(args.grpo_inference_steps * 0.99))} steps each "
                     f"({how[1]})")
+        elif bench == "sd35m_nft_lora":
+            arch = ARCHS["sd35m"]
+            step, *held = flow_rl_bench("sd3_nft", arch, accelerator, precision, args.tiny, args.nft_samples,
+                                        args.nft_inference_steps, checkpointing, args.resolution or 512)
+            side = latent_side(arch, args.tiny, args.resolution or 512)
+            work = (f"{args.nft_samples} images x {args.nft_inference_steps} ODE steps at {side}x{side} latents sampled by "
+                    f"the old policy (no CFG), decoded, then trained on {max(1, int(args.nft_inference_steps * 0.99))} "
+                    "steps each (policy fwd+bwd, old-policy and adapter-off reference fwd at the noised final latents)")
         elif bench in ("dpo_lora", "dpo_full"):
             step, *held = dpo_bench(models, accelerator, bench.split("_")[1], args.pairs, checkpointing, args.lora_rank)
             work = f"{args.pairs} pairs (policy fwd+bwd and reference fwd on {2 * args.pairs} images)"
         elif bench == "ddpo_lora":
-            step, *held = ddpo_bench(models, accelerator, args.ddpo_samples, args.ddpo_inference_steps, checkpointing,
-                                     args.lora_rank)
+            step, *held = ddpo_bench(models, accelerator, precision, args.ddpo_samples, args.ddpo_inference_steps,
+                                     checkpointing, args.lora_rank)
             work = (f"{args.ddpo_samples} images x {args.ddpo_inference_steps} DDIM steps sampled with CFG, decoded, "
-                    "then trained on every step")
-        result = measure(bench, step, steps, warmup, device, peak, work)
+                    "then trained on every step (CFG, both halves with gradient)")
+        trained = accelerator.unwrap_model(held[0])
+        result = measure(bench, step, steps, warmup, device, peak, work, accelerator, trained, checkpointing)
         results.append(result)
-        mfu = f" | MFU {100 * result['mfu']:.1f}%" if "mfu" in result else ""
+        utilisation = f" | MFU {100 * result['mfu']:.1f}% | HFU {100 * result['hfu']:.1f}%" if "mfu" in result else ""
         memory = f" | peak memory {result['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in result else ""
-        print(f"[bench] {bench}: {result['steps_per_s']:.3f} steps/s | {result['flops_per_step'] / 1e9:,.4g} GFLOP per step "
-              f"(counted) | {result['achieved_tflops']:.4g} TFLOP/s{memory}{mfu} | step = {work}", flush=True)
-        del step, held
+        print(f"[bench] {bench}: {result['steps_per_s']:.3f} steps/s | GFLOP per step: {result['model_flops_per_step'] / 1e9:,.4g} "
+              f"model, {result['hardware_flops_per_step'] / 1e9:,.4g} hardware, {result['flops_per_step'] / 1e9:,.4g} counted "
+              f"| {result['model_tflops']:.4g} model TFLOP/s{memory}{utilisation} | step = {work}", flush=True)
+        del step, held, trained
         accelerator.free_memory()
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
-    if checkpointing:
-        print("[bench] the FLOPs include gradient checkpointing's recomputed forward (work done, not useful work)")
+    print("[bench] model FLOPs (MFU): a trained forward x3 (forward + backward), a forward without gradient x1; hardware "
+          f"FLOPs (HFU): {'plus gradient checkpointing recomputing each trained forward' if checkpointing else 'the same (no gradient checkpointing)'}; "
+          "counted: what FlopCounterMode saw (a LoRA backward skips the frozen weights' gradients)")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "peak_tflops": peak, "results": results}, indent=1))
     return results

@@ -18,6 +18,18 @@ log-density averaged (not summed) over the non-batch dimensions, as the authors 
 do. The KL term the authors train with is ``mean((mean_θ - mean_ref)²) / (2·s²)``, i.e. the exact
 KL of the two step Gaussians times |Δσ| (see ``flow_grpo_kl`` and docs/families.md).
 
+Flow-CPS (coefficients-preserving sampling, the authors' ``sde_type="cps"``, used by their current Fast configs)
+is another Gaussian step (``cps_step``): std σ_next·sin(a·π/2), and a mean that keeps x_σ's coefficients, with a
+"log-probability" that is only -mean((x - mean)²) (``cps_log_prob``). Their KL is the same expression with the CPS
+std in place of s (``flow_grpo_kl(mean, ref_mean, cps_step(...).sde_sigma)``), which for CPS is the exact KL.
+
+Flow-GRPO-Fast's pipeline (sd3_pipeline_with_logprob_fast.py, read in a fork's copy: zhtmike/flow_grpo @ 3d02fd9)
+runs SDE (or CPS) steps only inside a window of ``sde_window_size`` steps whose start is uniform in
+[range_start, range_end - size] (drawn once per sampling call), Euler steps elsewhere, and trains the window's
+steps. Without a window (``sde_window_size = 0``) the window is (0, N - 1): every step is stochastic except the
+last, an ODE step that is not trained (the authors: the last step's Gaussian is so sharp that its probability
+overflows); train_sd3_fast.py then trains N - 1 steps.
+
 Everything here is pure tensor maths in float32 (the authors cast to fp32 because bf16 overflows
 in the mean); nothing loads a model.
 """
@@ -111,8 +123,13 @@ def gaussian_kl(mean_p, std_p, mean_q, std_q) -> torch.Tensor:
 def flow_grpo_kl(mean_policy, mean_reference, sde_sigma_value) -> torch.Tensor:
     """The KL penalty of the authors' train_sd3.py: mean((μ_θ - μ_ref)²) / (2·s²) -> [B].
 
-    Both steps share the std s·√(-Δσ), so the exact KL is mean((μ_θ - μ_ref)²) / (2·s²·|Δσ|):
-    the authors' value is the exact one times |Δσ| (a per-step weight that shrinks with the step).
+    Their ``kl_loss = ((prev_sample_mean - prev_sample_mean_ref) ** 2).mean(dim=(1,2,3)) / (2 * std_dev_t ** 2)``,
+    averaged over the batch and weighted by beta (train_sd3.py / train_sd3_fast.py @ 74db691, for both step kinds).
+    SDE steps: both Gaussians share the std s·√(-Δσ) and ``std_dev_t`` is s, so the exact KL is
+    mean((μ_θ - μ_ref)²) / (2·s²·|Δσ|): the authors' value is the exact one times |Δσ| (a per-step weight
+    that shrinks with the step). CPS steps: ``std_dev_t`` is the step's std σ_next·sin(a·π/2) itself (``cps_step``'s
+    ``sde_sigma``), so the same formula is the exact KL; it divides by zero at the last step (σ_next = 0), which
+    the authors' CPS configs never train (their windows end before it).
     """
     squared = (mean_policy.float() - mean_reference.float()) ** 2
     per_sample = squared.mean(dim=tuple(range(1, squared.ndim)))
@@ -201,17 +218,40 @@ def sample_flow_with_logprob(
 
 
 def cps_step(sample, velocity, sigma, sigma_next, noise_level: float) -> FlowStep:
-    """Flow-CPS (coefficients-preserving): std σ_next·sin(a·π/2), mean (1-σ_next)·x̂0 + √(σ_next² - std²)·x̂1."""
+    """One Flow-CPS step from ``sigma`` to ``sigma_next`` as a Gaussian (coefficients-preserving sampling).
+
+    With the predicted image x̂0 = x - σ·v and the predicted noise x̂1 = x + (1 - σ)·v:
+
+        std  = σ_next·sin(a·π/2)
+        mean = (1 - σ_next)·x̂0 + √(σ_next² - std²)·x̂1      (√(σ_next² - std²) = σ_next·cos(a·π/2))
+
+    so x_next = mean + std·z keeps x_σ = (1 - σ)·x0 + σ·ε's coefficients: 1 - σ_next on the image and σ_next in
+    all on the noise (the predicted part and the fresh part in quadrature). a = 0 is the Euler step, a = 1 draws
+    entirely fresh noise. The authors' ``sde_step_with_logprob(..., sde_type="cps")`` (yifan123/flow_grpo,
+    flow_grpo/diffusers_patch/sd3_sde_with_logprob.py @ 54809b5), computed the same way in float32.
+
+    ``sde_sigma`` is filled with the std itself: that is the ``std_dev_t`` the authors return for CPS and what
+    their KL term divides by, so ``flow_grpo_kl(mean, ref_mean, step.sde_sigma)`` is their KL for CPS too. The std
+    is 0 at the last step (σ_next = 0): the step is then deterministic, mean = x̂0.
+    """
     x = sample.float()
     v = velocity.float()
     sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     std = sigma_next * math.sin(noise_level * math.pi / 2)
-    x0, x1 = x - sigma * v, x + (1 - sigma) * v
-    mean = x0 * (1 - sigma_next) + x1 * torch.sqrt(sigma_next**2 - std**2)
+    predicted_image = x - sigma * v
+    predicted_noise = x + (1 - sigma) * v
+    # the authors' √(σ_next² - std²) rather than σ_next·cos(a·π/2): the same number, rounded as theirs
+    mean = predicted_image * (1 - sigma_next) + predicted_noise * torch.sqrt(sigma_next**2 - std**2)
     return FlowStep(mean=mean, std=std, sde_sigma=std)
 
 
 def cps_log_prob(x, mean) -> torch.Tensor:
-    """The authors' CPS log-probability: -mean((x - mean)²) over the non-batch dimensions, no constants."""
-    squared = (x.detach().float() - mean) ** 2
+    """The authors' CPS "log-probability": -mean((x - mean)²) over the non-batch dimensions -> [B].
+
+    No division by the std and no constants (their "remove all constants"). For two means of the same step it
+    differs from the Gaussian log-density by the factor 2·std² only, so under CPS the PPO ratio is
+    exp(2·std²·Δlog N): much flatter than the SDE's (the authors' CPS configs clip it at 1e-5). It stays finite at
+    the last step, where the std is 0. The sample is data: the gradient flows through ``mean`` only.
+    """
+    squared = (x.detach().float() - mean.float()) ** 2
     return -squared.mean(dim=tuple(range(1, squared.ndim)))

@@ -7,7 +7,11 @@
   in this batch only (the group of samples drawn for one prompt).
 - ``group-mean`` (Dr. GRPO): the reward minus its group's mean, not divided by the group's std, so a
   group whose rewards differ by a little does not weigh as much as one whose rewards differ by a lot.
+- ``global-std`` (Flow-GRPO as its authors run it): the reward minus its group's mean, divided by the std of
+  all the batch's rewards (+ 1e-4), so every group is measured on the same scale.
 - ``batch``: normalised by the whole batch's mean and std.
+
+``kept_sample_mask`` is Flow-GRPO's rule for which samples the update trains on (the zero-advantage filter).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import torch
 
-MODES = ("per-prompt", "group", "group-mean", "batch")
+MODES = ("per-prompt", "group", "group-mean", "global-std", "batch")
 EPS = 1e-6  # guards the division when a reference set's std is tiny
+GLOBAL_STD_EPS = 1e-4  # Flow-GRPO's stat_tracking.py adds 1e-4 to its std
 
 
 def centre(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -46,6 +52,8 @@ def group_advantages(prompts: list[str], rewards: np.ndarray, divide_by_std: boo
     """(r - mean of its prompt's group) / (std of the group + eps), within this batch.
 
     divide_by_std=False: r - mean of the group only (Dr. GRPO).
+    Flow-GRPO's own per-group mode (``global_std=False``) divides by the group's std + 1e-4 (not + 1e-6), and a
+    tied group is not special-cased there (its r - mean is 0 for float32 rewards, float dust / 1e-4 at worst).
     """
     rewards = np.asarray(rewards, dtype=np.float64)
     prompts_arr = np.asarray(prompts, dtype=object)
@@ -55,6 +63,61 @@ def group_advantages(prompts: list[str], rewards: np.ndarray, divide_by_std: boo
         mask = prompts_arr == prompt
         advantages[mask] = normalise(rewards[mask], rewards[mask])
     return advantages
+
+
+def global_std_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray:
+    """(r - mean of its prompt's rewards in this batch) / (std of all the batch's rewards + 1e-4).
+
+    Flow-GRPO's ``PerPromptStatTracker(global_std=True).update`` (yifan123/flow_grpo flow_grpo/stat_tracking.py
+    @ 94e23ee), as train_sd3.py calls it: once per epoch on the rewards of every process's samples, the tracker
+    cleared after each call, so the mean is over this batch's rewards of the prompt only. The std is numpy's
+    population std (ddof 0) of all the batch's rewards. A prompt with a single sample gets 0 (its reward minus
+    itself), as does a group of tied rewards. Here tied groups give exactly 0 always; the authors' r - mean is
+    exactly 0 too for their trainer's rewards (float32 values, whose tied means are exact in float64), but float
+    dust for float64 rewards whose tied mean is inexact (three 0.1s: ~1e-17 / (std + 1e-4)), which their
+    zero-advantage filter would keep.
+    """
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if len(prompts) != len(rewards):
+        raise ValueError(f"got {len(prompts)} prompts for {len(rewards)} rewards")
+    scale = np.std(rewards) + GLOBAL_STD_EPS
+    prompts_arr = np.asarray(prompts, dtype=object)
+    advantages = np.zeros_like(rewards)
+    for prompt in dict.fromkeys(prompts):
+        mask = prompts_arr == prompt
+        advantages[mask] = centre(rewards[mask], rewards[mask]) / scale
+    return advantages
+
+
+def kept_sample_mask(advantages, num_batches: int, generator: torch.Generator | None = None) -> np.ndarray:
+    """Which of this process's samples Flow-GRPO's update trains on: [N] bool.
+
+    The authors' rule (train_sd3.py and train_sd3_fast.py @ 74db691, on each process's own samples after the
+    advantages are ungathered): a sample is kept when its advantage is nonzero (any |advantage| over the time
+    dimension, when ``advantages`` is [N, T]). When the kept count k is not a multiple of ``num_batches`` (their
+    ``sample.num_batches_per_epoch``, the number of training batches the kept samples are re-cut into),
+    num_batches - k % num_batches of the dropped samples are kept too, drawn uniformly without replacement
+    (``torch.randperm`` over the dropped indices in index order, from ``generator`` or torch's global RNG as
+    theirs), so the kept samples split into num_batches equal batches. When no sample has a nonzero advantage,
+    train_sd3_fast.py keeps num_batches of them at random (its ``or true_count == 0``), which this does;
+    train_sd3.py keeps none, and its re-batching of zero samples then fails. (If fewer samples were dropped than
+    are missing, nothing is added, as theirs; it cannot happen when N is a multiple of num_batches, as it is there.)
+
+    In the update every kept sample counts alike: each batch's loss is the mean over its kept samples of the
+    clipped surrogate plus beta·KL, so a zero-advantage sample kept to fill a batch adds 0 to the policy term but
+    counts in the mean and adds its full KL term; dropped samples take no part at all (no policy term, no KL).
+    """
+    if num_batches < 1:
+        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    adv = torch.as_tensor(np.asarray(advantages, dtype=np.float64))
+    keep = adv.abs().reshape(len(adv), -1).sum(dim=1) != 0
+    count = int(keep.sum())
+    if count % num_batches != 0 or count == 0:
+        dropped = torch.where(~keep)[0]
+        missing = num_batches - count % num_batches
+        if len(dropped) >= missing:
+            keep[dropped[torch.randperm(len(dropped), generator=generator)[:missing]]] = True
+    return keep.numpy()
 
 
 class PerPromptStatTracker:
@@ -113,6 +176,8 @@ def compute_advantages(
         return group_advantages(prompts, rewards)
     if mode == "group-mean":
         return group_advantages(prompts, rewards, divide_by_std=False)
+    if mode == "global-std":
+        return global_std_advantages(prompts, rewards)
     if mode == "batch":
         return batch_advantages(rewards)
     raise ValueError(f"unknown advantage mode {mode!r}; valid: {', '.join(MODES)}")
