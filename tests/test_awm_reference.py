@@ -10,17 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from align.sampling.forward import flow_noised
 from align.train.awm import (
+    AdvantageWeightedMatching,
     awm_kl,
     awm_log_prob,
-    awm_noised_latents,
     awm_policy_loss,
     awm_std_dev_t,
     awm_timestep_indices,
-    awm_train_timesteps,
-    ema_blend,
     ema_kl_decay,
 )
+from align.train.ddpo import train_timestep_indices
+from align.train.old_policy import OldPolicy
+from align.train.rollout import ODESampler, TrainBatch
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "awm_reference.json").read_text())
 # the authors' option names -> ours
@@ -104,16 +106,24 @@ def test_timestep_indices_and_values_match_the_authors_draw(case):
     indices = awm_timestep_indices(case["num_steps"], case["train_timesteps"], generator,
                                    timestep_fraction=case["timestep_fraction"], time_type=TIME_TYPE[case["time_type"]])
     assert indices.tolist() == case["t_indices"]
-    t = awm_train_timesteps(torch.tensor(case["grid"]), indices, case["batch_size"])
+    t = (torch.tensor(case["grid"])[indices] / 1000).repeat_interleave(case["batch_size"])  # timestep-major rows
     assert t.tolist() == case["timesteps"]
+    if case["time_type"] == "discrete" and case["timestep_fraction"] == 0.9:  # the trainer's --timestep_selection stratified
+        ours = train_timestep_indices(1, case["num_steps"], case["train_timesteps"], "stratified",
+                                      torch.Generator().manual_seed(case["seed"]))
+        assert ours[0].tolist() == case["t_indices"]
 
 
 @pytest.mark.parametrize("case", REFERENCE["ema"], ids=lambda c: f"{c['schedule']}-{c['global_step']}")
 def test_ema_adapter_update_matches_the_authors(case):
     decay = ema_kl_decay(case["global_step"], case["kl_ema_decay"], case["schedule"])
     assert decay == pytest.approx(case["decay"], rel=1e-12, abs=1e-15)
-    for ema, current, updated in zip(case["ema"], case["current"], case["updated"]):
-        _close(ema_blend(_tensor(ema), _tensor(current), decay), updated)
+    params = [torch.nn.Parameter(_tensor(current)) for current in case["current"]]
+    ema = OldPolicy(params)  # the trainer's EMA ("ema" adapter) policy
+    ema.load_state_dict({str(i): _tensor(value) for i, value in enumerate(case["ema"])})
+    ema.update(decay)
+    for ours, updated in zip(ema.tensors, case["updated"]):
+        _close(ours, updated)
 
 
 def test_on_policy_gradient_is_the_advantage_weighted_log_prob_gradient():
@@ -141,7 +151,7 @@ def test_weightings_relate_as_their_formulas():
 
 def test_forward_process_and_schedules():
     clean, noise = torch.ones(2, 3), torch.zeros(2, 3)
-    assert awm_noised_latents(clean, noise, torch.tensor([0.25, 1.0])).tolist() == [[0.75] * 3, [0.0] * 3]
+    assert flow_noised(clean, noise, torch.tensor([0.25, 1.0])).tolist() == [[0.75] * 3, [0.0] * 3]
     assert ema_kl_decay(120, 0.3, "linear") == pytest.approx(0.12) and ema_kl_decay(10**6, 0.3, "linear") == 0.3
     assert ema_kl_decay(7, 0.3, "constant") == 0.3
     # the recipe: 6 timesteps of 14, below index 12; GenEval/OCR never train the grid's first (t = 1) step
@@ -150,3 +160,44 @@ def test_forward_process_and_schedules():
         assert indices[0] == 1 and indices.max() < 12 and bool((indices.diff() > 0).all())
         first = awm_timestep_indices(14, 6, torch.Generator().manual_seed(seed), 0.9, "discrete-with-init")
         assert first[0] == 0 and len(first) == 6
+
+
+class RecordedOutputs:
+    """The trainer's ``models`` for the recorded step: the authors' policy, base and EMA velocities, reordered from
+    their timestep-major rows (k·B + b) to the trainer's sample-major ones (b·T + k)."""
+
+    def __init__(self, case, output, steps, batch):
+        def ours(values):
+            return values.reshape(steps, batch, *values.shape[1:]).transpose(0, 1).reshape(values.shape)
+
+        self.ours = ours
+        self.outputs = {"policy": ours(output), "reference": ours(_tensor(case["ref_output"])),
+                        "old": ours(_tensor(case["ema_output"]))}
+
+    def predict(self, latents, timesteps, cond, uncond, which="policy"):
+        return self.outputs[which]
+
+
+@pytest.mark.parametrize("case", [c for c in REFERENCE["steps"] if c["on_policy"]], ids=lambda c: c["name"])
+def test_the_trainers_objective_matches_the_authors_on_policy_step(case):
+    # AWM's objective as the trainer runs it (its recipes' on-policy step): forward process and target from the
+    # sampler, the log-probability, the policy loss at ratio 1, the KL to the base and to the EMA policy.
+    t = _tensor(case["t"])
+    batch = len(case["advantages"])
+    steps = len(t) // batch
+    output = _tensor(case["model_output"]).requires_grad_(True)
+    models = RecordedOutputs(case, output, steps, batch)
+    clean, noise = models.ours(_tensor(case["clean"])), models.ours(_tensor(case["noise"]))
+    timesteps = models.ours(t) * 1000
+    sampler = ODESampler(steps, sigmas=torch.linspace(1, 0, steps + 1))
+    objective = AdvantageWeightedMatching(sampler, WEIGHTING[case["weighting"]], case.get("ghuber_power", 0.25),
+                                          case["clip_range"], case["adv_clip_max"], case["beta"], case["ema_beta"])
+    rows = TrainBatch(latents=clean, next_latents=clean, timesteps=timesteps, step_indices=torch.zeros(len(t), dtype=torch.long),
+                      old_log_probs=torch.zeros(len(t)), advantages=_tensor(case["advantages"]).repeat_interleave(steps),
+                      final_latents=clean, noise=noise, cond={}, uncond={}, num_samples=batch)
+    loss, metrics = objective.loss(models, rows)
+    _close(loss.detach(), case["loss"])
+    _close(metrics["kl_to_reference"], case["kl_loss"])
+    _close(metrics["kl_to_old"], case["ema_kl_loss"])
+    loss.backward()
+    _close(output.grad, case["grad"])

@@ -255,3 +255,29 @@ def cps_log_prob(x, mean) -> torch.Tensor:
     """
     squared = (x.detach().float() - mean.float()) ** 2
     return -squared.mean(dim=tuple(range(1, squared.ndim)))
+
+
+def _log_snr(sigma: float) -> float:
+    """lambda = log((1 - sigma)/sigma); -inf at sigma = 1 (alpha = 0)."""
+    return -math.inf if sigma >= 1.0 else math.log(1.0 - sigma) - math.log(sigma)
+
+
+def dpm2_flow_step(sample: torch.Tensor, x0_pred: torch.Tensor, previous_x0_pred: torch.Tensor | None,
+                   sigmas: list[float], index: int) -> torch.Tensor:
+    """One step of DiffusionNFT's "dpm2" deterministic solver (NVlabs/DiffusionNFT flow_grpo/diffusers_patch/solver.py:
+    multistep DPM-Solver++(2M) in x0 form, alpha = 1 - sigma). s = sigmas[index], t = sigmas[index + 1], s1 = sigmas[index - 1]:
+
+    first step, last step (t = 0) or no previous x0: the DDIM/Euler step (1 - t)*x0 + t*(x - (1 - s)*x0)/s
+        (= x + (t - s)*v; the last step returns x0 itself);
+    otherwise, with lambda = log((1 - sigma)/sigma), h = lambda_t - lambda_s, h0 = lambda_s - lambda_s1:
+        x_next = (t/s)*x - (1 - t)*(exp(-h) - 1)*(x0 + 0.5*(h/h0)*(x0 - x0_previous)).
+    At s1 = 1 lambda is -inf, so h/h0 = 0: the step after sigma = 1 is first order, as in the authors' float64 maths.
+    """
+    s, t = sigmas[index], sigmas[index + 1]
+    last = index == len(sigmas) - 2
+    if index == 0 or last or previous_x0_pred is None:
+        return (1 - t) * x0_pred + t * (sample - (1 - s) * x0_pred) / s
+    lam_t, lam_s, lam_s1 = _log_snr(t), _log_snr(s), _log_snr(sigmas[index - 1])
+    h = lam_t - lam_s
+    ratio = 0.0 if math.isinf(lam_s1) else h / (lam_s - lam_s1)
+    return (t / s) * sample - (1 - t) * math.expm1(-h) * (x0_pred + 0.5 * ratio * (x0_pred - previous_x0_pred))

@@ -85,11 +85,6 @@ def awm_log_prob(
     return -(torch.pow(mse + eps, ghuber_power) - torch.pow(eps, ghuber_power)) * t / ghuber_power
 
 
-def awm_noised_latents(clean: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The forward process x_t = (1 - t)·x0 + t·ε (t per row, broadcast over the latent's dims)."""
-    # t keeps its own dtype (float32 in the authors' runs), so half-precision latents are promoted, not t rounded
-    t = torch.as_tensor(t, device=clean.device).reshape(-1, *([1] * (clean.ndim - 1)))
-    return (1 - t) * clean + t * noise
 
 
 def awm_std_dev_t(t: torch.Tensor) -> torch.Tensor:
@@ -198,15 +193,6 @@ def ema_kl_decay(step: int, decay: float = 0.3, schedule: str = "linear", rate: 
     return min(float(decay), rate * step)
 
 
-def ema_blend(ema: torch.Tensor, current: torch.Tensor, decay: float) -> torch.Tensor:
-    """One update of an "ema" adapter weight: decay·ema + (1 - decay)·current.
-
-    The authors' "ema" LoRA adapter starts as a copy of the trained LoRA and is blended once per epoch, after
-    the epoch's training, with decay = ``ema_kl_decay(optimiser steps so far)`` (so decay 0.001 after the first
-    trained epoch: almost a copy). With one optimiser step an epoch the policy does not move within an epoch, so
-    the EMA-KL is nonzero only by the EMA's lag behind the policy.
-    """
-    return ema * decay + current * (1.0 - decay)
 
 
 def awm_timestep_indices(
@@ -248,16 +234,6 @@ def awm_timestep_indices(
     return indices if first is None else torch.cat([first, indices])
 
 
-def awm_train_timesteps(grid: torch.Tensor, indices: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """t per flat row [T·B]: the sampling grid's timesteps (sigma·1000) at ``indices``, / 1000, each repeated B times.
-
-    The grid is the sampler's ``scheduler.timesteps`` (for SD3.5 at 14 steps, shift 3: 1.0, 0.973, 0.943, 0.909,
-    0.871, 0.828, 0.779, 0.721, 0.654, 0.574, 0.477, 0.357, 0.206, 0.009). The ε of x_t is drawn once per
-    micro-batch for each training timestep (independently per timestep and sample) and reused by the old-log-prob,
-    policy, base and EMA forwards; x0 is the sampled image's final latent.
-    """
-    t = grid.reshape(-1)[indices.to(grid.device)] / 1000
-    return torch.repeat_interleave(t, repeats=batch_size)
 
 
 class AdvantageWeightedMatching:

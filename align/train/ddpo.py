@@ -65,7 +65,7 @@ from align.train.accelerator import (
     tracker_config,
 )
 from align.train.advantages import PerPromptStatTracker, compute_advantages
-from align.train.awm import AdvantageWeightedMatching
+from align.train.awm import AdvantageWeightedMatching, awm_timestep_indices
 from align.train.checkpoints import (
     check_resume_settings,
     register_trainable_checkpoint_hooks,
@@ -168,8 +168,9 @@ def build_sampler(family: ModelFamily, pipe, config: DDPOConfig, resolution: int
     if family.is_flow:
         sigmas = family.flow_sigmas(pipe, config.num_inference_steps, resolution).to(device)
         num_train_timesteps = pipe.scheduler.config.num_train_timesteps
-        if config.sampler == "ode":
-            return ODESampler(config.num_inference_steps, sigmas=sigmas, num_train_timesteps=num_train_timesteps)
+        if config.sampler in ("ode", "dpm2"):
+            return ODESampler(config.num_inference_steps, sigmas=sigmas, num_train_timesteps=num_train_timesteps,
+                              solver="dpm2" if config.sampler == "dpm2" else "euler")
         return FlowSampler(sigmas, config.eta, kind=config.sampler, window=window,
                            window_at="start" if config.timestep_selection == "high_noise" else "random",
                            num_train_timesteps=num_train_timesteps)
@@ -318,7 +319,10 @@ class EpochPlan:
 
 
 def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen: torch.Generator) -> torch.Tensor:
-    """[n, k] indices into each sample's recorded steps: a random subset per sample, or the k noisiest steps."""
+    """[n, k] indices into each sample's recorded steps: a random subset per sample, the k noisiest steps, or one in
+    each of k strata of the first 90% (AWM's draw, per sample here; the authors share it within a micro-batch)."""
+    if selection == "stratified":
+        return torch.stack([awm_timestep_indices(steps_total, k, gen) for _ in range(n)])
     if selection == "high_noise":
         # Sampling runs from high to low noise: the first k steps of the chain, in random order.
         return torch.stack([torch.randperm(k, generator=gen) for _ in range(n)])

@@ -19,9 +19,9 @@ from align.train.heldout import check_periodic_evaluation
 from align.train.options import HeldOutOptions, ModelOptions, RunOptions
 from align.validation import check_common_inputs, check_optimiser_ranges
 
-TIMESTEP_SELECTIONS = ("random", "high_noise")
+TIMESTEP_SELECTIONS = ("random", "high_noise", "stratified")
 ALGORITHMS = ("ppo", "nft", "awm")
-SAMPLERS = ("ddim", "sde", "cps", "ode")
+SAMPLERS = ("ddim", "sde", "cps", "ode", "dpm2")
 OLD_POLICY_DECAYS = ("none", "linear-0.5", "delayed-linear-0.999")
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 # Sampler defaults per kind of family. DDIM: the DDPO paper (50 steps, η 1), evaluated with the same sampler.
@@ -62,7 +62,8 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
     sampler: str | None = option(
         None, "the training sampler: ddim (stochastic DDIM, DDIM families), sde (Flow-GRPO's SDE) or cps (Flow-CPS, the "
         "Flow-GRPO authors' current Fast configs) for flow families, ode (deterministic: Euler / DDIM eta 0; no "
-        "log-probabilities). None: ddim or sde for ppo, ode for nft and awm", "sampling")
+        "log-probabilities), dpm2 (flow: DiffusionNFT's deterministic DPM-Solver++(2M)). None: ddim or sde for ppo, ode "
+        "for nft and awm", "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling")
     sample_batch_size: int = option(8, "images per process per sampling batch", "sampling")
@@ -98,8 +99,9 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
                                       "0.99, 9 of 10 steps); with --deterministic_tail also the size of the "
                                       "stochastic window", "optimisation")
     timestep_selection: str = option(
-        "random", "which steps are trained: random (the paper: a random subset per sample) or high_noise (the "
-        "first, noisiest steps, where layout and counts are decided; Flow-GRPO trains the first steps). With "
+        "random", "which steps are trained: random (the paper: a random subset per sample), high_noise (the "
+        "first, noisiest steps, where layout and counts are decided; Flow-GRPO trains the first steps) or stratified "
+        "(one step in each of k equal strata of the first 90% of the steps, AWM's draw). With "
         "--deterministic_tail on a flow family: where the window sits, high_noise at the start, random drawn per "
         "sampling batch within the first half of the steps (Flow-GRPO-Fast)", "optimisation")
     deterministic_tail: bool = option(
@@ -188,13 +190,16 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
         if self.drop_zero_advantage is None:
             self.drop_zero_advantage = is_flow and self.algorithm == "ppo"
         kind = "flow-matching" if is_flow else "DDIM"
-        if self.sampler in (("ddim",) if is_flow else ("sde", "cps")):
+        if self.sampler in (("ddim",) if is_flow else ("sde", "cps", "dpm2")):
             raise ConfigError(f"--sampler {self.sampler} is not a sampler of {kind} models (they take "
-                              f"{'sde, cps or ode' if is_flow else 'ddim or ode'})")
-        if self.algorithm == "ppo" and self.sampler == "ode":
+                              f"{'sde, cps, ode or dpm2' if is_flow else 'ddim or ode'})")
+        if self.timestep_selection == "stratified" and self.num_train_timesteps > int(0.9 * self.num_inference_steps):
+            raise ConfigError(f"--timestep_selection stratified draws one step in each of {self.num_train_timesteps} "
+                              f"strata of the first 90% of the {self.num_inference_steps} steps: lower --timestep_fraction")
+        if self.algorithm == "ppo" and self.sampler in ("ode", "dpm2"):
             raise ConfigError("--algorithm ppo needs a stochastic sampler (its steps' log-probabilities): --sampler "
                               f"{'sde or cps' if is_flow else 'ddim'}, or --algorithm nft / awm")
-        if self.deterministic_tail and (self.sampler == "ode" or self.algorithm != "ppo"):
+        if self.deterministic_tail and self.algorithm != "ppo":
             raise ConfigError("--deterministic_tail is a window of stochastic steps for --algorithm ppo; nft and awm "
                               "sample with the ODE")
         if self.deterministic_tail and not is_flow and self.timestep_selection != "high_noise":

@@ -15,13 +15,13 @@ and a noised x_t of it (the same x_t, noise and timestep for the current, old an
 
 The authors mix velocities and take x0 = x_t - t*v; since x0 is affine in the model output for every
 parameterisation (flow velocity, epsilon, v-prediction), mixing x0's is the same thing, so ``nft_loss`` serves
-every family once the caller maps outputs through ``flow_x0`` / ``eps_x0`` / ``v_prediction_x0``.
+every family once the caller maps outputs to x0 (align/sampling/forward.py: ``flow_x0``, ``eps_x0``, ``v_prediction_x0``).
 
 The authors' recipe (SD3.5-Medium, config/nft.py; 8 GPUs):
 - Rollouts: 48 prompts x 24 images per epoch, drawn by the OLD policy (the "old" LoRA adapter), 512 px,
   guidance 1.0 (no CFG anywhere: config/nft.py overrides base 4.5 with 1.0 for every config, so the trained
   forward's negative-embeds branch, ``guidance_scale > 1``, is unreachable), num_steps 10 (25 for
-  sd3_multi_reward), solver "dpm2" deterministic (ODE; no log-probs: ``dpm2_flow_sample``). Scheduler sigmas:
+  sd3_multi_reward), solver "dpm2" deterministic (ODE; no log-probs: ``--sampler dpm2``, align/sampling/flow.py). Scheduler sigmas:
   FlowMatchEulerDiscrete set_timesteps(N) with the static shift 3.0 (sigma_0 = 1.0 ... sigma_{N-1} = 0.00893, then 0).
   The sampler feeds the transformer timestep = long(sigma*1000) (truncated); training feeds the float grid value.
 - Advantages: (reward - mean of its prompt's 24) / (std over all the epoch's rewards + 1e-4) (global_std), then
@@ -39,13 +39,10 @@ The authors' recipe (SD3.5-Medium, config/nft.py; 8 GPUs):
   global_step = optimiser steps so far; "linear-0.5" (decay_type 1) by default, "delayed-linear-0.999" (type 2) for
   ocr. Starts equal to the current policy.
 - Eval/checkpoint weights: an EMA of the current LoRA, updated after every optimiser step with decay
-  ``eval_ema_decay(global_step)`` = min((1 + step)/(10 + step), 0.9); eval sampling is Euler ODE, 40 steps, cfg 1.0.
+  min((1 + step)/(10 + step), 0.9) (not implemented here); eval sampling is Euler ODE, 40 steps, cfg 1.0.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable, Iterable
 
 import torch
 
@@ -63,53 +60,10 @@ OLD_POLICY_SCHEDULES = {
 AUTHORS_DECAY_TYPES = {0: "none", 1: "linear-0.5", 2: "delayed-linear-0.999"}
 
 
-def _per_sample(values, like: torch.Tensor) -> torch.Tensor:
-    """A scalar or [B] (float or tensor) -> a tensor broadcasting against ``like`` as [B, 1, ...]."""
-    values = torch.as_tensor(values, device=like.device)
-    if not values.is_floating_point():
-        values = values.float()
-    return values.reshape(-1, *([1] * (like.ndim - 1))) if values.ndim else values
 
 
 def _non_batch_dims(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(1, x.ndim))
-
-
-# ---------------------------------------------------------------- x0 of each parameterisation, noising
-
-
-def flow_sigma(timesteps: torch.Tensor, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """sigma = t = timestep / 1000, as the authors divide their grid timesteps."""
-    return timesteps / num_train_timesteps
-
-
-def flow_noised(x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
-    """Rectified flow (SD3, FLUX): x_t = (1 - t)*x0 + t*noise."""
-    t = _per_sample(sigma, x0)
-    return (1 - t) * x0 + t * noise
-
-
-def flow_x0(x_t: torch.Tensor, velocity: torch.Tensor, sigma) -> torch.Tensor:
-    """x0 of a velocity v = noise - x0: x_t - t*v (the authors' ``xt - t_expanded * prediction``)."""
-    return x_t - _per_sample(sigma, x_t) * velocity
-
-
-def ddpm_noised(x0: torch.Tensor, noise: torch.Tensor, alpha_cumprod) -> torch.Tensor:
-    """DDPM (SD 1.x/2.x, SDXL): x_t = sqrt(a)*x0 + sqrt(1 - a)*noise, a = alphas_cumprod[timestep]."""
-    a = _per_sample(alpha_cumprod, x0)
-    return a.sqrt() * x0 + (1 - a).sqrt() * noise
-
-
-def eps_x0(x_t: torch.Tensor, eps: torch.Tensor, alpha_cumprod) -> torch.Tensor:
-    """x0 of an epsilon prediction: (x_t - sqrt(1 - a)*eps) / sqrt(a)."""
-    a = _per_sample(alpha_cumprod, x_t)
-    return (x_t - (1 - a).sqrt() * eps) / a.sqrt()
-
-
-def v_prediction_x0(x_t: torch.Tensor, v: torch.Tensor, alpha_cumprod) -> torch.Tensor:
-    """x0 of a DDPM v-prediction (v = sqrt(a)*eps - sqrt(1-a)*x0, SD 2.x 768): sqrt(a)*x_t - sqrt(1 - a)*v."""
-    a = _per_sample(alpha_cumprod, x_t)
-    return a.sqrt() * x_t - (1 - a).sqrt() * v
 
 
 # ---------------------------------------------------------------- the objective
@@ -222,76 +176,12 @@ def old_policy_decay(step: int, schedule: str | int = "linear-0.5") -> float:
     return min((step - flat) * rate, ceiling)
 
 
-def eval_ema_decay(step: int, max_decay: float = 0.9) -> float:
-    """The authors' evaluation EMA (flow_grpo/ema.py, decay 0.9): min((1 + step)/(10 + step), max_decay)."""
-    return min((1 + step) / (10 + step), max_decay)
 
 
-@torch.no_grad()
-def ema_update_(old_params: Iterable[torch.Tensor], params: Iterable[torch.Tensor], decay: float) -> None:
-    """In place, without gradient: old = decay*old + (1 - decay)*new, for each pair (strictly the same length)."""
-    for old, new in zip(old_params, params, strict=True):
-        old.copy_(old * decay + new.detach().to(old) * (1.0 - decay))
 
 
-def nft_num_train_timesteps(num_steps: int, timestep_fraction: float = 0.99) -> int:
-    """int(num_steps * timestep_fraction): how many grid timesteps each sample is trained on (9 of 10)."""
-    return int(num_steps * timestep_fraction)
 
 
-def nft_timestep_columns(batch: int, num_steps: int, timestep_fraction: float = 0.99,
-                         generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, K] indices into the N-step sampling grid, K = nft_num_train_timesteps: per sample the first K of a
-    fresh random permutation of the grid (the authors' perms_time), so K distinct timesteps in random order."""
-    k = nft_num_train_timesteps(num_steps, timestep_fraction)
-    return torch.stack([torch.randperm(num_steps, generator=generator)[:k] for _ in range(batch)])
-
-
-# ---------------------------------------------------------------- the rollout solver
-
-
-def _log_snr(sigma: float) -> float:
-    """lambda = log((1 - sigma)/sigma); -inf at sigma = 1 (alpha = 0)."""
-    return -math.inf if sigma >= 1.0 else math.log(1.0 - sigma) - math.log(sigma)
-
-
-def dpm2_flow_step(sample: torch.Tensor, x0_pred: torch.Tensor, previous_x0_pred: torch.Tensor | None,
-                   sigmas: list[float], index: int) -> torch.Tensor:
-    """One step of the authors' "dpm2" deterministic solver (solver.py: multistep DPM-Solver++(2M) in x0 form,
-    alpha = 1 - sigma). s = sigmas[index], t = sigmas[index + 1], s1 = sigmas[index - 1]:
-
-    first step, last step (t = 0) or no previous x0: the DDIM/Euler step (1 - t)*x0 + t*(x - (1 - s)*x0)/s
-        (= x + (t - s)*v; the last step returns x0 itself);
-    otherwise, with lambda = log((1 - sigma)/sigma), h = lambda_t - lambda_s, h0 = lambda_s - lambda_s1:
-        x_next = (t/s)*x - (1 - t)*(exp(-h) - 1)*(x0 + 0.5*(h/h0)*(x0 - x0_previous)).
-    At s1 = 1 lambda is -inf, so h/h0 = 0: the step after sigma = 1 is first order, as in the authors' float64 maths.
-    """
-    s, t = sigmas[index], sigmas[index + 1]
-    last = index == len(sigmas) - 2
-    if index == 0 or last or previous_x0_pred is None:
-        return (1 - t) * x0_pred + t * (sample - (1 - s) * x0_pred) / s
-    lam_t, lam_s, lam_s1 = _log_snr(t), _log_snr(s), _log_snr(sigmas[index - 1])
-    h = lam_t - lam_s
-    ratio = 0.0 if math.isinf(lam_s1) else h / (lam_s - lam_s1)
-    return (t / s) * sample - (1 - t) * math.expm1(-h) * (x0_pred + 0.5 * ratio * (x0_pred - previous_x0_pred))
-
-
-def dpm2_flow_sample(velocity_fn: Callable[[torch.Tensor, float], torch.Tensor], latents: torch.Tensor,
-                     sigmas) -> torch.Tensor:
-    """The authors' rollout ODE solve (run_sampling(solver="dpm2", deterministic=True)); sigmas (N + 1, last 0).
-
-    ``velocity_fn(x, sigma)`` returns the model's velocity at x; the authors' SD3 call feeds the transformer
-    timestep = long(sigma * 1000), truncated. Steps run in float32 as theirs (x0 = x - sigma*v); returns x_N.
-    """
-    sigmas = [float(s) for s in torch.as_tensor(sigmas).tolist()]
-    dtype = latents.dtype
-    x, previous = latents, None
-    for index in range(len(sigmas) - 1):
-        x32 = x.float()
-        x0_pred = x32 - sigmas[index] * velocity_fn(x, sigmas[index]).float()
-        x = dpm2_flow_step(x32, x0_pred, previous, sigmas, index).to(dtype)
-        previous = x0_pred
-    return x
 
 
 class DiffusionNFT:

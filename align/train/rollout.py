@@ -24,22 +24,19 @@ from dataclasses import dataclass
 import torch
 
 from align.families.base import Conditioning, cat_conditioning, select_conditioning
-from align.sampling.ddim import (
-    ddim_deterministic_jump,
-    ddim_step_mean_std,
-    ddim_step_with_logprob,
-    predicted_x0_and_eps,
-)
+from align.sampling.ddim import ddim_deterministic_jump, ddim_step_mean_std, ddim_step_with_logprob
 from align.sampling.ddim import gaussian_log_prob as ddim_gaussian_log_prob
 from align.sampling.flow import (
     cps_log_prob,
     cps_step,
+    dpm2_flow_step,
     draw_window,
     flow_grpo_kl,
     ode_step,
     sde_step,
 )
 from align.sampling.flow import gaussian_log_prob as flow_gaussian_log_prob
+from align.sampling.forward import ddpm_noised, ddpm_target, ddpm_x0, flow_noised, flow_x0
 from align.train.losses import gaussian_mean_kl
 
 Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (latents [B, ...], timesteps [B]) -> model output
@@ -262,34 +259,38 @@ class FlowSampler:
                             lambda ref_mean: flow_grpo_kl(step.mean, ref_mean, step.sde_sigma))
 
     def noisy(self, x0, noise, timesteps):
-        return _flow_noisy(x0, noise, self.time(timesteps))
+        return flow_noised(x0.float(), noise.float(), self.time(timesteps))
 
     def target(self, x0, noise, timesteps):
         return noise.float() - x0.float()
 
     def x0(self, prediction, latents, timesteps):
-        return latents.float() - _per_sample(self.time(timesteps), latents) * prediction.float()
+        return flow_x0(latents.float(), prediction.float(), self.time(timesteps))
 
     def time(self, timesteps):
         return timesteps.float() / self.num_train_timesteps
 
 
 class ODESampler:
-    """The deterministic chain, every step recorded, no log-probabilities: Euler on ``sigmas`` (flow families) or
-    DDIM with η = 0 on ``scheduler`` (the others). What DiffusionNFT and AWM sample with."""
+    """The deterministic chain, every step recorded, no log-probabilities: Euler on ``sigmas`` (flow families; or
+    ``solver="dpm2"``, DiffusionNFT's second-order multistep solver) or DDIM with η = 0 on ``scheduler`` (the
+    others). What DiffusionNFT and AWM sample with."""
 
     stochastic = False
 
     def __init__(self, num_inference_steps: int, sigmas: torch.Tensor | None = None, scheduler=None,
-                 num_train_timesteps: int = 1000):
+                 num_train_timesteps: int = 1000, solver: str = "euler"):
         self.flow = sigmas is not None
+        if solver not in ("euler", "dpm2") or (solver == "dpm2" and not self.flow):
+            raise ValueError(f"solver {solver!r}: euler, or dpm2 for flow families")
         self.sigmas, self.num_inference_steps, self.num_train_timesteps = sigmas, num_inference_steps, num_train_timesteps
+        self.solver = solver
         if not self.flow:
             self.scheduler = type(scheduler).from_config(scheduler.config)
             self.scheduler.set_timesteps(num_inference_steps)
 
     def describe(self) -> str:
-        kind = "Euler ODE" if self.flow else "DDIM, eta 0"
+        kind = ("DPM-Solver++(2M) ODE" if self.solver == "dpm2" else "Euler ODE") if self.flow else "DDIM, eta 0"
         return f"{kind}, {self.num_inference_steps} steps"
 
     @torch.no_grad()
@@ -299,10 +300,15 @@ class ODESampler:
             x, times = noise.float(), self.sigmas[:-1] * self.num_train_timesteps
         else:
             x, times = noise * self.scheduler.init_noise_sigma, self.scheduler.timesteps.to(noise.device)
-        inputs, outputs = [], []
+        inputs, outputs, previous_x0 = [], [], None
+        grid = self.sigmas.tolist() if self.flow else None
         for i, t in enumerate(times):
             t_batch = t.expand(batch)
-            if self.flow:
+            if self.flow and self.solver == "dpm2":
+                x0 = x - grid[i] * predict(x, t_batch).float()
+                x_next = dpm2_flow_step(x, x0, previous_x0, grid, i)
+                previous_x0 = x0
+            elif self.flow:
                 x_next = ode_step(x, predict(x, t_batch), self.sigmas[i], self.sigmas[i + 1])
             else:
                 prev_t = int(times[i + 1]) if i + 1 < len(times) else -1
@@ -321,14 +327,16 @@ class ODESampler:
         raise ValueError("the ODE sampler has no step log-probabilities (PPO needs --sampler sde, cps or ddim)")
 
     def noisy(self, x0, noise, timesteps):
-        return _flow_noisy(x0, noise, self.time(timesteps)) if self.flow else _ddpm_noisy(self.scheduler, x0, noise, timesteps)
+        if self.flow:
+            return flow_noised(x0.float(), noise.float(), self.time(timesteps))
+        return _ddpm_noisy(self.scheduler, x0, noise, timesteps)
 
     def target(self, x0, noise, timesteps):
         return noise.float() - x0.float() if self.flow else _ddpm_target(self.scheduler, x0, noise, timesteps)
 
     def x0(self, prediction, latents, timesteps):
         if self.flow:
-            return latents.float() - _per_sample(self.time(timesteps), latents) * prediction.float()
+            return flow_x0(latents.float(), prediction.float(), self.time(timesteps))
         return _ddpm_x0(self.scheduler, prediction, latents, timesteps)
 
     def time(self, timesteps):
@@ -336,38 +344,21 @@ class ODESampler:
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward processes: rectified flow x_t = (1 - t)·x0 + t·ε (t = σ); DDPM x_t = √ᾱ·x0 + √(1-ᾱ)·ε.
-
-
-def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return values.reshape(-1, *([1] * (like.ndim - 1))).to(like.device, torch.float32)
-
-
-def _flow_noisy(x0, noise, t):
-    t = _per_sample(t, x0)
-    return (1 - t) * x0.float() + t * noise.float()
+# The forward processes of the DDPM families, from the scheduler (align/sampling/forward.py has the maths).
 
 
 def _alphas(scheduler, timesteps, like):
-    alphas = scheduler.alphas_cumprod.to(like.device, torch.float32)[timesteps.long().to(like.device)]
-    return _per_sample(alphas, like)
+    return scheduler.alphas_cumprod.to(like.device, torch.float32)[timesteps.long().to(like.device)]
 
 
 def _ddpm_noisy(scheduler, x0, noise, timesteps):
-    a = _alphas(scheduler, timesteps, x0)
-    return a.sqrt() * x0.float() + (1 - a).sqrt() * noise.float()
+    return ddpm_noised(x0.float(), noise.float(), _alphas(scheduler, timesteps, x0))
 
 
 def _ddpm_target(scheduler, x0, noise, timesteps):
-    if scheduler.config.prediction_type == "v_prediction":
-        a = _alphas(scheduler, timesteps, x0)
-        return a.sqrt() * noise.float() - (1 - a).sqrt() * x0.float()
-    if scheduler.config.prediction_type != "epsilon":
-        raise ValueError(f"prediction_type {scheduler.config.prediction_type!r}: the forward-process objectives "
-                         "train epsilon or v-prediction models")
-    return noise.float()
+    return ddpm_target(x0.float(), noise.float(), _alphas(scheduler, timesteps, x0), scheduler.config.prediction_type)
 
 
 def _ddpm_x0(scheduler, prediction, latents, timesteps):
-    return predicted_x0_and_eps(scheduler, prediction, _alphas(scheduler, timesteps, latents), latents)[0]
-
+    return ddpm_x0(latents.float(), prediction.float(), _alphas(scheduler, timesteps, latents),
+                   scheduler.config.prediction_type)
