@@ -9,7 +9,8 @@ That matters: a trained model's gain varies strongly from one starting noise to 
 reuses a few noises for every caption measures those few noises, however many captions it has, and its
 per-image standard error is far too small (experiments/notes/flow.md, round 3). Prints, per model, the mean
 oracle score and the gain over the base ± its paired standard error per image and per caption (seeds
-averaged first); --out keeps every image's score as JSON (base.json, <run folder name>.json).
+averaged first); --out keeps every image's score as JSON (base.json, <run folder name>.json), and a later call with
+the same --out reuses the scores of a model already scored on the same images.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for model, name in [(args.base, "base"), *zip(args.models, names)]:
+        kept = args.out / f"{name}.json" if args.out else None
+        if kept is not None and kept.is_file():  # scored before on the same images (an earlier or interrupted call)
+            record = json.loads(kept.read_text())
+            if (record["model"], record["captions"], record["seeds"]) == (model, captions, seeds):
+                results[model] = record["scores"]
+                continue
         results[model] = score_model(model, captions, seeds, judge)
         if args.out:
             record = {"model": model, "prompts": args.prompts, "captions": captions, "seeds": seeds,

@@ -85,3 +85,22 @@ def test_two_processes_train_as_one_with_doubled_accumulation_and_resume_exactly
         assert torch.equal(w3[key], w2[key]), key
     assert [r["reward_mean"] for r in records(resumed)] == [r["reward_mean"] for r in double]
     print(f"two-process DDPO test: {time.perf_counter() - start:.0f} s")
+
+
+@pytest.mark.slow  # two launches: ~2 min on the shared 2-core machine; run with -m slow
+def test_two_processes_train_diffusion_nft_as_one_with_doubled_accumulation(tiny_model, prompt_file, tmp_path):
+    # DiffusionNFT adds the forward process's noise (drawn per sampling batch, keyed by the global batch) and the
+    # old policy (the same on every process): two processes still train what one does with twice the accumulation.
+    nft = ["--algorithm", "nft", "--advantage", "global-std", "--images_per_prompt", "2", "--kl_coef", "0.0001"]
+    one = ddpo.train(DDPOConfig(model=tiny_model, prompts=prompt_file, output_dir=str(tmp_path / "one"),
+                                gradient_accumulation_steps=2, num_epochs=2, algorithm="nft", advantage="global-std",
+                                images_per_prompt=2, kl_coef=1e-4, **SETTINGS))
+    two = tmp_path / "two"
+    two_processes(tiny_model, prompt_file, two, 2, *nft)
+    for a, b in zip(records(one), records(two)):
+        for key in ("reward_mean", "reward_std"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    w1, w2 = lora(one), lora(two)
+    one_flat = torch.cat([w1[k].flatten() for k in sorted(w1)])
+    two_flat = torch.cat([w2[k].flatten() for k in sorted(w1)])
+    assert (two_flat - one_flat).norm() < 1e-3 * one_flat.norm()
