@@ -40,7 +40,8 @@ def lora(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "final" / "pytorch_lora_weights.safetensors"))
 
 
-@pytest.mark.parametrize("algorithm, kind", [("nft", "sd"), ("nft", "sd3"), ("awm", "sd"), ("awm", "sd3")])
+@pytest.mark.parametrize("algorithm, kind", [("nft", "sd"), ("nft", "sd3"), ("nft", "flux"), ("nft", "sdxl"),
+                                             ("awm", "sd"), ("awm", "sd3")])
 def test_forward_process_objectives_train_every_family(family_models, tiny_model, prompt_file, tmp_path, algorithm, kind):
     model = tiny_model if kind == "sd" else family_models(kind)
     extra = dict(kl_coef=1e-4) if algorithm == "nft" else dict(kl_coef=1e-4, ema_kl_coef=1.0, clip_range=1.0)

@@ -249,7 +249,6 @@ class AdvantageWeightedMatching:
     """
 
     needs_log_probs = False
-    uses_old_policy = True
     samples_with_old_policy = False
     needs_forward_noise = True
 
@@ -265,6 +264,11 @@ class AdvantageWeightedMatching:
     def from_config(cls, sampler, config) -> AdvantageWeightedMatching:
         return cls(sampler, config.awm_weighting, config.awm_ghuber_power, config.clip_range, config.adv_clip_max,
                    config.kl_coef, config.ema_kl_coef)
+
+    @property
+    def uses_old_policy(self) -> bool:
+        """The EMA policy is kept only where its KL term is (a second copy of the trained weights)."""
+        return self.ema_kl_coef > 0
 
     @property
     def zero_advantage_is_zero_loss(self) -> bool:
