@@ -190,7 +190,7 @@ def test_the_trainers_objective_matches_the_authors_step(case):
     batch = TrainBatch(latents=xt, next_latents=xt, timesteps=t * 1000, step_indices=torch.zeros(len(t), dtype=torch.long),
                        old_log_probs=torch.zeros(len(t)), advantages=_t(case["advantages"]), final_latents=x0,
                        noise=noise, cond={}, uncond={}, num_samples=len(t))
-    torch.testing.assert_close(sampler.noisy(x0, noise, batch.timesteps), xt.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampler.forward.noisy(x0, noise, batch.timesteps), xt.float(), rtol=1e-5, atol=1e-5)
     loss, _ = objective.loss(RecordedPredictions(case, velocity), batch)
     loss.backward()
     assert loss.item() == pytest.approx(case["loss"], rel=RTOL)

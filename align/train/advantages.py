@@ -80,13 +80,7 @@ def global_std_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray
     rewards = np.asarray(rewards, dtype=np.float64)
     if len(prompts) != len(rewards):
         raise ValueError(f"got {len(prompts)} prompts for {len(rewards)} rewards")
-    scale = np.std(rewards) + GLOBAL_STD_EPS
-    prompts_arr = np.asarray(prompts, dtype=object)
-    advantages = np.zeros_like(rewards)
-    for prompt in dict.fromkeys(prompts):
-        mask = prompts_arr == prompt
-        advantages[mask] = centre(rewards[mask], rewards[mask]) / scale
-    return advantages
+    return group_advantages(prompts, rewards, divide_by_std=False) / (np.std(rewards) + GLOBAL_STD_EPS)
 
 
 def kept_sample_mask(advantages, num_batches: int, generator: torch.Generator | None = None) -> np.ndarray:

@@ -278,11 +278,11 @@ class AdvantageWeightedMatching:
         return ema_kl_decay(step)
 
     def loss(self, models, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        sampler, x0 = self.sampler, batch.final_latents.float()
-        noisy = sampler.noisy(x0, batch.noise, batch.timesteps)
-        t = sampler.time(batch.timesteps)
+        forward, x0 = self.sampler.forward, batch.final_latents.float()
+        noisy = forward.noisy(x0, batch.noise, batch.timesteps)
+        t = forward.time(batch.timesteps)
         prediction = models.predict(noisy, batch.timesteps, batch.cond, batch.uncond)
-        log_prob = awm_log_prob(prediction, sampler.target(x0, batch.noise, batch.timesteps), t, self.weighting,
+        log_prob = awm_log_prob(prediction, forward.target(x0, batch.noise, batch.timesteps), t, self.weighting,
                                 self.ghuber_power)
         samples, steps = batch.num_samples, len(log_prob) // batch.num_samples
         by_step = log_prob.reshape(samples, steps).T  # timestep-major [T, B], the authors' layout

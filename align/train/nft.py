@@ -207,12 +207,12 @@ class DiffusionNFT:
         return old_policy_decay(step, self.decay_schedule)
 
     def loss(self, models, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        sampler, x0 = self.sampler, batch.final_latents.float()
-        noisy = sampler.noisy(x0, batch.noise, batch.timesteps)
+        forward, x0 = self.sampler.forward, batch.final_latents.float()
+        noisy = forward.noisy(x0, batch.noise, batch.timesteps)
         prediction = models.predict(noisy, batch.timesteps, batch.cond, batch.uncond)
         old = models.predict(noisy, batch.timesteps, batch.cond, batch.uncond, which="old")
         r = nft_reward_weight(batch.advantages, self.adv_clip_max)
-        loss, metrics = nft_loss(sampler.x0(prediction, noisy, batch.timesteps), sampler.x0(old, noisy, batch.timesteps),
+        loss, metrics = nft_loss(forward.x0(prediction, noisy, batch.timesteps), forward.x0(old, noisy, batch.timesteps),
                                  x0, r, self.beta, self.adv_clip_max)
         if self.kl_coef > 0:
             reference = models.predict(noisy, batch.timesteps, batch.cond, batch.uncond, which="reference")

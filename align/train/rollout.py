@@ -11,8 +11,8 @@ objective may train on:
   what DiffusionNFT and AWM sample with (they train on the forward process of the final images).
 
 A stochastic sampler also gives the Gaussian of one step under another prediction (``step``), so that PPO re-scores a
-stored step with the current weights exactly as it was sampled. Every sampler knows its dynamics' forward process
-(``noisy``), the denoiser's training target (``target``) and how a prediction maps to x0 (``x0``), which is all the
+stored step with the current weights exactly as it was sampled. Every sampler holds its dynamics' forward process
+(``sampler.forward``: ``noisy``, the denoiser's training ``target``, how a prediction maps to ``x0``), which is all the
 forward-process objectives need: they never ask the family.
 """
 
@@ -136,6 +136,7 @@ class DDIMSampler:
         self.scheduler = type(scheduler).from_config(scheduler.config)
         self.scheduler.set_timesteps(num_inference_steps)
         self.num_inference_steps, self.eta, self.stochastic_steps = num_inference_steps, eta, stochastic_steps
+        self.forward = DDPMForward(self.scheduler)
 
     def describe(self) -> str:
         n, k = self.num_inference_steps, self.stochastic_steps
@@ -170,19 +171,6 @@ class DDIMSampler:
         mean, std = ddim_step_mean_std(self.scheduler, prediction, timesteps, latents, self.eta)
         return StepGaussian(mean, std, ddim_gaussian_log_prob, lambda ref_mean: gaussian_mean_kl(mean, ref_mean, std))
 
-    # The forward process, for objectives that train on it.
-    def noisy(self, x0, noise, timesteps):
-        return _ddpm_noisy(self.scheduler, x0, noise, timesteps)
-
-    def target(self, x0, noise, timesteps):
-        return _ddpm_target(self.scheduler, x0, noise, timesteps)
-
-    def x0(self, prediction, latents, timesteps):
-        return _ddpm_x0(self.scheduler, prediction, latents, timesteps)
-
-    def time(self, timesteps):
-        return timesteps.float() / self.scheduler.config.num_train_timesteps
-
 
 class FlowSampler:
     """Flow-GRPO's SDE (``kind="sde"``) or Flow-CPS (``"cps"``) for rectified-flow families (SD3, FLUX).
@@ -200,6 +188,7 @@ class FlowSampler:
             raise ValueError(f"kind must be sde or cps, got {kind!r}")
         self.sigmas, self.noise_level, self.kind = sigmas, noise_level, kind
         self.window, self.window_at, self.num_train_timesteps = window, window_at, num_train_timesteps
+        self.forward = FlowForward(num_train_timesteps)
 
     @property
     def num_steps(self) -> int:
@@ -258,18 +247,6 @@ class FlowSampler:
         return StepGaussian(step.mean, step.std, self._log_density,
                             lambda ref_mean: flow_grpo_kl(step.mean, ref_mean, step.sde_sigma))
 
-    def noisy(self, x0, noise, timesteps):
-        return flow_noised(x0.float(), noise.float(), self.time(timesteps))
-
-    def target(self, x0, noise, timesteps):
-        return noise.float() - x0.float()
-
-    def x0(self, prediction, latents, timesteps):
-        return flow_x0(latents.float(), prediction.float(), self.time(timesteps))
-
-    def time(self, timesteps):
-        return timesteps.float() / self.num_train_timesteps
-
 
 class ODESampler:
     """The deterministic chain, every step recorded, no log-probabilities: Euler on ``sigmas`` (flow families; or
@@ -285,9 +262,12 @@ class ODESampler:
             raise ValueError(f"solver {solver!r}: euler, or dpm2 for flow families")
         self.sigmas, self.num_inference_steps, self.num_train_timesteps = sigmas, num_inference_steps, num_train_timesteps
         self.solver = solver
-        if not self.flow:
+        if self.flow:
+            self.forward = FlowForward(num_train_timesteps)
+        else:
             self.scheduler = type(scheduler).from_config(scheduler.config)
             self.scheduler.set_timesteps(num_inference_steps)
+            self.forward = DDPMForward(self.scheduler)
 
     def describe(self) -> str:
         kind = ("DPM-Solver++(2M) ODE" if self.solver == "dpm2" else "Euler ODE") if self.flow else "DDIM, eta 0"
@@ -326,39 +306,49 @@ class ODESampler:
     def step(self, prediction, latents, timesteps, step_indices) -> StepGaussian:
         raise ValueError("the ODE sampler has no step log-probabilities (PPO needs --sampler sde, cps or ddim)")
 
-    def noisy(self, x0, noise, timesteps):
-        if self.flow:
-            return flow_noised(x0.float(), noise.float(), self.time(timesteps))
-        return _ddpm_noisy(self.scheduler, x0, noise, timesteps)
-
-    def target(self, x0, noise, timesteps):
-        return noise.float() - x0.float() if self.flow else _ddpm_target(self.scheduler, x0, noise, timesteps)
-
-    def x0(self, prediction, latents, timesteps):
-        if self.flow:
-            return flow_x0(latents.float(), prediction.float(), self.time(timesteps))
-        return _ddpm_x0(self.scheduler, prediction, latents, timesteps)
-
-    def time(self, timesteps):
-        return timesteps.float() / (self.num_train_timesteps if self.flow else self.scheduler.config.num_train_timesteps)
-
 
 # ----------------------------------------------------------------------------------------------
-# The forward processes of the DDPM families, from the scheduler (align/sampling/forward.py has the maths).
+# The forward processes, for the objectives that train on them (align/sampling/forward.py has the maths). Each
+# sampler holds its dynamics' one as ``sampler.forward``.
 
 
-def _alphas(scheduler, timesteps, like):
-    return scheduler.alphas_cumprod.to(like.device, torch.float32)[timesteps.long().to(like.device)]
+class FlowForward:
+    """Rectified flow: x_t = (1 - t)·x0 + t·ε with t = σ = timestep / num_train_timesteps; the model predicts ε - x0."""
+
+    def __init__(self, num_train_timesteps: int = 1000):
+        self.num_train_timesteps = num_train_timesteps
+
+    def time(self, timesteps):
+        return timesteps.float() / self.num_train_timesteps
+
+    def noisy(self, x0, noise, timesteps):
+        return flow_noised(x0.float(), noise.float(), self.time(timesteps))
+
+    def target(self, x0, noise, timesteps):
+        return noise.float() - x0.float()
+
+    def x0(self, prediction, latents, timesteps):
+        return flow_x0(latents.float(), prediction.float(), self.time(timesteps))
 
 
-def _ddpm_noisy(scheduler, x0, noise, timesteps):
-    return ddpm_noised(x0.float(), noise.float(), _alphas(scheduler, timesteps, x0))
+class DDPMForward:
+    """DDPM: x_t = √ᾱ·x0 + √(1-ᾱ)·ε with ᾱ from the scheduler; the model predicts ε or v (its prediction_type)."""
 
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
 
-def _ddpm_target(scheduler, x0, noise, timesteps):
-    return ddpm_target(x0.float(), noise.float(), _alphas(scheduler, timesteps, x0), scheduler.config.prediction_type)
+    def _alphas(self, timesteps, like):
+        return self.scheduler.alphas_cumprod.to(like.device, torch.float32)[timesteps.long().to(like.device)]
 
+    def time(self, timesteps):
+        return timesteps.float() / self.scheduler.config.num_train_timesteps
 
-def _ddpm_x0(scheduler, prediction, latents, timesteps):
-    return ddpm_x0(latents.float(), prediction.float(), _alphas(scheduler, timesteps, latents),
-                   scheduler.config.prediction_type)
+    def noisy(self, x0, noise, timesteps):
+        return ddpm_noised(x0.float(), noise.float(), self._alphas(timesteps, x0))
+
+    def target(self, x0, noise, timesteps):
+        return ddpm_target(x0.float(), noise.float(), self._alphas(timesteps, x0), self.scheduler.config.prediction_type)
+
+    def x0(self, prediction, latents, timesteps):
+        return ddpm_x0(latents.float(), prediction.float(), self._alphas(timesteps, latents),
+                       self.scheduler.config.prediction_type)
