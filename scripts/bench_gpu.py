@@ -514,7 +514,8 @@ class OnlineRLStep:
         optimizer = adamw_class(config.use_8bit_adam)(params, lr=config.learning_rate, weight_decay=config.adam_weight_decay)
         self.trained, self.optimizer = accelerator.prepare(denoiser, optimizer)
         self.models = ddpo.PolicyModels(family, denoiser, self.trained, None, self.old_policy, config.guidance_scale,
-                                        accelerator.autocast, self.objective.samples_with_old_policy)
+                                        accelerator.autocast, self.objective.samples_with_old_policy,
+                                        merge_lora=ddpo.sampling_merges_lora(config))
         self.update = ddpo.Update(config, accelerator, self.models, self.objective, self.optimizer, params)
         self.family, self.denoiser, self.config, self.accelerator, self.pipe = family, denoiser, config, accelerator, pipe
         self.cond, self.negative, self.latent_shape = cond, negative, latent_shape
@@ -526,7 +527,7 @@ class OnlineRLStep:
         gen = ddpo.epoch_generator(config.seed, self.epoch, ddpo.SAMPLE, 0, 0)
         embeds = self.cond["prompt_embeds"]
         self.denoiser.eval()
-        with torch.no_grad(), accelerator.autocast(), self.models.sampling(ddpo.sampling_merges_lora(config)) as denoiser:
+        with torch.no_grad(), accelerator.autocast(), self.models.sampling() as denoiser:
             noise = torch.randn((samples, *self.latent_shape), generator=gen).to(embeds.device, embeds.dtype)
             uncond = expand_conditioning(self.negative, samples)
 

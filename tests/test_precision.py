@@ -54,11 +54,16 @@ def test_flag_beats_the_launcher_which_beats_the_default():
         resolve_mixed_precision(None, {"ACCELERATE_MIXED_PRECISION": "fp8"})
 
 
-def test_deepspeed_and_fsdp_are_refused_with_what_works(monkeypatch, tmp_path, capsys, tiny_model, pairs):
-    for variable in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
-        with pytest.raises(ConfigError, match="not supported.*multi-process data parallel"):
-            refuse_unsupported_launch({variable: "true"})
+def test_deepspeed_and_fsdp1_are_refused_with_what_works(monkeypatch, tmp_path, capsys, tiny_model, pairs):
+    with pytest.raises(ConfigError, match="not supported.*multi-process data parallel.*FSDP2"):
+        refuse_unsupported_launch({"ACCELERATE_USE_DEEPSPEED": "true"})
     refuse_unsupported_launch({"ACCELERATE_USE_DEEPSPEED": "false"})
+    with pytest.raises(ConfigError, match="FSDP version 1 .* fsdp_version: 2"):
+        refuse_unsupported_launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
+    with pytest.raises(ConfigError, match="--gradient_checkpointing"):
+        refuse_unsupported_launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                                   "FSDP_ACTIVATION_CHECKPOINTING": "true"})
+    refuse_unsupported_launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})  # FSDP2: tests/test_sharding.py
 
     class Launched:
         distributed_type = "DEEPSPEED"
@@ -69,11 +74,12 @@ def test_deepspeed_and_fsdp_are_refused_with_what_works(monkeypatch, tmp_path, c
 
     # through the command line: one line, exit 2, nothing written
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
     out = tmp_path / "fsdp"
     with pytest.raises(SystemExit) as exit_:
         dpo.main(["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out), "--report_to", "none"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1 and "FSDP is not supported" in err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "FSDP version 1 " in err
     assert not out.exists()
 
 

@@ -37,6 +37,9 @@ CONFIG_CLASSES = {
     "testbed_awm.yaml": DDPOConfig,
     "sd35_nft_lora_1gpu.yaml": DDPOConfig,
     "nft_sd15_lora_1gpu.yaml": DDPOConfig,
+    "sdxl_dpo_full_8gpu.yaml": DPOConfig,
+    "sd35_large_nft_full_8gpu.yaml": DDPOConfig,
+    "flux_nft_full_8gpu.yaml": DDPOConfig,
     "testbed_eval.yaml": EvalConfig,
     "testbed_judgebench.yaml": JudgeBenchConfig,
     "testbed_reward.yaml": RewardTrainConfig,
@@ -61,7 +64,11 @@ def test_shipped_config_parses_and_validates(name, monkeypatch):
 def test_shipped_accelerate_configs_load_and_use_only_supported_modes(path):
     config = load_config_from_file(str(path))
     assert config.mixed_precision == "bf16"
-    assert str(getattr(config.distributed_type, "value", config.distributed_type)) in ("NO", "MULTI_GPU")  # no DeepSpeed/FSDP
+    kind = str(getattr(config.distributed_type, "value", config.distributed_type))
+    assert kind in ("NO", "MULTI_GPU", "FSDP")  # no DeepSpeed
+    if kind == "FSDP":  # FSDP2, activation checkpointing by the trainers' flag (align/train/sharding.py)
+        assert str(config.fsdp_config["fsdp_version"]) == "2"
+        assert not config.fsdp_config.get("fsdp_activation_checkpointing", False)
 
 
 def test_one_gpu_recipes_name_an_accelerate_config_that_exists():

@@ -63,6 +63,7 @@ class Flux(flow_common.FlowMatchingFamily):
                     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
     weighting_scheme = "none"  # the script's default: uniform timesteps, loss weight 1
+    shard_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
 
     def pipeline_class(self):
         from diffusers import FluxPipeline

@@ -30,6 +30,7 @@ class StableDiffusion3(flow_common.FlowMatchingFamily):
     # train_dreambooth_lora_sd3.py's default --lora_layers (joint blocks' attention, both streams)
     lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
+    shard_blocks = ("JointTransformerBlock",)
     weighting_scheme = "logit_normal"  # the script's default timestep density (loss weight 1)
 
     def pipeline_class(self):

@@ -11,15 +11,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: align/testing/ -> the repository root
 
 
-def launch_two_cpu_processes(script: str, argv: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """``accelerate launch --multi_gpu --num_processes 2 <script> <argv>`` on the CPU, from the repository root.
+def cpu_launch_env() -> dict[str, str]:
+    """This process's environment for a CPU launch of the checkout: offline, one thread a process, gloo on the CPU."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
 
-    accelerate's --cpu flag runs one process; --multi_gpu + ACCELERATE_USE_CPU give two with gloo DDP.
-    """
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
-    with socket.socket() as sock:  # a free port: another two-process run may hold accelerate's default 29500
+
+def free_port() -> int:
+    """A port free now: another launch may hold accelerate's default 29500."""
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / script), *argv]
+        return sock.getsockname()[1]
+
+
+FSDP2 = ("--use_fsdp", "--fsdp_version", "2")  # accelerate launch's flags for FSDP2 (align/train/sharding.py)
+
+
+def two_cpu_processes_command(script: str, argv: list[str],
+                               launcher_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """(the command, its environment) of ``accelerate launch --multi_gpu --num_processes 2 <script> <argv>`` on the
+    CPU; ``launcher_args=FSDP2`` launches sharded instead (accelerate takes one of --multi_gpu and --use_fsdp).
+
+    accelerate's --cpu flag runs one process; --multi_gpu (or --use_fsdp) + ACCELERATE_USE_CPU give two over gloo.
+    """
+    mode = list(launcher_args) or ["--multi_gpu"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", "2", "--num_machines", "1",
+           "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / script), *argv]
+    return cmd, cpu_launch_env()
+
+
+def launch_two_cpu_processes(script: str, argv: list[str], timeout: int = 600,
+                             launcher_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``two_cpu_processes_command`` from the repository root to its end."""
+    cmd, env = two_cpu_processes_command(script, argv, launcher_args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

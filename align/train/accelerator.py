@@ -1,5 +1,5 @@
 """The Accelerator the trainers run under: mixed precision as the launcher says, the distributed modes
-the trainers support (others refused in one line), TF32, the optimiser class, attention, and a clean end."""
+the trainers support (DDP and FSDP2; others refused in one line), TF32, the optimiser class, attention, and a clean end."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from align.cli import ConfigError
 from align.run_folder import (
     scrub_secrets,
 )
+from align.train.sharding import check_fsdp_launch, enable_fsdp_on_cpu, fsdp_launch, is_sharded
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -33,21 +34,26 @@ def resolve_mixed_precision(flag: str | None, environ=None) -> str:
 
 UNSUPPORTED_LAUNCHERS = {
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
-    "ACCELERATE_USE_FSDP": "FSDP",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
 }
 
 
-DISTRIBUTED_HELP = ("what works: one process, or multi-process data parallel (DDP), e.g. "
-                    "`accelerate launch --multi_gpu --num_processes 8 align/<trainer>.py ...` (docs/scale.md)")
+DISTRIBUTED_HELP = ("what works: one process, multi-process data parallel (DDP), e.g. "
+                    "`accelerate launch --multi_gpu --num_processes 8 align/<trainer>.py ...`, or sharded FSDP2, "
+                    "`accelerate launch --config_file configs/accelerate/fsdp2_bf16.yaml ...` (docs/scale.md)")
 
 
-def refuse_unsupported_launch(environ=None) -> None:
-    """Before the Accelerator is built: DeepSpeed, FSDP and Megatron-LM are not tested here, so refuse them."""
+def refuse_unsupported_launch(environ=None, shardable: bool = True) -> None:
+    """Before the Accelerator is built: DeepSpeed and Megatron-LM are not tested here, so refuse them; FSDP only
+    as FSDP2 (align/train/sharding.py), and only for the trainers that shard (``shardable``)."""
     environ = os.environ if environ is None else environ
+    if not shardable and fsdp_launch(environ):
+        raise ConfigError("FSDP is not supported by this trainer (ACCELERATE_USE_FSDP is set by the launcher); it trains "
+                          "with one process or data parallel (DDP); FSDP2 shards the diffusion trainers (docs/scale.md)")
     for variable, name in UNSUPPORTED_LAUNCHERS.items():
         if str(environ.get(variable, "")).lower() in ("1", "true", "yes"):
             raise ConfigError(f"{name} is not supported by this trainer ({variable} is set by the launcher); {DISTRIBUTED_HELP}")
+    check_fsdp_launch(environ)
     if cpu_launch_lost_its_processes(environ):
         raise ConfigError(
             "`accelerate launch --cpu --num_processes N` starts one process whatever N says (accelerate runs --cpu "
@@ -68,29 +74,36 @@ def cpu_launch_lost_its_processes(environ) -> bool:
 
 
 def refuse_unsupported_distribution(accelerator) -> None:
-    """After the Accelerator is built (a plugin passed some other way): only no distribution or DDP."""
+    """After the Accelerator is built (a plugin passed some other way): only no distribution, DDP or FSDP2."""
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind == "FSDP" and accelerator.is_fsdp2:
+        return
     if kind not in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU"):
         raise ConfigError(f"accelerate's distributed type {kind} is not supported by this trainer; {DISTRIBUTED_HELP}")
 
 
-def make_accelerator(flag_precision: str | None, label: str, **kwargs):
-    """An Accelerator with the resolved mixed precision, refusing the untested distributed modes; logs the precision."""
+def make_accelerator(flag_precision: str | None, label: str, shardable: bool = False, **kwargs):
+    """An Accelerator with the resolved mixed precision, refusing the untested distributed modes (FSDP2 where the
+    trainer ``shardable``); logs the precision and the sharding."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    refuse_unsupported_launch()
+    refuse_unsupported_launch(shardable=shardable)
     precision = resolve_mixed_precision(flag_precision)
     if AcceleratorState._shared_state and AcceleratorState().mixed_precision != precision:
         # A second train() in one Python process (a notebook, the tests) with another precision: accelerate keeps
         # its state process-wide and would refuse; reset the precision part, not the process group.
         AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(mixed_precision=precision, **kwargs)
+    enable_fsdp_on_cpu(accelerator)
     refuse_unsupported_distribution(accelerator)
     if accelerator.is_main_process:
         source = "--mixed_precision" if flag_precision is not None else "accelerate's setting"
         scaler = " with accelerate's gradient scaler" if getattr(accelerator, "scaler", None) is not None else ""
         print(f"[{label}] mixed precision: {precision} (from {source}){scaler}", flush=True)
+        if is_sharded(accelerator):
+            print(f"[{label}] FSDP2: the trained model, its gradients and optimiser states sharded over "
+                  f"{accelerator.num_processes} processes", flush=True)
     return accelerator, precision
 
 

@@ -26,15 +26,17 @@ from align.run_folder import (
     scrub_secrets,
 )
 from align.train.command import TrainingStopped
+from align.train.sharding import all_processes_agree, is_sharded, local_tensor
 
 
 def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> None:
-    """With LoRA (or a frozen backbone), checkpoints hold only the trainable tensors, not the frozen model."""
-    if not only_trainable:
+    """With LoRA (or a frozen backbone), checkpoints hold only the trainable tensors, not the frozen model. Under
+    FSDP2 accelerate writes every process's shard of the whole model instead (torch.distributed.checkpoint)."""
+    if not only_trainable or is_sharded(accelerator):
         return
 
     def save_hook(models, weights, output_dir):
-        for model in models:
+        for model in models if accelerator.is_main_process else ():  # every process holds the same tensors
             state = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
             save_file(state, str(Path(output_dir) / "trainable_weights.safetensors"))
         weights.clear()  # accelerate must not also write the full model
@@ -154,21 +156,25 @@ def start_run(accelerator, run: RunFolder, config) -> None:
     accelerator.wait_for_everyone()
 
 
-def stop_unless_weights_finite(params, step_name: str, last_good) -> None:
-    """After an optimiser step: NaN/inf in a trainable weight stops training before it is checkpointed."""
-    if not weights_finite(params):
+def stop_unless_weights_finite(params, step_name: str, last_good, accelerator=None) -> None:
+    """After an optimiser step: NaN/inf in a trainable weight stops training before it is checkpointed. Sharded
+    (FSDP2, ``accelerator`` given): each process checks its shard and every process stops together."""
+    finite = weights_finite(local_tensor(p) for p in params)
+    if accelerator is not None and is_sharded(accelerator):
+        finite = all_processes_agree(accelerator, finite)
+    if not finite:
         raise TrainingStopped(
             f"non-finite trainable weights after {step_name}; stopped before they were saved. The last good "
             f"checkpoint is {last_good or 'none (no checkpoint was written yet)'}; lower --learning_rate"
         )
 
 
-def save_final_weights(accelerator, unet, run_path: Path, finetune: str, write_card: Callable[[Path], None],
+def save_final_weights(trained, run_path: Path, finetune: str, write_card: Callable[[Path], None],
                        family=None) -> Path:
     """``final/``: the trained LoRA (``pytorch_lora_weights.safetensors``) or full ``unet/`` (``transformer/``),
     and its model card, written as one folder (a half-written final/ is never in place); returns its path.
-    ``family``: the model family (``align.families``), SD 1.x/2.x when not given."""
-    trained = accelerator.unwrap_model(unet)
+    ``trained``: the unwrapped model (``align.train.sharding.consolidated_model``); ``family``: the model family
+    (``align.families``), SD 1.x/2.x when not given."""
     with atomic_folder(run_path / "final") as final:
         if finetune == "lora":
             pipeline.save_lora(trained, final, family)

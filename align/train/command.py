@@ -15,6 +15,7 @@ from align.run_folder import (
     RunFolderError,
 )
 from align.train.accelerator import adamw_class
+from align.train.dry_run import print_memory_plan
 from align.validation import check_weight_files
 
 # A bad input: config, run folder, model files or data; each error's message names the input.
@@ -35,7 +36,7 @@ def run_trainer(config_class: type, train: Callable, argv: list[str] | None, des
     if hasattr(config, "quiet"):
         quiet_output(config.quiet)
     try:
-        train(config)
+        (print_memory_plan if getattr(config, "dry_run", False) else train)(config)
     except BAD_INPUT_ERRORS as err:
         die(str(err))
     except stopped as err:

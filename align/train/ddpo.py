@@ -91,6 +91,13 @@ from align.train.old_policy import OldPolicy
 from align.train.policy_gradient import PolicyGradient
 from align.train.report import write_training_report
 from align.train.rollout import DDIMSampler, FlowSampler, ODESampler, Rollout, TrainBatch, cat_rollouts
+from align.train.sharding import (
+    consolidated_model,
+    full_weights_for_main,
+    is_sharded,
+    shard_frozen,
+    use_family_blocks,
+)
 
 STATE_FILE = "ddpo_state.json"
 STAT_BUFFER_SIZE, STAT_MIN_COUNT = 32, 16  # --advantage per-prompt: ddpo-pytorch's per-prompt stat tracking
@@ -207,10 +214,10 @@ class PolicyModels:
     prediction the sampler uses."""
 
     def __init__(self, family: ModelFamily, denoiser, trained, reference, old: OldPolicy | None, guidance_scale: float,
-                 autocast, samples_with_old_policy: bool = False):
+                 autocast, samples_with_old_policy: bool = False, merge_lora: bool = False):
         self.family, self.denoiser, self.trained, self.reference = family, denoiser, trained, reference
         self.old, self.guidance_scale, self.autocast = old, guidance_scale, autocast
-        self.samples_with_old_policy = samples_with_old_policy
+        self.samples_with_old_policy, self.merge_lora = samples_with_old_policy, merge_lora
 
     def predict(self, latents, timesteps, cond, uncond, which: str = "policy") -> torch.Tensor:
         def guided(model):
@@ -229,19 +236,19 @@ class PolicyModels:
                 return guided(self.denoiser)
 
     @contextlib.contextmanager
-    def sampling(self, merge_lora: bool):
+    def sampling(self):
         """The policy that samples: the old one where the objective keeps one, else the trained one; with LoRA folded
-        into the weights when that computes what the training forward does."""
+        into the weights when that computes what the training forward does (``merge_lora``)."""
         with self.old.swapped_in() if self.samples_with_old_policy else contextlib.nullcontext():
-            with merged_adapter(self.denoiser) if merge_lora else contextlib.nullcontext():
+            with merged_adapter(self.denoiser) if self.merge_lora else contextlib.nullcontext():
                 yield self.denoiser
 
 
-def sampling_merges_lora(config: DDPOConfig) -> bool:
+def sampling_merges_lora(config: DDPOConfig, accelerator=None) -> bool:
     """Sample with the LoRA folded into the weights (~12% faster on the testbed) when that computes what the
     training forward does: in fp32 up to rounding; not under fp16/bf16 (the rounding differs, the first
-    minibatch would be off-policy and PPO would clip it)."""
-    return config.mixed_precision == "no"
+    minibatch would be off-policy and PPO would clip it), nor under FSDP2 (the weights are shards between forwards)."""
+    return config.mixed_precision == "no" and not (accelerator is not None and is_sharded(accelerator))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,7 +260,7 @@ def collect_rollouts(pipe, family, models: PolicyModels, sampler, config, prompt
                      num_batches, background, latent_shape, resolution, num_processes=1):
     """Sample num_batches batches; rewards are computed in the background as each batch finishes."""
     rollouts, futures = [], []
-    with models.sampling(sampling_merges_lora(config)) as denoiser:
+    with models.sampling() as denoiser:
         for b in range(num_batches):
             # keyed by the global batch: N processes draw what one process with N times the batches draws
             gen = epoch_generator(config.seed, epoch, SAMPLE, global_batch(b, process, num_processes), 0)
@@ -378,10 +385,12 @@ def train_epoch(update: Update, rollout: Rollout, advantages: torch.Tensor, plan
     for u0 in range(0, len(plan.order), per_update):
         members, divisor = update_members(update, plan.order[u0 : u0 + per_update], advantages)
         stats.setdefault("trained_sample_fraction", []).append(len(members) / per_update if divisor != float("inf") else 0.0)
-        micro_batches = members.split(config.train_batch_size)
+        micro_batches = list(members.split(config.train_batch_size))
+        counted = len(micro_batches)
+        micro_batches += [members[:1]] * (micro_batches_on_every_process(update.accelerator, counted) - counted)
         for m, idx in enumerate(micro_batches):
-            train_micro_batch(update, rollout, advantages, plan, negative, idx, divisor, stats,
-                              last_of_update=m == len(micro_batches) - 1)
+            train_micro_batch(update, rollout, advantages, plan, negative, idx, divisor if m < counted else float("inf"),
+                              stats, last_of_update=m == len(micro_batches) - 1, recorded=m < counted)
         if config.max_grad_norm > 0:
             update.accelerator.clip_grad_norm_(update.params, config.max_grad_norm)
         update.optimizer.step()
@@ -390,8 +399,16 @@ def train_epoch(update: Update, rollout: Rollout, advantages: torch.Tensor, plan
     return updates
 
 
+def micro_batches_on_every_process(accelerator, count: int) -> int:
+    """How many micro-batches this process runs in an optimiser step: its own, or under FSDP2 the most any process
+    has (the others add weight-0 ones), since every forward there all-gathers the weights with every process."""
+    if not is_sharded(accelerator):
+        return count
+    return int(accelerator.gather(torch.tensor([count], device=accelerator.device)).max())
+
+
 def train_micro_batch(update: Update, rollout: Rollout, advantages, plan: EpochPlan, negative, idx, divisor: float,
-                      stats, last_of_update: bool) -> None:
+                      stats, last_of_update: bool, recorded: bool = True) -> None:
     """Forward and backward of the samples ``idx`` at their trained steps, ``timestep_batch`` steps per model call
     (flattened into the batch, sample-major). Each chunk's loss is its rows' mean, weighted so that the step's gradient
     is the sum over its samples' per-step losses divided by (k x divisor): one-step-at-a-time accumulation, exactly."""
@@ -425,7 +442,7 @@ def train_micro_batch(update: Update, rollout: Rollout, advantages, plan: EpochP
             if not torch.isfinite(loss):
                 raise TrainingStopped(f"non-finite {config.algorithm} loss; stopped before the update (lower --learning_rate)")
             accelerator.backward(loss * (weight_total * c))
-        for key, value in {"loss": loss.detach(), **metrics}.items():
+        for key, value in ({"loss": loss.detach(), **metrics} if recorded else {}).items():
             stats.setdefault(key, []).append(float(value))
 
 
@@ -444,7 +461,7 @@ def train(config: DDPOConfig) -> Path:
     check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
-        config.mixed_precision, "ddpo", log_with=log_with, project_dir=str(run.path))
+        config.mixed_precision, "ddpo", shardable=True, log_with=log_with, project_dir=str(run.path))
     main, process = accelerator.is_main_process, accelerator.process_index
     num_batches = check_batch_sizes(config, accelerator.num_processes)
     method = method_name(config, family)
@@ -500,11 +517,12 @@ def train(config: DDPOConfig) -> Path:
         reference = None  # the same denoiser with the adapter off
     else:
         denoiser.requires_grad_(True)
-        reference = frozen_copy(denoiser) if config.kl_coef > 0 else None
+    use_family_blocks(accelerator, family, denoiser)  # FSDP2's units; nothing without sharding
+    if config.finetune == "full":  # sharded like the policy under FSDP2
+        reference = shard_frozen(accelerator, frozen_copy(denoiser)) if config.kl_coef > 0 else None
     if config.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     params = [p for p in denoiser.parameters() if p.requires_grad]
-    old_policy = OldPolicy(params) if objective.uses_old_policy else None
 
     samples_per_process = config.samples_per_epoch // accelerator.num_processes
     updates_per_epoch = samples_per_process // (config.train_batch_size * config.gradient_accumulation_steps)
@@ -527,11 +545,13 @@ def train(config: DDPOConfig) -> Path:
 
     optimizer = adamw_class(config.use_8bit_adam)(params, lr=config.learning_rate, weight_decay=config.adam_weight_decay)  # β, ε: PyTorch's
     trained, optimizer = accelerator.prepare(denoiser, optimizer)  # a constant learning rate, as the papers
+    params = [p for p in trained.parameters() if p.requires_grad]  # FSDP2 replaced them with their shards
+    old_policy = OldPolicy(params, trained) if objective.uses_old_policy else None  # sharded as they are
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     if old_policy is not None:
         accelerator.register_for_checkpointing(old_policy)  # resumed with the run
     models = PolicyModels(family, denoiser, trained, reference, old_policy, config.guidance_scale, accelerator.autocast,
-                          objective.samples_with_old_policy)
+                          objective.samples_with_old_policy, merge_lora=sampling_merges_lora(config, accelerator))
     update = Update(config, accelerator, models, objective, optimizer, params)
     tracker = PerPromptStatTracker(STAT_BUFFER_SIZE, STAT_MIN_COUNT)
     negative = family.unconditional(pipe, 1, resolution)  # what the family's pipeline uses without a negative prompt
@@ -551,9 +571,11 @@ def train(config: DDPOConfig) -> Path:
         print("[ddpo] --resume latest: no checkpoint yet, starting from epoch 0", flush=True)
     if log_with:
         accelerator.init_trackers("ddpo", config=tracker_config(config))
-    if main and eval_judge is not None and start_epoch == 0:
-        evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
-                       run.path / "eval_before.json", "before")
+    evaluating = bool(config.eval_prompts)  # every process knows; the main one holds the judge
+    with full_weights_for_main(accelerator, denoiser, needed=evaluating and start_epoch == 0):
+        if main and eval_judge is not None and start_epoch == 0:
+            evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
+                           run.path / "eval_before.json", "before")
 
     background = BackgroundRewards(reward_fn)
     last_good = run.latest_checkpoint()
@@ -595,7 +617,7 @@ def train(config: DDPOConfig) -> Path:
 
             # 5. Log, save samples, checkpoint.
             done = epoch + 1
-            stop_unless_weights_finite(params, f"epoch {epoch}", last_good)
+            stop_unless_weights_finite(params, f"epoch {epoch}", last_good, accelerator)
             logs = {k: float(np.mean(v)) for k, v in stats.items()}
             logs = {k: float(accelerator.reduce(torch.tensor(v, device=accelerator.device), "mean")) for k, v in logs.items()}
             logs.update(reward_parts)
@@ -608,9 +630,11 @@ def train(config: DDPOConfig) -> Path:
             })
             if config.advantage == "per-prompt":
                 logs.update(tracker.stats())
-            if main and periodic_evaluation_due(config.eval_every_epochs, done, config.num_epochs):
-                logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.eval_inference_steps,
-                                                            config.guidance_scale, run.path, done)
+            due = evaluating and periodic_evaluation_due(config.eval_every_epochs, done, config.num_epochs)
+            with full_weights_for_main(accelerator, denoiser, needed=due):
+                if main and due:
+                    logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.eval_inference_steps,
+                                                                config.guidance_scale, run.path, done)
             if main:
                 run.log(done, logs)
                 progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", loss=f"{logs.get('loss', 0):.2e}")
@@ -626,17 +650,19 @@ def train(config: DDPOConfig) -> Path:
     #    Each step is redone by --resume latest from the last checkpoint if the run stops before its end.
     accelerator.wait_for_everyone()
     check_weights_in_sync(accelerator, params)
-    if main:
-        if eval_judge is not None:
+    with full_weights_for_main(accelerator, denoiser, needed=evaluating):
+        if main and eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
-        save_final_weights(accelerator, trained, run.path, config.finetune,
+    final_model = consolidated_model(accelerator, trained)  # every process: FSDP2 gathers the shards onto the main one
+    if main:
+        save_final_weights(final_model, run.path, config.finetune,
                            lambda final: write_model_card(final, config, run, method, sampler), family=family)
         write_training_report(run.path, title=f"{method}: {config.model}", judge=config.eval_judge or config.reward, step_name="epoch",
                               metric_keys=("reward_mean", "approx_kl", "kl_to_reference", "clipfrac", "policy_loss", "loss"))
         run.let_go_of_old_run()
     reward_fn.close()
-    del trained, optimizer
+    del trained, final_model, optimizer
     end_training(accelerator)
     return run.path
 
@@ -653,8 +679,9 @@ def stop_on_nonfinite_images(accelerator, batches, epoch: int, last_good) -> Non
 
 
 def check_weights_in_sync(accelerator, params) -> None:
-    """Every process must end with the same trained weights (else gradients were not all-reduced)."""
-    if accelerator.num_processes == 1:
+    """Every process must end with the same trained weights (else gradients were not all-reduced). Under FSDP2 each
+    process holds its own shard of one copy: nothing to compare."""
+    if accelerator.num_processes == 1 or is_sharded(accelerator):
         return
     checksum = torch.stack([p.detach().double().sum() for p in params]).sum().reshape(1)
     sums = accelerator.gather(checksum.to(accelerator.device))

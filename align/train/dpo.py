@@ -74,6 +74,7 @@ from align.train.heldout import (
 )
 from align.train.losses import diffusion_dpo_loss, per_sample_mse
 from align.train.report import write_training_report
+from align.train.sharding import consolidated_model, full_weights_for_main, shard_frozen, use_family_blocks
 from rewards.images import to_tensor
 
 # ----------------------------------------------------------------------------------------------
@@ -142,31 +143,11 @@ def feedback_file(run_path: Path, round_index: int, rounds: int) -> Path:
 
 def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_index: int, run_path: Path, steps, guidance):
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
-    rounds = config.feedback_rounds
-    path = feedback_file(run_path, round_index, rounds)
+    path = feedback_file(run_path, round_index, config.feedback_rounds)
     stopped = None
-    if accelerator.is_main_process:
-        denoiser = family_of_pipeline(pipe).denoiser(pipe)
-        was_training = denoiser.training
-        denoiser.eval()
-        generate_images = healthy_images_only(make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance))
-        labelled = round_prompts(prompts, round_index, rounds)
-        if judge.pointwise:
-            asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
-        else:
-            asks = f"{len(labelled) * len(pairwise_scheme(config.images_per_prompt)):,} comparisons (adjacent pairs)"
-        print(f"[feedback] {len(labelled):,} prompts x {config.images_per_prompt} images: {judge.name} is asked {asks} "
-              "(prompts labelled by an earlier, interrupted run are skipped)", flush=True)
-        try:
-            stats = generate_feedback(
-                generate_images, judge, labelled, path,
-                images_per_prompt=config.images_per_prompt, seed=config.seed + round_index,  # best vs worst of K
-            )
-            label = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
-            print(f"[feedback]{label} {stats.summary()}", flush=True)
-        except TrainingStopped as err:  # degenerate images: every process stops (none waits for the main one for ever)
-            stopped = str(err)
-        denoiser.train(was_training)
+    with full_weights_for_main(accelerator, family_of_pipeline(pipe).denoiser(pipe)):  # FSDP2: main generates alone
+        if accelerator.is_main_process:
+            stopped = label_on_main(pipe, judge, config, prompts, round_index, path, steps, guidance)
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -178,6 +159,34 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
     if accelerator.is_main_process:
         print(f"[data] {table.stats.summary()}", flush=True)
     return table
+
+
+def label_on_main(pipe, judge, config: DPOConfig, prompts, round_index: int, path: Path, steps, guidance) -> str | None:
+    """Generate and judge one round's images into ``path``; returns why it stopped (degenerate images), or None."""
+    rounds = config.feedback_rounds
+    denoiser = family_of_pipeline(pipe).denoiser(pipe)
+    was_training = denoiser.training
+    denoiser.eval()
+    generate_images = healthy_images_only(make_pipeline_generator(pipe, num_inference_steps=steps, guidance_scale=guidance))
+    labelled = round_prompts(prompts, round_index, rounds)
+    if judge.pointwise:
+        asks = f"{len(labelled) * config.images_per_prompt:,} images to score"
+    else:
+        asks = f"{len(labelled) * len(pairwise_scheme(config.images_per_prompt)):,} comparisons (adjacent pairs)"
+    print(f"[feedback] {len(labelled):,} prompts x {config.images_per_prompt} images: {judge.name} is asked {asks} "
+          "(prompts labelled by an earlier, interrupted run are skipped)", flush=True)
+    try:
+        stats = generate_feedback(
+            generate_images, judge, labelled, path,
+            images_per_prompt=config.images_per_prompt, seed=config.seed + round_index,  # best vs worst of K
+        )
+        label = f" round {round_index + 1}/{rounds}" if rounds > 1 else ""
+        print(f"[feedback]{label} {stats.summary()}", flush=True)
+    except TrainingStopped as err:  # degenerate images: every process stops (none waits for the main one for ever)
+        return str(err)
+    finally:
+        denoiser.train(was_training)
+    return None
 
 
 def healthy_images_only(generate_images):
@@ -311,7 +320,7 @@ def train(config: DPOConfig) -> Path:
     check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
     log_with = None if config.report_to == "none" else config.report_to
     accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
-        config.mixed_precision, "dpo", gradient_accumulation_steps=config.gradient_accumulation_steps,
+        config.mixed_precision, "dpo", shardable=True, gradient_accumulation_steps=config.gradient_accumulation_steps,
         log_with=log_with, project_dir=str(run.path),
     )
     apply_matmul_switches(config.allow_tf32)
@@ -375,7 +384,9 @@ def train(config: DPOConfig) -> Path:
         reference = None  # same denoiser, adapter off
     else:
         unet.requires_grad_(True)
-        reference = frozen_copy(unet)
+    use_family_blocks(accelerator, family, unet)  # FSDP2's units; nothing without sharding
+    if config.finetune == "full":
+        reference = shard_frozen(accelerator, frozen_copy(unet))  # sharded like the policy under FSDP2
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
@@ -391,6 +402,7 @@ def train(config: DPOConfig) -> Path:
         num_training_steps=config.max_steps * accelerator.num_processes,
     )
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+    params = [p for p in unet.parameters() if p.requires_grad]  # FSDP2 replaced them with their shards
     register_trainable_checkpoint_hooks(accelerator, config.finetune == "lora")
     noise_scheduler = pipe.scheduler
 
@@ -437,8 +449,9 @@ def train(config: DPOConfig) -> Path:
         accelerator.init_trackers("dpo", config=tracker_config(config))
 
     # 6. Before: score held-out prompts with the starting model (fixed seeds, reused after).
-    if main and eval_judge is not None and start_step == 0:
-        evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_before.json", "before")
+    with full_weights_for_main(accelerator, unet, needed=eval_judge is not None and start_step == 0):
+        if main and eval_judge is not None and start_step == 0:
+            evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_before.json", "before")
 
     # 7. The loop.
     progress = progress_bar(range(start_step, config.max_steps), desc="dpo", unit="step", enabled=accelerator.is_local_main_process)
@@ -492,14 +505,16 @@ def train(config: DPOConfig) -> Path:
                 optimizer.zero_grad(set_to_none=True)
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 logs[key] = logs.get(key, 0.0) + float(value) / config.gradient_accumulation_steps
-        stop_unless_weights_finite(params, f"step {step}", last_good)
+        stop_unless_weights_finite(params, f"step {step}", last_good, accelerator)
 
         logs = {k: float(accelerator.reduce(torch.tensor(v, device=accelerator.device), "mean")) for k, v in logs.items()}
         logs["lr"] = lr_scheduler.get_last_lr()[0]
         logs["pairs_per_second"] = pairs_per_step / (time.perf_counter() - step_start)
         done = step + 1
-        if main and periodic_evaluation_due(config.eval_every_steps, done, config.max_steps):
-            logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, steps, guidance, run.path, done)
+        evaluating = periodic_evaluation_due(config.eval_every_steps, done, config.max_steps)
+        with full_weights_for_main(accelerator, unet, needed=evaluating):
+            if main and evaluating:
+                logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, steps, guidance, run.path, done)
         if main:
             run.log(done, logs)
             progress.set_postfix(loss=f"{logs['loss']:.4f}", acc=f"{logs.get('implicit_acc', float('nan')):.2f}")
@@ -512,16 +527,18 @@ def train(config: DPOConfig) -> Path:
     # 8. After-evaluation, final weights with their model card (one folder, written as a whole), report.
     #    Each step is redone by --resume latest from the last checkpoint if the run stops before its end.
     accelerator.wait_for_everyone()
-    if main:
-        if eval_judge is not None:
+    with full_weights_for_main(accelerator, unet, needed=eval_judge is not None):
+        if main and eval_judge is not None:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
-        save_final_weights(accelerator, unet, run.path, config.finetune, lambda final: write_model_card(final, config, run),
+    trained = consolidated_model(accelerator, unet)  # every process: FSDP2 gathers the shards onto the main one
+    if main:
+        save_final_weights(trained, run.path, config.finetune, lambda final: write_model_card(final, config, run),
                            family=family)
         write_run_report(run, config)
         run.let_go_of_old_run()
     for used in {id(j): j for j in (judge, eval_judge) if j is not None}.values():
         used.close()  # API judges print their token and cost counts here
-    del unet, optimizer, lr_scheduler
+    del unet, trained, optimizer, lr_scheduler
     end_training(accelerator)
     return run.path
 

@@ -3,7 +3,9 @@
 It samples the rollouts (DiffusionNFT) or anchors the update (both), and moves towards the trained weights once per
 epoch: ``old = decay·old + (1 - decay)·trained``, with the decay the objective's schedule gives for the optimiser step.
 Evaluating the old policy swaps its tensors into the trained parameters' ``.data`` (no copy, no second model in
-memory) and swaps them back. Checkpoints hold it (``state_dict``), so a resumed run continues from the same old policy.
+memory) and swaps them back. Under FSDP2 the parameters are shards whose storage FSDP all-gathers from, so there the
+values are swapped in place instead (copies), and the old policy is sharded as the parameters are. Checkpoints hold it
+(``state_dict``, whole tensors, so that a resumed run continues from the same old policy on any number of processes).
 """
 
 from __future__ import annotations
@@ -11,22 +13,38 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 class OldPolicy:
-    def __init__(self, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter], model: torch.nn.Module | None = None):
         self.params = list(params)
         self.tensors = [p.detach().clone() for p in self.params]
+        self.sharded = any(is_dtensor(p) for p in self.params)
+        # FSDP2 keeps the root's gathered weights from a forward to its backward: a swap must drop every gathered
+        # copy so that the next forward (or that backward) gathers the values swapped in.
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
 
     @contextlib.contextmanager
     def swapped_in(self):
         """The trained parameters hold the old policy's values inside the block."""
-        for p, old in zip(self.params, self.tensors):
-            p.data, old.data = old.data, p.data
+        self._swap()
         try:
             yield
         finally:
-            for p, old in zip(self.params, self.tensors):
+            self._swap()
+
+    @torch.no_grad()
+    def _swap(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+        for p, old in zip(self.params, self.tensors):
+            if self.sharded:
+                kept = p.detach().clone()
+                p.detach().copy_(old)
+                old.copy_(kept)
+            else:
                 p.data, old.data = old.data, p.data
 
     @torch.no_grad()
@@ -36,10 +54,19 @@ class OldPolicy:
             old.mul_(decay).add_(p.detach().to(old.dtype), alpha=1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {str(i): t.detach().cpu() for i, t in enumerate(self.tensors)}
+        """Whole tensors (every process takes part in gathering the shards; accelerate writes the main one's)."""
+        return {str(i): (t.full_tensor() if is_dtensor(t) else t).detach().cpu() for i, t in enumerate(self.tensors)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if len(state) != len(self.tensors):
             raise ValueError(f"the checkpoint's old policy holds {len(state)} tensors, the model {len(self.tensors)}")
         for i, t in enumerate(self.tensors):
-            t.copy_(state[str(i)])
+            whole = state[str(i)].to(t.dtype)
+            if is_dtensor(t):
+                whole = distribute_tensor(whole.to(t.device), t.device_mesh, t.placements)
+            t.copy_(whole)
+
+
+def is_dtensor(tensor) -> bool:
+    """A shard of a tensor under FSDP2 (torch's DTensor)."""
+    return isinstance(tensor, DTensor)

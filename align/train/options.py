@@ -29,6 +29,8 @@ class RunOptions:
     report_to: str = option("tensorboard", "tracker: tensorboard, wandb, all, or none", "output")
     quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     checkpoints_total_limit: int = option(3, "checkpoints kept (older ones are deleted; 0: all)", "output")
+    dry_run: bool = option(False, "print the per-process memory under DDP and FSDP2 for 1-8 processes (the model "
+                           "built from its config files, no weights) and exit: nothing is trained or written", "output")
 
     def check_run_options(self) -> None:
         if self.report_to not in TRACKERS:

@@ -1,0 +1,34 @@
+"""--dry_run: the per-process memory of the run a config describes, under DDP and FSDP2, printed before anything
+is loaded, trained or written (the model's parts are built on the meta device from their config files)."""
+
+from __future__ import annotations
+
+import os
+
+from align.train.memory_model import plan_run
+from align.train.memory_plan import plan_table
+
+PROCESS_COUNTS = (1, 2, 4, 8)
+
+
+def launch_processes(environ=None) -> int:
+    """The processes this launch started (accelerate launch / torchrun set WORLD_SIZE), else 1."""
+    environ = os.environ if environ is None else environ
+    try:
+        return max(int(environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def print_memory_plan(config) -> None:
+    """Validate the config, count the model from its config files, print the table (the first process only)."""
+    config.validate()
+    planned = plan_run(config)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    launched = launch_processes()
+    counts = sorted(set(PROCESS_COUNTS) | {launched})
+    print(f"[dry run] {planned.summary}")
+    print(plan_table(planned.shape, counts))
+    print(f"[dry run] this launch: {launched} process{'es' if launched > 1 else ''}; nothing was trained or written "
+          "(what is counted and assumed: docs/scale.md#the-memory-planner)", flush=True)

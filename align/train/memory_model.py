@@ -1,0 +1,284 @@
+"""The counts a memory plan needs (align/train/memory_plan.py), from a pipeline's config files alone.
+
+Every part is built on the meta device (shapes, no weights, no memory; a hub id costs its small config files), the
+LoRA adapter is attached as the trainer attaches it, and the activations are counted by running one training
+forward of the denoiser on the meta device at the run's batch and resolution, summing the unique storages
+autograd saves for the backward (parameters excluded). That count follows the architecture exactly (every block,
+its channels and tokens at the run's resolution) where a closed formula would need a coefficient per block type.
+Attention is counted as the fused kernels save it (query, key, value, output and the log-sum-exp; no attention
+matrix), as torch's SDPA does on GPUs and on CPUs; on the meta device torch would take its unfused path instead.
+With gradient checkpointing a block keeps only its inputs, and the backward recomputes one block at a time: the
+count is what stays outside the blocks, the blocks' inputs, and the largest block's own saved activations.
+Under mixed precision the forward runs in the compute dtype (autocast keeps a few tensors, the normalisations'
+inputs, in fp32: a slight undercount).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from align.cli import ConfigError
+from align.families import family_named
+from align.families.base import ModelLoadError, one_line
+from align.families.flow_common import trained_max_sequence_length
+from align.pipeline import add_lora, check_model
+from align.train.accelerator import resolve_mixed_precision
+from align.train.memory_plan import FP32, RunShape, compute_bytes, optimizer_bytes_per_parameter
+
+FROZEN_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+CLIP_TOKENS = 77
+T5_TOKENS = {"sd3": 256, "flux": 512}  # the pipelines' default max_sequence_length
+
+
+def read_model_index(model: str) -> dict:
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.load_config(model)
+
+
+def build_on_meta(model: str, subfolder: str, library: str, class_name: str) -> torch.nn.Module:
+    """One pipeline component from its config file, its parameters on the meta device."""
+    import diffusers
+    import transformers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=True):
+        if library == "diffusers":
+            cls = getattr(diffusers, class_name)
+            return cls.from_config(cls.load_config(model, subfolder=subfolder))
+        cls = getattr(transformers, class_name)
+        return cls(cls.config_class.from_pretrained(model, subfolder=subfolder))
+
+
+def parameter_count(module: torch.nn.Module, trained_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trained_only)
+
+
+def fsdp_unit_counts(model: torch.nn.Module, is_unit) -> tuple[int, int]:
+    """(the largest unit's own parameters, the root's): units are the modules ``is_unit(name, module)`` picks, and
+    a unit's parameters are those of no unit nested inside it, as fully_shard assigns them."""
+    units = [name for name, module in model.named_modules() if name and is_unit(name, module)]
+    owned = dict.fromkeys(units, 0)
+    root = 0
+    for name, p in model.named_parameters():
+        owners = [u for u in units if name.startswith(u + ".")]
+        if owners:
+            owned[max(owners, key=len)] += p.numel()
+        else:
+            root += p.numel()
+    return max(owned.values(), default=0), root
+
+
+def class_units(class_names):
+    """The trainers' FSDP2 units: the modules of the family's block classes (``ModelFamily.shard_blocks``,
+    align/train/sharding.py)."""
+    names = set(class_names)
+    return lambda name, module: type(module).__name__ in names
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations
+
+
+class SavedStorages:
+    """The unique storages autograd saves for the backward inside ``hooks()``, parameters excluded."""
+
+    def __init__(self, excluded: list[torch.Tensor]):
+        self.excluded = {id(t.untyped_storage()) for t in excluded}
+        self.nbytes: dict[int, int] = {}
+        self._alive = []  # the storages stay referenced, so no id is reused while counting
+
+    def add(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self._alive.append(storage)
+        if id(storage) not in self.excluded:
+            self.nbytes.setdefault(id(storage), storage.nbytes())
+        return tensor
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes.values())
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused SDPA kernel saves (q, k, v, output, log-sum-exp), for counting on the meta device."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])
+        ctx.save_for_backward(query, key, value, out, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, *_ = ctx.saved_tensors
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta():
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(query, key, value, *args, **kwargs):
+        return _FusedAttention.apply(query, key, value)
+
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def activation_bytes(denoiser: torch.nn.Module, forward, checkpointing: bool) -> int:
+    """Bytes kept for the backward of ``forward()`` (a training forward of ``denoiser``), plus with checkpointing
+    the largest block's recomputed activations (the module docstring)."""
+    params = list(denoiser.parameters())
+    kept = SavedStorages(params)
+    recomputed = [0]
+
+    def counting_checkpoint(block, *args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                kept.add(arg)
+        inside = SavedStorages(params)
+        with inside.hooks():
+            out = block(*args)
+        recomputed.append(inside.total)
+        return out
+
+    if checkpointing:
+        denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=counting_checkpoint)
+    try:
+        with torch.enable_grad(), kept.hooks(), fused_attention_on_meta():
+            forward()
+    finally:
+        if checkpointing:
+            denoiser.disable_gradient_checkpointing()
+    return kept.total + max(recomputed)
+
+
+def training_forward(family, denoiser, vae_config: dict, batch: int, resolution: int, text_tokens: int, dtype):
+    """A no-argument call of the family's training prediction on meta inputs of the run's shapes."""
+    config = denoiser.config
+    scale = 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
+    channels = vae_config.get("latent_channels", 4)
+    side = resolution // scale if family.name != "flux" else 2 * (resolution // (scale * 2))
+
+    def meta(*shape):
+        return torch.zeros(*shape, device="meta", dtype=dtype)
+
+    width = config.get("cross_attention_dim") or config.get("joint_attention_dim")
+    cond = {"prompt_embeds": meta(batch, text_tokens, width)}
+    if family.name == "sdxl":
+        cond["pooled_embeds"] = meta(batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim)
+        cond["time_ids"] = meta(batch, 6)
+    elif family.is_flow:
+        cond["pooled_embeds"] = meta(batch, config.pooled_projection_dim)
+    if family.name == "flux" and config.get("guidance_embeds"):
+        cond["guidance"] = meta(batch)
+    latents, timesteps = meta(batch, channels, side, side), meta(batch)
+    return lambda: family.predict(denoiser, latents, timesteps, cond)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's shape from its config
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    shape: RunShape
+    family: str
+    resolution: int
+    forward_batch: int   # samples per training forward and process
+    precision: str
+    summary: str
+
+
+def text_tokens(family, model: str) -> int:
+    if family.name in T5_TOKENS:
+        t5 = trained_max_sequence_length(model) or T5_TOKENS[family.name]
+        return t5 + (CLIP_TOKENS if family.name == "sd3" else 0)
+    return CLIP_TOKENS
+
+
+@dataclass
+class PipelineParts:
+    """A pipeline's parts built on the meta device: the denoiser, the VAE's config, the other frozen parts."""
+
+    family: object
+    denoiser: torch.nn.Module
+    vae_config: dict
+    others: list[torch.nn.Module]
+    text_tokens: int
+
+
+def read_pipeline_parts(model_spec: str) -> PipelineParts:
+    """The parts of a pipeline folder or hub id from its config files; one that cannot be read is a ConfigError."""
+    try:
+        model = check_model(model_spec)
+        index = read_model_index(model)
+        family = family_named(index.get("_class_name", ""))
+        name = family.denoiser_name
+        denoiser = build_on_meta(model, name, *index[name])
+        vae_config = dict(build_on_meta(model, "vae", *index["vae"]).config)
+        others = [build_on_meta(model, part, *index[part]) for part in FROZEN_PARTS if (index.get(part) or [None])[0]]
+    except ModelLoadError as err:
+        raise ConfigError(str(err)) from None
+    except Exception as err:  # the hub, a missing or broken config file: one line
+        raise ConfigError(f"--model {model_spec!r}: cannot read the pipeline's config files ({one_line(err)})") from None
+    return PipelineParts(family, denoiser, vae_config, others, text_tokens(family, model))
+
+
+def plan_run(config) -> PlannedRun:
+    """The RunShape of a trainer's config (DPOConfig, or DDPOConfig when it has an ``algorithm``), from the
+    pipeline's config files."""
+    return plan_parts(read_pipeline_parts(config.model), config)
+
+
+def plan_parts(parts: PipelineParts, config) -> PlannedRun:
+    """The RunShape of a trainer's config for a pipeline's parts (the denoiser gets the run's LoRA and dtype)."""
+    online = hasattr(config, "algorithm")
+    precision = resolve_mixed_precision(config.mixed_precision)
+    family, denoiser, vae_config, others = parts.family, parts.denoiser, parts.vae_config, parts.others
+    denoiser_params = parameter_count(denoiser)
+    largest_unit, root = fsdp_unit_counts(denoiser, class_units(family.shard_blocks))
+    lora = config.finetune == "lora"
+    if lora:
+        add_lora(denoiser, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=family.lora_targets)
+    trained = parameter_count(denoiser, trained_only=True) if lora else denoiser_params
+    compute = compute_bytes(precision)
+    # Frozen weights' dtype as the trainers load them: DPO the whole pipeline in fp32; the online-RL trainer the
+    # compute dtype for LoRA, fp32 for full fine-tuning.
+    frozen = compute if online and lora else FP32
+    if online:
+        cfg_rows = 2 if config.guidance_scale != 1.0 and not family.uses_guidance_embedding(denoiser) else 1
+        forward_batch = config.train_batch_size * cfg_rows
+        reference = int(not lora and config.kl_coef > 0)
+        old_policy = int(config.algorithm == "nft" or (config.algorithm == "awm" and config.ema_kl_coef > 0))
+    else:
+        forward_batch, reference, old_policy = 2 * config.train_batch_size, int(not lora), 0  # winner and loser
+    native = (denoiser.config.get("sample_size") or 128) * 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
+    resolution = config.resolution or native
+    dtype = {2: torch.bfloat16, FP32: torch.float32}[compute]
+    torch.nn.Module.to(denoiser, dtype)  # diffusers' own .to() warns about fp32-kept modules on a plain cast
+    forward = training_forward(family, denoiser, vae_config, forward_batch, resolution, parts.text_tokens, dtype)
+    activations = activation_bytes(denoiser, forward, config.gradient_checkpointing)
+    shape = RunShape(
+        denoiser_params=denoiser_params, trained_params=trained, frozen_denoiser_bytes=frozen,
+        other_params=sum(parameter_count(part) for part in others), other_bytes=frozen,
+        optimizer_bytes=optimizer_bytes_per_parameter(config.use_8bit_adam), reference_copies=reference,
+        old_policy_copies=old_policy, compute_bytes=compute, largest_unit_params=largest_unit, root_params=root,
+        activation_bytes=activations,
+    )
+    what = f"--algorithm {config.algorithm}" if online else "Diffusion-DPO"
+    summary = (f"{what}, {family.name} ({denoiser_params:,} denoiser parameters, {trained:,} trained, "
+               f"{shape.other_params:,} in text encoders + VAE), --finetune {config.finetune}, mixed precision "
+               f"{precision}, {forward_batch} samples per forward at {resolution} px, gradient checkpointing "
+               f"{'on' if config.gradient_checkpointing else 'off'}")
+    return PlannedRun(shape, family.name, resolution, forward_batch, precision, summary)
