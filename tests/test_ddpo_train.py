@@ -417,7 +417,8 @@ def _lora_unet_and_samples(tiny_model):
     return unet, params, scheduler, samples, negative
 
 
-def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef, **overrides):
+def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_batch, kl_coef, as_launched=None,
+                          **overrides):
     """The one gradient of a PPO pass over the 4 samples (2 x 2 accumulation, every timestep)."""
     n, steps = samples["timesteps"].shape
     config = DDPOConfig(prompts="x", num_inference_steps=steps, timestep_fraction=1.0, train_batch_size=2,
@@ -428,7 +429,8 @@ def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_b
     sampler = DDIMSampler(scheduler, steps, config.eta)
     objective = PolicyGradient(sampler, config.clip_range, config.adv_clip_max, config.kl_coef)
     models = ddpo.PolicyModels(StableDiffusion(), unet, unet, None, None, config.guidance_scale, contextlib.nullcontext)
-    update = ddpo.Update(config, Accelerator(cpu=True), models, objective, optimizer, params)
+    accelerator = Accelerator(cpu=True) if as_launched is None else as_launched(Accelerator(cpu=True))
+    update = ddpo.Update(config, accelerator, models, objective, optimizer, params)
     chain = samples["all_latents"]
     rollout = Rollout(prompts=["x"] * n, cond=samples["cond"], latents=chain[:, :-1], next_latents=chain[:, 1:],
                       timesteps=samples["timesteps"], step_indices=torch.arange(steps).expand(n, -1),
@@ -546,3 +548,39 @@ def test_gradient_snr_script_refuses_a_row_longer_than_the_chain(tiny_model, pro
     ddpo_gradient_snr = load_experiment("ddpo_gradient_snr")
     with pytest.raises(SystemExit, match="first:9"):
         ddpo_gradient_snr.main(["--model", tiny_model, "--prompts", prompt_file, "--steps", "4", "--rows", "first:9"])
+
+
+class ShardedElsewhere:
+    """An Accelerator as FSDP2 on two processes shows it, where the other process has ``more`` micro-batches in
+    each optimiser step (it kept more samples)."""
+
+    def __init__(self, accelerator, more: int):
+        self.accelerator, self.more = accelerator, more
+        self.is_fsdp2, self.num_processes = True, 2
+
+    def gather(self, tensor):
+        return torch.cat([tensor, tensor + self.more])
+
+    def __getattr__(self, name):
+        return getattr(self.accelerator, name)
+
+
+def test_under_fsdp2_a_process_with_fewer_micro_batches_runs_weight_zero_ones(tiny_model):
+    """Every FSDP2 forward all-gathers the weights with every process, so each runs as many micro-batches as the
+    process with the most; the added ones change neither the gradient nor the logged statistics."""
+    unet, params, scheduler, samples, negative = _lora_unet_and_samples(tiny_model)
+    reference = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 1, 0.5)
+    calls = []
+    real_step = ddpo.train_micro_batch
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["recorded"])
+        return real_step(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ddpo, "train_micro_batch", counting)
+        padded = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 1, 0.5,
+                                       as_launched=lambda accelerator: ShardedElsewhere(accelerator, 2))
+    assert calls == [True, True, False, False]  # 2 of its own, 2 of weight 0
+    for a, b in zip(reference, padded):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)

@@ -149,25 +149,36 @@ def launch_ddpo(tiny_model, prompt_file, out: Path, num_epochs: int, *extra: str
     return result
 
 
-@pytest.mark.parametrize("algorithm, extra", [
-    ("ppo", {"kl_coef": 0.1}),  # with the frozen KL reference, sharded
-    pytest.param("nft", {"sampler": "ddim"}, marks=pytest.mark.slow),  # the old policy, sharded and checkpointed
+def final_denoiser(run: Path) -> dict[str, torch.Tensor]:
+    folder = next(f for f in (run / "final" / "unet", run / "final" / "transformer") if f.is_dir())
+    return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+@pytest.mark.parametrize("family, algorithm, extra", [
+    ("sd", "ppo", {"kl_coef": 0.1}),  # DDPO with the frozen KL reference, sharded
+    # the old policy, sharded and checkpointed: stopped after epoch 1 and resumed
+    pytest.param("sd", "nft", {"sampler": "ddim"}, marks=pytest.mark.slow),
+    # Flow-GRPO on SD3's joint-attention blocks as units (a process left with fewer micro-batches by the zero-advantage
+    # rule runs weight-0 ones: tests/test_ddpo_train.py::test_under_fsdp2_a_process_with_fewer_micro_batches_...)
+    pytest.param("sd3", "ppo", {"advantage": "group-mean", "images_per_prompt": 2}, marks=pytest.mark.slow),
 ])
-def test_fsdp2_full_online_rl_equals_one_process(tiny_model, prompt_file, tmp_path, algorithm, extra):
-    one = ddpo.train(DDPOConfig(model=tiny_model, prompts=prompt_file, output_dir=str(tmp_path / "one"),
+def test_fsdp2_full_online_rl_equals_one_process(tiny_model, family_models, prompt_file, tmp_path, family, algorithm,
+                                                 extra):
+    model = tiny_model if family == "sd" else family_models(family)
+    one = ddpo.train(DDPOConfig(model=model, prompts=prompt_file, output_dir=str(tmp_path / "one"),
                                 gradient_accumulation_steps=2, num_epochs=2, algorithm=algorithm, **extra,
                                 **DDPO_SETTINGS))
     two = tmp_path / "two"
     flags = ["--algorithm", algorithm, *argv_of(extra)]
-    if algorithm == "nft":  # stopped after epoch 1 and resumed: the old policy comes back from its checkpoint
-        launch_ddpo(tiny_model, prompt_file, two, 1, *flags)
-        launch_ddpo(tiny_model, prompt_file, two, 2, *flags, "--resume", "latest")
+    if algorithm == "nft":
+        launch_ddpo(model, prompt_file, two, 1, *flags)
+        launch_ddpo(model, prompt_file, two, 2, *flags, "--resume", "latest")
     else:
-        launch_ddpo(tiny_model, prompt_file, two, 2, *flags)
+        launch_ddpo(model, prompt_file, two, 2, *flags)
     for a, b in zip(metrics(one), metrics(two), strict=True):  # the same samples, rewards and updates
-        for key in ("reward_mean", "reward_std"):
+        for key in ("reward_mean", "reward_std", "trained_sample_fraction"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["epoch"], key)
-    assert_close_weights(unet_state(one / "final" / "unet"), unet_state(two / "final" / "unet"))
+    assert_close_weights(final_denoiser(one), final_denoiser(two))
 
 
 @pytest.mark.slow  # one two-process launch: ~20 s
