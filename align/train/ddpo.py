@@ -95,6 +95,8 @@ from align.train.sharding import (
     consolidated_model,
     full_weights_for_main,
     is_sharded,
+    pipeline_device,
+    place_frozen_parts,
     shard_frozen,
     use_family_blocks,
 )
@@ -496,9 +498,11 @@ def train(config: DDPOConfig) -> Path:
 
     # Frozen parts in the compute dtype; trainable weights stay in float32.
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
-    pipe = load_pipeline(config.model, dtype=weight_dtype if config.finetune == "lora" else torch.float32, device=accelerator.device)
+    pipe = load_pipeline(config.model, dtype=weight_dtype if config.finetune == "lora" else torch.float32,
+                         device=pipeline_device(accelerator))  # FSDP2: the CPU, then each process's shards
     if family_of_pipeline(pipe) is not family:
         raise ConfigError(f"--model {config.model!r} loaded as {family_of_pipeline(pipe).name}, detected as {family.name}")
+    place_frozen_parts(accelerator, family, pipe)
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
     denoiser = family.denoiser(pipe)  # the UNet (or transformer) that trains

@@ -74,7 +74,14 @@ from align.train.heldout import (
 )
 from align.train.losses import diffusion_dpo_loss, per_sample_mse
 from align.train.report import write_training_report
-from align.train.sharding import consolidated_model, full_weights_for_main, shard_frozen, use_family_blocks
+from align.train.sharding import (
+    consolidated_model,
+    full_weights_for_main,
+    pipeline_device,
+    place_frozen_parts,
+    shard_frozen,
+    use_family_blocks,
+)
 from rewards.images import to_tensor
 
 # ----------------------------------------------------------------------------------------------
@@ -358,8 +365,9 @@ def train(config: DPOConfig) -> Path:
     keep_judge_answers(filter(None, (judge, eval_judge)), run.path, accelerator.process_index)
     set_seed(config.seed)
 
-    pipe = load_pipeline(config.model, device=accelerator.device)
+    pipe = load_pipeline(config.model, device=pipeline_device(accelerator))  # FSDP2: the CPU, then shards
     family = family_of_pipeline(pipe)  # what differs between SD, SDXL, SD3 and FLUX (align/families)
+    place_frozen_parts(accelerator, family, pipe)
     defaults = testbed_settings(config.model)
     steps = config.num_inference_steps or defaults.get("num_inference_steps", 50)
     guidance = config.guidance_scale if config.guidance_scale is not None else defaults.get("guidance_scale", 7.5)

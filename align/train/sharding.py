@@ -7,6 +7,8 @@ file holds what the trainers add around that:
 - the launch checks (FSDP2 only; activation checkpointing through the trainers' --gradient_checkpointing);
 - CPU processes: accelerate 1.16 turns FSDP on only for accelerator devices, while FSDP2 itself trains over gloo,
   so a CPU launch (the tests, a laptop) gets the same plugin the GPU path does (``enable_fsdp_on_cpu``);
+- the pipeline loaded on the CPU and the frozen text encoders and VAE moved to the device, so that the whole
+  denoiser never sits on an accelerator (``pipeline_device``, ``place_frozen_parts``);
 - frozen copies (Diffusion-DPO's full-fine-tuning reference, the online-RL KL reference) sharded like the policy,
   never held whole on every process (``shard_frozen``);
 - the main process's own inference (held-out evaluation, AI feedback): every process all-gathers the weights once,
@@ -19,6 +21,7 @@ file holds what the trainers add around that:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -75,10 +78,24 @@ def is_sharded(accelerator) -> bool:
     return bool(getattr(accelerator, "is_fsdp2", False)) and accelerator.num_processes > 1
 
 
+def pipeline_device(accelerator):
+    """Where the pipeline loads: under FSDP2 on the CPU, so that no process holds the whole denoiser (and its frozen
+    copy) on its accelerator before sharding moves each process's shards there; else the run's device."""
+    return "cpu" if is_sharded(accelerator) else accelerator.device
+
+
+def place_frozen_parts(accelerator, family, pipe) -> None:
+    """Under FSDP2 the text encoders and VAE (not sharded: every process runs them whole) go to the run's device."""
+    if is_sharded(accelerator):
+        for module in family.frozen_modules(pipe):
+            module.to(accelerator.device)
+
+
 def use_family_blocks(accelerator, family, denoiser) -> None:
     """One FSDP unit per block of the family (those this model has), and sharded checkpoints (each process writes
     its shard: exact resume without gathering, and on another number of processes, torch.distributed.checkpoint
-    re-shards on load). A launcher that names its own classes (fsdp_transformer_layer_cls_to_wrap) keeps them."""
+    re-shards on load), gradients reduced in fp32 under mixed precision. A launcher that names its own classes
+    (fsdp_transformer_layer_cls_to_wrap) keeps them."""
     if not is_sharded(accelerator):
         return
     plugin = accelerator.state.fsdp_plugin
@@ -87,6 +104,11 @@ def use_family_blocks(accelerator, family, denoiser) -> None:
         plugin.auto_wrap_policy = transformer_auto_wrap_policy
         plugin.transformer_cls_names_to_wrap = [name for name in family.shard_blocks if name in present]
     plugin.set_state_dict_type("SHARDED_STATE_DICT")
+    policy = plugin.mixed_precision_policy
+    if isinstance(policy, MixedPrecisionPolicy) and policy.reduce_dtype in (torch.bfloat16, torch.float16):
+        # accelerate reduces gradients in the compute dtype; torch's FSDP2 guidance (and DDP here, which all-reduces
+        # the fp32 gradients of fp32 weights) reduce in fp32
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
 
 
 def block_units(model, class_names) -> list[torch.nn.Module]:
