@@ -73,13 +73,18 @@ def assert_close_weights(a: dict, b: dict) -> None:
     assert (flat_b - flat_a).norm() < 1e-3 * flat_a.norm()
 
 
-def launch_dpo(tiny_model, pairs, out: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
-    argv = ["--model", tiny_model, "--dataset", pairs, "--output-dir", str(out),
-            *argv_of({**DPO_SETTINGS, "gradient_accumulation_steps": 1, "max_steps": max_steps}), *extra]
-    result = launch_two_cpu_processes("align/dpo.py", argv, timeout=400, launcher_args=FSDP2)
+def launch_sharded(script: str, inputs: list[str], out: Path, flags: dict, *extra: str) -> subprocess.CompletedProcess:
+    """Two processes under FSDP2, accumulation 1."""
+    argv = [*inputs, "--output_dir", str(out), *argv_of({**flags, "gradient_accumulation_steps": 1}), *extra]
+    result = launch_two_cpu_processes(script, argv, timeout=400, launcher_args=FSDP2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FSDP2: the trained model, its gradients and optimiser states sharded over 2 processes" in result.stdout
     return result
+
+
+def launch_dpo(tiny_model, pairs, out: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
+    return launch_sharded("align/dpo.py", ["--model", tiny_model, "--dataset", pairs], out,
+                          {**DPO_SETTINGS, "max_steps": max_steps}, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +146,8 @@ def test_fsdp2_dpo_killed_and_resumed_finishes_bit_identical(tiny_model, pairs, 
 
 
 def launch_ddpo(tiny_model, prompt_file, out: Path, num_epochs: int, *extra: str) -> subprocess.CompletedProcess:
-    argv = ["--model", tiny_model, "--prompts", prompt_file, "--output_dir", str(out),
-            *argv_of({**DDPO_SETTINGS, "gradient_accumulation_steps": 1, "num_epochs": num_epochs}), *extra]
-    result = launch_two_cpu_processes("align/ddpo.py", argv, timeout=400, launcher_args=FSDP2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "sharded over 2 processes" in result.stdout
-    return result
+    return launch_sharded("align/ddpo.py", ["--model", tiny_model, "--prompts", prompt_file], out,
+                          {**DDPO_SETTINGS, "num_epochs": num_epochs}, *extra)
 
 
 def final_denoiser(run: Path) -> dict[str, torch.Tensor]:
