@@ -165,6 +165,7 @@ def test_end_to_end_lora_run(tiny_model, prompt_file, tmp_path):
         assert key in records[-1]
     # 4 samples per process, 2 x 2 per optimiser step, one inner epoch: 1 update per epoch
     assert records[-1]["global_step"] == 2
+    assert all(0 < r["sampling_cpu_seconds"] < r["epoch_cpu_seconds"] for r in records)  # sampling is part of the epoch
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
     assert (run / "final" / "README.md").is_file() and (run / "report.html").is_file()
     logged = json.loads((run / "samples" / "epoch_00002.json").read_text())

@@ -600,7 +600,7 @@ def train(config: DDPOConfig) -> Path:
                     f"reward failed at epoch {epoch}: {error}. Stopped before the update; the last good checkpoint is "
                     f"{last_good or 'none (no checkpoint was written yet)'} (continue with --resume latest)"
                 )
-            sample_seconds = time.perf_counter() - epoch_start
+            sample_seconds, sample_cpu_seconds = time.perf_counter() - epoch_start, time.process_time() - epoch_cpu_start
 
             # 3. Advantages on every process's rewards, then this process's share.
             rollout = cat_rollouts(batches)
@@ -629,7 +629,7 @@ def train(config: DDPOConfig) -> Path:
                 "reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                 "epoch": done, "global_step": global_step, "samples_seen": done * config.samples_per_epoch,
                 "samples_per_second": config.samples_per_epoch / (time.perf_counter() - epoch_start),
-                "sampling_seconds": sample_seconds,
+                "sampling_seconds": sample_seconds, "sampling_cpu_seconds": sample_cpu_seconds,
                 "epoch_cpu_seconds": time.process_time() - epoch_cpu_start,  # this process, all threads
             })
             if config.advantage == "per-prompt":
