@@ -26,22 +26,23 @@ def free_port() -> int:
 FSDP2 = ("--use_fsdp", "--fsdp_version", "2")  # accelerate launch's flags for FSDP2 (align/train/sharding.py)
 
 
-def two_cpu_processes_command(script: str, argv: list[str],
-                               launcher_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+def two_cpu_processes_command(script: str, argv: list[str], launcher_args: tuple[str, ...] = (),
+                               num_processes: int = 2) -> tuple[list[str], dict[str, str]]:
     """(the command, its environment) of ``accelerate launch --multi_gpu --num_processes 2 <script> <argv>`` on the
-    CPU; ``launcher_args=FSDP2`` launches sharded instead (accelerate takes one of --multi_gpu and --use_fsdp).
+    CPU (or ``num_processes``); ``launcher_args=FSDP2`` launches sharded instead (accelerate takes one of --multi_gpu
+    and --use_fsdp).
 
     accelerate's --cpu flag runs one process; --multi_gpu (or --use_fsdp) + ACCELERATE_USE_CPU give two over gloo.
     """
     mode = list(launcher_args) or ["--multi_gpu"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", "2", "--num_machines", "1",
-           "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(num_processes),
+           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
            str(ROOT / script), *argv]
     return cmd, cpu_launch_env()
 
 
-def launch_two_cpu_processes(script: str, argv: list[str], timeout: int = 600,
-                             launcher_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run ``two_cpu_processes_command`` from the repository root to its end."""
-    cmd, env = two_cpu_processes_command(script, argv, launcher_args)
+def launch_two_cpu_processes(script: str, argv: list[str], timeout: int = 600, launcher_args: tuple[str, ...] = (),
+                             num_processes: int = 2) -> subprocess.CompletedProcess:
+    """Run ``two_cpu_processes_command`` from the repository root to its end (``num_processes``: 2 unless said)."""
+    cmd, env = two_cpu_processes_command(script, argv, launcher_args, num_processes)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

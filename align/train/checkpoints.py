@@ -4,6 +4,7 @@ resume, the run folder's start, the weights-finite guard, and the final diffuser
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict
@@ -27,6 +28,8 @@ from align.run_folder import (
 )
 from align.train.command import TrainingStopped
 from align.train.sharding import all_processes_agree, is_sharded, local_tensor
+
+LAUNCH_FILE = "launch.json"  # the number of processes of the run's last launch, read by the next --resume
 
 
 def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> None:
@@ -71,7 +74,8 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int, extra_fil
         for name, text in (extra_files or {}).items():
             atomic_write_text(staged / name, text)
         try:
-            atomic_write_text(staged / CHECKPOINT_STATE, json.dumps({"step": step, "files": folder_manifest(staged)}))
+            atomic_write_text(staged / CHECKPOINT_STATE, json.dumps({"step": step, "processes": accelerator.num_processes,
+                                                                      "files": folder_manifest(staged)}))
             publish_folder(staged, folder)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)  # e.g. a full disk: the checkpoints before stay as they were
@@ -90,11 +94,62 @@ def resume_from_checkpoint(accelerator, run: RunFolder, label: str) -> int | Non
     if checkpoint is None:
         return None
     accelerator.load_state(str(checkpoint))
-    step = json.loads((checkpoint / CHECKPOINT_STATE).read_text())["step"]
+    state = json.loads((checkpoint / CHECKPOINT_STATE).read_text())
+    step = state["step"]
+    rescale_schedules(accelerator, state.get("processes", accelerator.num_processes))
     if accelerator.is_main_process:
         run.truncate_metrics(step)
         print(f"[{label}] resumed from {checkpoint} at step {step}", flush=True)
     return step
+
+
+def rescale_schedules(accelerator, processes_before: int) -> None:
+    """accelerate steps a prepared learning-rate schedule once per process at each optimiser step (and the trainers
+    size it so): a run resumed on another number of processes continues the schedule at the same optimiser step."""
+    if processes_before == accelerator.num_processes:
+        return
+    for prepared in accelerator._schedulers:
+        inner = prepared.scheduler
+        inner.last_epoch = inner.last_epoch * accelerator.num_processes // processes_before
+        inner._step_count = inner.last_epoch + 1
+
+
+def launched_processes(environ=None) -> int:
+    """The number of processes of this launch, as torch's launcher tells each one (WORLD_SIZE); 1 without one."""
+    environ = os.environ if environ is None else environ
+    return int(environ.get("WORLD_SIZE", "1"))
+
+
+def recorded_processes(run: RunFolder) -> int | None:
+    """The number of processes the run was last launched on (LAUNCH_FILE; None for runs from before it existed)."""
+    try:
+        return int(json.loads((run.path / LAUNCH_FILE).read_text())["processes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def same_micro_batches_per_step(run: RunFolder, saved: dict, now: dict, processes: int) -> bool:
+    """Whether this launch trains the run's own optimiser steps: processes x accumulation as the run was launched
+    (the trainers key every draw by the global micro-batch, so N processes x A equal N' x A' when the products
+    match). A launch on another number of processes that would change the step is refused in one line."""
+    before = recorded_processes(run) or processes
+    old_acc, new_acc = saved.get("gradient_accumulation_steps"), now.get("gradient_accumulation_steps")
+    if old_acc is None or new_acc is None:
+        return False
+    per_step = before * int(old_acc)
+    if processes * int(new_acc) == per_step:
+        if (before, old_acc) != (processes, new_acc):
+            print(f"[run] --resume on {processes} processes x accumulation {new_acc} (the run: {before} x {old_acc}): "
+                  f"the same {per_step} micro-batches per optimiser step", flush=True)
+        return True
+    if before != processes:
+        fix = (f"--gradient_accumulation_steps {per_step // processes}" if per_step % processes == 0
+               else f"a number of processes that divides {per_step}")
+        raise RunFolderError(
+            f"--resume: the run in {run.path} was launched on {before} processes x accumulation {old_acc} "
+            f"({per_step} micro-batches per optimiser step), this launch is {processes} x {new_acc}: resume with {fix} "
+            f"(or on {before} processes) to continue the same run")
+    return False
 
 
 # What a resumed run may be given anew, and applies: where it ends (a longer run continues to the new end; the
@@ -118,9 +173,11 @@ def _same_setting(old, new) -> bool:
     return False
 
 
-def check_resume_settings(run: RunFolder, config) -> None:
+def check_resume_settings(run: RunFolder, config, processes: int | None = None) -> None:
     """--resume continues the run in config.yaml: a setting given another value is refused in one line naming every
-    such flag (APPLIED_ON_RESUME lists what may change, and those changes are printed and recorded)."""
+    such flag (APPLIED_ON_RESUME lists what may change, and those changes are printed and recorded). On another
+    number of processes (``processes``: this launch's), the accumulation may change with it so that the micro-batches
+    per optimiser step stay the run's (same_micro_batches_per_step)."""
     saved_file = run.path / CONFIG_FILE
     if not run.resume or not saved_file.is_file():
         return
@@ -135,7 +192,9 @@ def check_resume_settings(run: RunFolder, config) -> None:
     if saved.get("mixed_precision") is not None and now.get("mixed_precision") is None:
         now["mixed_precision"] = saved["mixed_precision"]  # unset: the run's own (accelerate's setting, resolved)
     changed = [name for name, value in now.items() if name in saved and not _same_setting(saved[name], value)]
-    refused = [name for name in changed if name not in APPLIED_ON_RESUME]
+    steps_kept = same_micro_batches_per_step(run, saved, now, launched_processes() if processes is None else processes)
+    refused = [name for name in changed
+               if name not in APPLIED_ON_RESUME and not (name == "gradient_accumulation_steps" and steps_kept)]
     if refused:
         listed = ", ".join(f"--{name} {saved[name]!r} (now {now[name]!r})" for name in refused)
         raise RunFolderError(
@@ -153,6 +212,7 @@ def start_run(accelerator, run: RunFolder, config) -> None:
     if accelerator.is_main_process:
         run.prepare()
         run.save_config(asdict(config))
+        atomic_write_text(run.path / LAUNCH_FILE, json.dumps({"processes": accelerator.num_processes}))
     accelerator.wait_for_everyone()
 
 
