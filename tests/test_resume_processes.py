@@ -14,11 +14,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from align.run_folder import RunFolderError
+from align.run_folder import LAUNCH_FILE, RunFolderError
 from align.testing.noise_pairs import write_noise_pairs
 from align.testing.two_processes import FSDP2, launch_two_cpu_processes
 from align.train import dpo
-from align.train.checkpoints import LAUNCH_FILE, check_resume_settings
+from align.train.checkpoints import check_resume_settings
 from align.train.dpo import DPOConfig
 
 # A warm-up longer than the run (the learning rate grows each step, whatever max_steps is): a schedule that continued

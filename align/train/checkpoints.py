@@ -18,6 +18,7 @@ from align.health import weights_finite
 from align.run_folder import (
     CHECKPOINT_STATE,
     CONFIG_FILE,
+    LAUNCH_FILE,
     RunFolder,
     RunFolderError,
     atomic_folder,
@@ -28,8 +29,6 @@ from align.run_folder import (
 )
 from align.train.command import TrainingStopped
 from align.train.sharding import all_processes_agree, is_sharded, local_tensor
-
-LAUNCH_FILE = "launch.json"  # the number of processes of the run's last launch, read by the next --resume
 
 
 def register_trainable_checkpoint_hooks(accelerator, only_trainable: bool) -> None:
