@@ -66,6 +66,15 @@ def refuse_unsupported_launch(environ=None, shardable: bool = True) -> None:
 _WORLD_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
+def launched_processes(environ=None) -> int:
+    """The number of processes of this launch, as torch's launcher tells each one (WORLD_SIZE); 1 without one."""
+    environ = os.environ if environ is None else environ
+    try:
+        return max(int(environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
 def cpu_launch_lost_its_processes(environ) -> bool:
     """accelerate's simple launcher (--cpu) starts the script once, and exports MASTER_ADDR only when more than
     one process was asked for: that trio without any world variable is a multi-process CPU launch run alone."""

@@ -4,7 +4,6 @@ resume, the run folder's start, the weights-finite guard, and the final diffuser
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict
@@ -27,6 +26,7 @@ from align.run_folder import (
     publish_folder,
     scrub_secrets,
 )
+from align.train.accelerator import launched_processes
 from align.train.command import TrainingStopped
 from align.train.sharding import all_processes_agree, is_sharded, local_tensor
 
@@ -111,12 +111,6 @@ def rescale_schedules(accelerator, processes_before: int) -> None:
         inner = prepared.scheduler
         inner.last_epoch = inner.last_epoch * accelerator.num_processes // processes_before
         inner._step_count = inner.last_epoch + 1
-
-
-def launched_processes(environ=None) -> int:
-    """The number of processes of this launch, as torch's launcher tells each one (WORLD_SIZE); 1 without one."""
-    environ = os.environ if environ is None else environ
-    return int(environ.get("WORLD_SIZE", "1"))
 
 
 def recorded_processes(run: RunFolder) -> int | None:

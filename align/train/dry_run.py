@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import os
 
+from align.train.accelerator import launched_processes
 from align.train.memory_model import plan_run
 from align.train.memory_plan import plan_table
 
 PROCESS_COUNTS = (1, 2, 4, 8)
-
-
-def launch_processes(environ=None) -> int:
-    """The processes this launch started (accelerate launch / torchrun set WORLD_SIZE), else 1."""
-    environ = os.environ if environ is None else environ
-    try:
-        return max(int(environ.get("WORLD_SIZE", "1")), 1)
-    except ValueError:
-        return 1
 
 
 def print_memory_plan(config) -> None:
@@ -26,7 +18,7 @@ def print_memory_plan(config) -> None:
     planned = plan_run(config)
     if os.environ.get("RANK", "0") != "0":
         return
-    launched = launch_processes()
+    launched = launched_processes()
     counts = sorted(set(PROCESS_COUNTS) | {launched})
     print(f"[dry run] {planned.summary}")
     print(plan_table(planned.shape, counts))

@@ -113,9 +113,9 @@ def total(plan: dict[str, int]) -> int:
 
 def plan_table(shape: RunShape, process_counts: list[int]) -> str:
     """A text table: one row per part, one column per (strategy, processes), in GiB (MiB for a small model), and
-    the total."""
+    the total. FSDP2 from 2 processes (the trainers shard nothing on one)."""
     columns = [(f"DDP x{n}", ddp_plan(shape, n)) for n in process_counts]
-    columns += [(f"FSDP2 x{n}", fsdp2_plan(shape, n)) for n in process_counts]
+    columns += [(f"FSDP2 x{n}", fsdp2_plan(shape, n)) for n in process_counts if n > 1]
     parts = list(dict.fromkeys(part for _, plan in columns for part in plan))
     unit, scale = ("GiB", GIB) if max(total(plan) for _, plan in columns) >= GIB else ("MiB", MIB)
     width = max(len(part) for part in parts + ["total"])
