@@ -5,9 +5,9 @@ DDP and under FSDP2, measured with 1, 2 (and 4) CPU processes over gloo, next to
     python scripts/bench_sharding.py --max-processes 4 --width 4
 
 Each process trains the same UNet (SD v1.5's block types; --width multiplies its channels) with full fine-tuning and
-AdamW for --steps steps: DDP wraps it whole; FSDP2 applies torch.distributed.fsdp.fully_shard to each down, mid and
-up block (the trainers' units, ModelFamily.shard_blocks) and then the root, reshard_after_forward=True. Bytes held are the sums of the LOCAL tensors (a DTensor's
-shard, ``to_local()``), taken after each optimiser step while the gradients are still held (the step's peak of
+AdamW for --steps steps: DDP wraps it whole; FSDP2 applies torch.distributed.fsdp.fully_shard to each transformer
+and resnet block (the trainers' units, ModelFamily.shard_blocks) and then the root, reshard_after_forward=True.
+Bytes held are the sums of the LOCAL tensors (a DTensor's shard, ``to_local()``), taken after each optimiser step while the gradients are still held (the step's peak of
 these three); DDP's gradient buckets and FSDP2's transient all-gathers are not tensors of these three and are not
 counted here (the planner's table shows them). The planner's column is align/train/memory_plan.py's parameters +
 gradients + optimiser states for the same counts. Target: at 2 processes FSDP2 holds at most 0.6x of DDP's.

@@ -94,9 +94,9 @@ class ModelFamily:
     denoiser_name: str = "unet"  # the pipeline attribute that is trained
     is_flow: bool = False  # flow matching (velocity, σ schedule) rather than DDPM/DDIM
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    # FSDP2's units (align/train/sharding.py): the UNet's down, mid and up blocks (those the model has)
-    shard_blocks: tuple[str, ...] = ("CrossAttnDownBlock2D", "DownBlock2D", "UNetMidBlock2DCrossAttn", "UNetMidBlock2D",
-                                     "CrossAttnUpBlock2D", "UpBlock2D")
+    # FSDP2's units (align/train/sharding.py): the UNet's transformer blocks and resnet blocks (whole down/up blocks
+    # are too coarse: SDXL's first up block alone is ~1 B parameters, gathered whole for its forward)
+    shard_blocks: tuple[str, ...] = ("BasicTransformerBlock", "ResnetBlock2D")
 
     # --- loading and saving -------------------------------------------------------------------
     def load_pipeline(self, model: str, dtype: torch.dtype, device):

@@ -1,7 +1,7 @@
 """Sharded training with FSDP2 (torch's ``fully_shard``) through accelerate's plugin (``fsdp_version: 2``).
 
 accelerate shards the trained denoiser when it is prepared: one FSDP unit per block of the family
-(``ModelFamily.shard_blocks``: the UNet's down/mid/up blocks, the transformers' blocks) and one for the rest. This
+(``ModelFamily.shard_blocks``: the UNet's transformer and resnet blocks, the transformers' blocks) and one for the rest. This
 file holds what the trainers add around that:
 
 - the launch checks (FSDP2 only; activation checkpointing through the trainers' --gradient_checkpointing);
