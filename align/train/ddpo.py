@@ -496,7 +496,8 @@ def train(config: DDPOConfig) -> Path:
     keep_judge_answers([member.judge for member in members], run.path, process)
     set_seed(config.seed)
 
-    # Frozen parts in the compute dtype; trainable weights stay in float32.
+    # Frozen parts in the compute dtype (full fine-tuning loads the pipeline in float32 for its denoiser, then casts
+    # the text encoders and VAE); trainable weights stay in float32.
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
     pipe = load_pipeline(config.model, dtype=weight_dtype if config.finetune == "lora" else torch.float32,
                          device=pipeline_device(accelerator))  # FSDP2: the CPU, then each process's shards
@@ -505,6 +506,7 @@ def train(config: DDPOConfig) -> Path:
     place_frozen_parts(accelerator, family, pipe)
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
+        module.to(dtype=weight_dtype)
     denoiser = family.denoiser(pipe)  # the UNet (or transformer) that trains
     resolution = config.resolution or family.native_resolution(pipe)
     latent_shape = family.latent_shape(pipe, resolution)

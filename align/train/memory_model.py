@@ -253,9 +253,11 @@ def plan_parts(parts: PipelineParts, config) -> PlannedRun:
         add_lora(denoiser, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=family.lora_targets)
     trained = parameter_count(denoiser, trained_only=True) if lora else denoiser_params
     compute = compute_bytes(precision)
-    # Frozen weights' dtype as the trainers load them: DPO the whole pipeline in fp32; the online-RL trainer the
-    # compute dtype for LoRA, fp32 for full fine-tuning.
+    # Frozen weights' dtype as the trainers load them: DPO the whole pipeline in fp32; the online-RL trainer its text
+    # encoders and VAE in the compute dtype, the denoiser's frozen weights (LoRA's base) too, a full fine-tuning's
+    # reference copy in fp32.
     frozen = compute if online and lora else FP32
+    others_bytes = compute if online else FP32
     if online:
         cfg_rows = 2 if config.guidance_scale != 1.0 and not family.uses_guidance_embedding(denoiser) else 1
         forward_batch = config.train_batch_size * cfg_rows
@@ -271,7 +273,7 @@ def plan_parts(parts: PipelineParts, config) -> PlannedRun:
     activations = activation_bytes(denoiser, forward, config.gradient_checkpointing)
     shape = RunShape(
         denoiser_params=denoiser_params, trained_params=trained, frozen_denoiser_bytes=frozen,
-        other_params=sum(parameter_count(part) for part in others), other_bytes=frozen,
+        other_params=sum(parameter_count(part) for part in others), other_bytes=others_bytes,
         optimizer_bytes=optimizer_bytes_per_parameter(config.use_8bit_adam), reference_copies=reference,
         old_policy_copies=old_policy, compute_bytes=compute, largest_unit_params=largest_unit, root_params=root,
         activation_bytes=activations,
