@@ -18,6 +18,7 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 from safetensors.torch import load_file
 
 from align.cli import ConfigError
+from align.pipeline import load_pipeline
 from align.testing.noise_pairs import write_noise_pairs
 from align.train import ddpo, dpo
 from align.train.accelerator import (
@@ -222,3 +223,20 @@ def test_another_attention_processor_is_put_back_to_sdpa(tiny_model):
     unet.set_attn_processor(AttnProcessor())
     keep_default_attention(unet)
     assert unet.attn_processors and all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())
+
+
+def test_ddpo_full_fine_tuning_keeps_the_frozen_parts_in_the_compute_dtype(tiny_model, tmp_path, monkeypatch):
+    """Full fine-tuning loads the pipeline in fp32 for its denoiser; the text encoder and VAE then run in bf16, as
+    under LoRA (for SD3.5 Large and FLUX that is ~10 GiB per process: docs/scale.md)."""
+    loaded = []
+
+    def recording(*args, **kwargs):
+        loaded.append(load_pipeline(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(ddpo, "load_pipeline", recording)
+    ddpo.train(ddpo_config(tiny_model, tmp_path / "full", finetune="full", num_epochs=1, checkpointing_epochs=1))
+    pipe = loaded[0]
+    assert {p.dtype for p in pipe.text_encoder.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in pipe.vae.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in pipe.unet.parameters()} == {torch.float32}  # trained in fp32
