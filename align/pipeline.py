@@ -150,6 +150,18 @@ def merged_adapter(unet):
             base.weight.data = weight
 
 
+def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A loaded frozen part (a text encoder, a VAE) in ``dtype``, as ``from_pretrained(torch_dtype=dtype)`` would
+    load it: the modules its class keeps in fp32 (``_keep_in_fp32_modules``, e.g. T5's ``wo``) stay in fp32."""
+    if dtype == torch.float32:
+        return
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor.is_floating_point() and not keep & set(name.split(".")):
+                tensor.data = tensor.data.to(dtype)
+
+
 def frozen_copy(unet):
     """The full fine-tuning reference model: a frozen copy of the starting UNet."""
     reference = copy.deepcopy(unet)

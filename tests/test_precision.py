@@ -18,7 +18,7 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 from safetensors.torch import load_file
 
 from align.cli import ConfigError
-from align.pipeline import load_pipeline
+from align.pipeline import cast_frozen, load_pipeline
 from align.testing.noise_pairs import write_noise_pairs
 from align.train import ddpo, dpo
 from align.train.accelerator import (
@@ -240,3 +240,20 @@ def test_ddpo_full_fine_tuning_keeps_the_frozen_parts_in_the_compute_dtype(tiny_
     assert {p.dtype for p in pipe.text_encoder.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in pipe.vae.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in pipe.unet.parameters()} == {torch.float32}  # trained in fp32
+
+
+def test_a_frozen_part_is_cast_as_from_pretrained_would_load_it():
+    class Block(torch.nn.Module):
+        _keep_in_fp32_modules = ["wo"]  # as T5 keeps its feed-forward output in fp32
+
+        def __init__(self):
+            super().__init__()
+            self.wi, self.wo = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+            self.register_buffer("scale", torch.ones(2))
+
+    block = Block()
+    cast_frozen(block, torch.float32)  # nothing to do
+    assert {p.dtype for p in block.parameters()} == {torch.float32}
+    cast_frozen(block, torch.bfloat16)
+    assert block.wi.weight.dtype == block.scale.dtype == torch.bfloat16
+    assert block.wo.weight.dtype == block.wo.bias.dtype == torch.float32

@@ -47,6 +47,7 @@ from align.health import images_finite
 from align.judges import check_judge_names, check_judges_take_prompts, load_judge
 from align.pipeline import (
     add_lora,
+    cast_frozen,
     check_model,
     decode_latents,
     disabled_adapter,
@@ -506,7 +507,7 @@ def train(config: DDPOConfig) -> Path:
     place_frozen_parts(accelerator, family, pipe)
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
-        module.to(dtype=weight_dtype)
+        cast_frozen(module, weight_dtype)
     denoiser = family.denoiser(pipe)  # the UNet (or transformer) that trains
     resolution = config.resolution or family.native_resolution(pipe)
     latent_shape = family.latent_shape(pipe, resolution)
