@@ -30,7 +30,6 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 CONFIG_FILE = "config.yaml"
-LAUNCH_FILE = "launch.json"  # the number of processes of the run's last launch, read by the next --resume
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 EVALS = "evals"  # held-out scores during the run: step_N.json / .png
@@ -41,7 +40,7 @@ SET_ASIDE = ".overwritten_run"  # --overwrite: the old run's outputs, until the 
 _SET_ASIDE_LIST = "moved.json"  # inside SET_ASIDE: which outputs were being moved there
 LOCK_FILE = ".run.lock"  # pid, host and start of the process whose run writes into the folder (see "the lock")
 # Everything a run writes into its folder (other files, e.g. the user's notes, are never touched).
-RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, LAUNCH_FILE, "final", "samples", "feedback", "report.html",
+RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED,
                "latents")  # --latent_store run's store of the run's pairs (align/dpo.py run_store_path)
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")

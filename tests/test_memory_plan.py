@@ -13,7 +13,7 @@ import torch
 from align.families import family_of_pipeline
 from align.pipeline import add_lora, frozen_copy, load_pipeline
 from align.train import ddpo, dpo
-from align.train.memory_model import plan_run
+from align.train.memory_model import SavedStorages, plan_run
 from align.train.memory_plan import RunShape, ddp_plan, fsdp2_plan, total
 from experiments.plan_big_models import check_totals
 
@@ -28,29 +28,6 @@ def dpo_settings(model: str, finetune: str, checkpointing: bool = False):
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class MeasuredSaves:
-    """Unique storages autograd saves (by address; parameters excluded), kept alive while counting."""
-
-    def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.seen: dict[int, int] = {}
-        self.alive = []
-
-    def add(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        self.alive.append(storage)
-        if storage.data_ptr() not in self.params:
-            self.seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
-
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
 
 
 def measured_dpo_setup(model: str, finetune: str) -> dict[str, int]:
@@ -90,13 +67,13 @@ def measured_activations(model: str, samples: int, latent_side: int, checkpointi
     family = family_of_pipeline(pipe)
     denoiser = family.denoiser(pipe)
     params = list(denoiser.parameters())
-    kept, blocks = MeasuredSaves(params), [0]
+    kept, blocks = SavedStorages(params), [0]
 
     def real_checkpoint(block, *args):
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 kept.add(arg)
-        inside = MeasuredSaves(params)
+        inside = SavedStorages(params)
         with inside.hooks():
             block(*args)  # once more, to measure what the backward's recomputation of this block saves
         blocks.append(inside.total)

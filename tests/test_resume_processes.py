@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from align.run_folder import LAUNCH_FILE, RunFolderError
+from align.run_folder import CHECKPOINT_STATE, RunFolder, RunFolderError
 from align.testing.noise_pairs import write_noise_pairs
 from align.testing.two_processes import FSDP2, launch_two_cpu_processes
 from align.train import dpo
@@ -28,13 +27,15 @@ SETTINGS = dict(finetune="lora", lora_rank=4, resolution=16, train_batch_size=1,
                 report_to="none")
 
 
-def saved_run(tmp_path: Path, processes: int, accumulation: int) -> SimpleNamespace:
+def saved_run(tmp_path: Path, processes: int, accumulation: int) -> RunFolder:
+    """A run folder with its config and a checkpoint written by ``processes`` processes."""
     folder = tmp_path / "run"
-    folder.mkdir()
+    checkpoint = folder / "checkpoints" / "step_0000002"
+    checkpoint.mkdir(parents=True)
     config = DPOConfig(model="m", dataset="d", output_dir=str(folder), gradient_accumulation_steps=accumulation)
     (folder / "config.yaml").write_text(yaml.safe_dump(asdict(config)))
-    (folder / LAUNCH_FILE).write_text(json.dumps({"processes": processes}))
-    return SimpleNamespace(path=folder, resume="latest")
+    (checkpoint / CHECKPOINT_STATE).write_text(json.dumps({"step": 2, "processes": processes, "files": {}}))
+    return RunFolder(folder, resume="latest")
 
 
 def resumed(run, accumulation: int) -> DPOConfig:
@@ -57,9 +58,9 @@ def test_another_number_of_processes_resumes_only_with_the_runs_micro_batches_pe
         check_resume_settings(run, resumed(run, 3), processes=2)  # the same processes: the run's own accumulation
 
 
-def test_a_run_from_before_the_launch_record_resumes_as_before(tmp_path):
+def test_a_run_from_before_the_processes_record_resumes_as_before(tmp_path):
     run = saved_run(tmp_path, processes=2, accumulation=1)
-    (run.path / LAUNCH_FILE).unlink()
+    (run.checkpoints()[-1] / CHECKPOINT_STATE).write_text(json.dumps({"step": 2, "files": {}}))  # before the record
     check_resume_settings(run, resumed(run, 1), processes=1)
     with pytest.raises(RunFolderError, match="--gradient_accumulation_steps 1 \\(now 2\\)"):
         check_resume_settings(run, resumed(run, 2), processes=1)

@@ -5,25 +5,13 @@ for one machine)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-from align.testing.two_processes import ROOT, cpu_launch_env, free_port
-
-
-def node_command(script: str, argv: list[str], machine_rank: int, num_machines: int, processes_per_machine: int,
-                 port: int, launcher_args: tuple[str, ...] = ()) -> list[str]:
-    """The `accelerate launch` command machine ``machine_rank`` of ``num_machines`` runs (rendezvous at 127.0.0.1);
-    DDP, or with ``launcher_args=two_processes.FSDP2`` sharded."""
-    return [sys.executable, "-m", "accelerate.commands.launch", *(launcher_args or ["--multi_gpu"]),
-            "--num_machines", str(num_machines), "--machine_rank", str(machine_rank),
-            "--num_processes", str(num_machines * processes_per_machine),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-            "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / script), *argv]
+from align.testing.two_processes import ROOT, accelerate_launch_command, cpu_launch_env, free_port
 
 
 def launch_cpu_nodes(script: str, argv: list[str], num_machines: int = 2, processes_per_machine: int = 1,
@@ -38,8 +26,8 @@ def launch_cpu_nodes(script: str, argv: list[str], num_machines: int = 2, proces
     env = cpu_launch_env()
     with tempfile.TemporaryDirectory() as logs:
         outputs = [(Path(logs) / f"node{r}.out", Path(logs) / f"node{r}.err") for r in range(num_machines)]
-        commands = [node_command(script, argv, r, num_machines, processes_per_machine, port, launcher_args)
-                    for r in range(num_machines)]
+        commands = [accelerate_launch_command(script, argv, num_machines * processes_per_machine, port, launcher_args,
+                                              num_machines, machine_rank=r) for r in range(num_machines)]
         launches = []
         for command, (out, err) in zip(commands, outputs):
             with open(out, "w") as stdout, open(err, "w") as stderr:

@@ -17,7 +17,6 @@ from align.health import weights_finite
 from align.run_folder import (
     CHECKPOINT_STATE,
     CONFIG_FILE,
-    LAUNCH_FILE,
     RunFolder,
     RunFolderError,
     atomic_folder,
@@ -114,10 +113,12 @@ def rescale_schedules(accelerator, processes_before: int) -> None:
 
 
 def recorded_processes(run: RunFolder) -> int | None:
-    """The number of processes the run was last launched on (LAUNCH_FILE; None for runs from before it existed)."""
+    """The number of processes that wrote the run's newest checkpoint (its state.json; None without a checkpoint, or
+    for checkpoints from before it was recorded)."""
+    checkpoints = run.checkpoints()
     try:
-        return int(json.loads((run.path / LAUNCH_FILE).read_text())["processes"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(json.loads((checkpoints[-1] / CHECKPOINT_STATE).read_text())["processes"])
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -205,7 +206,6 @@ def start_run(accelerator, run: RunFolder, config) -> None:
     if accelerator.is_main_process:
         run.prepare()
         run.save_config(asdict(config))
-        atomic_write_text(run.path / LAUNCH_FILE, json.dumps({"processes": accelerator.num_processes}))
     accelerator.wait_for_everyone()
 
 

@@ -579,8 +579,8 @@ def train(config: DDPOConfig) -> Path:
     if log_with:
         accelerator.init_trackers("ddpo", config=tracker_config(config))
     evaluating = bool(config.eval_prompts)  # every process knows; the main one holds the judge
-    with full_weights_for_main(accelerator, denoiser, needed=evaluating and start_epoch == 0):
-        if main and eval_judge is not None and start_epoch == 0:
+    with full_weights_for_main(accelerator, denoiser, needed=evaluating and start_epoch == 0) as here:
+        if here:
             evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
                            run.path / "eval_before.json", "before")
 
@@ -638,8 +638,8 @@ def train(config: DDPOConfig) -> Path:
             if config.advantage == "per-prompt":
                 logs.update(tracker.stats())
             due = evaluating and periodic_evaluation_due(config.eval_every_epochs, done, config.num_epochs)
-            with full_weights_for_main(accelerator, denoiser, needed=due):
-                if main and due:
+            with full_weights_for_main(accelerator, denoiser, needed=due) as here:
+                if here:
                     logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, config.eval_inference_steps,
                                                                 config.guidance_scale, run.path, done)
             if main:
@@ -657,8 +657,8 @@ def train(config: DDPOConfig) -> Path:
     #    Each step is redone by --resume latest from the last checkpoint if the run stops before its end.
     accelerator.wait_for_everyone()
     check_weights_in_sync(accelerator, params)
-    with full_weights_for_main(accelerator, denoiser, needed=evaluating):
-        if main and eval_judge is not None:
+    with full_weights_for_main(accelerator, denoiser, needed=evaluating) as here:
+        if here:
             evaluate_model(pipe, eval_judge, config, config.eval_inference_steps, config.guidance_scale,
                            run.path / "eval_after.json", "after")
     final_model = consolidated_model(accelerator, trained)  # every process: FSDP2 gathers the shards onto the main one

@@ -152,8 +152,8 @@ def label_round(accelerator, pipe, judge, config: DPOConfig, prompts, round_inde
     """AI feedback for one round from the pipeline's current UNet (main process), then its pairs on all."""
     path = feedback_file(run_path, round_index, config.feedback_rounds)
     stopped = None
-    with full_weights_for_main(accelerator, family_of_pipeline(pipe).denoiser(pipe)):  # FSDP2: main generates alone
-        if accelerator.is_main_process:
+    with full_weights_for_main(accelerator, family_of_pipeline(pipe).denoiser(pipe)) as here:  # main generates alone
+        if here:
             stopped = label_on_main(pipe, judge, config, prompts, round_index, path, steps, guidance)
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -457,8 +457,8 @@ def train(config: DPOConfig) -> Path:
         accelerator.init_trackers("dpo", config=tracker_config(config))
 
     # 6. Before: score held-out prompts with the starting model (fixed seeds, reused after).
-    with full_weights_for_main(accelerator, unet, needed=eval_judge is not None and start_step == 0):
-        if main and eval_judge is not None and start_step == 0:
+    with full_weights_for_main(accelerator, unet, needed=eval_judge is not None and start_step == 0) as here:
+        if here:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_before.json", "before")
 
     # 7. The loop.
@@ -519,9 +519,9 @@ def train(config: DPOConfig) -> Path:
         logs["lr"] = lr_scheduler.get_last_lr()[0]
         logs["pairs_per_second"] = pairs_per_step / (time.perf_counter() - step_start)
         done = step + 1
-        evaluating = periodic_evaluation_due(config.eval_every_steps, done, config.max_steps)
-        with full_weights_for_main(accelerator, unet, needed=evaluating):
-            if main and evaluating:
+        with full_weights_for_main(accelerator, unet, needed=periodic_evaluation_due(config.eval_every_steps, done,
+                                                                                     config.max_steps)) as here:
+            if here:
                 logs["heldout_score"] = periodic_evaluation(pipe, eval_judge, config, steps, guidance, run.path, done)
         if main:
             run.log(done, logs)
@@ -535,8 +535,8 @@ def train(config: DPOConfig) -> Path:
     # 8. After-evaluation, final weights with their model card (one folder, written as a whole), report.
     #    Each step is redone by --resume latest from the last checkpoint if the run stops before its end.
     accelerator.wait_for_everyone()
-    with full_weights_for_main(accelerator, unet, needed=eval_judge is not None):
-        if main and eval_judge is not None:
+    with full_weights_for_main(accelerator, unet, needed=eval_judge is not None) as here:
+        if here:
             evaluate_model(pipe, eval_judge, config, steps, guidance, run.path / "eval_after.json", "after")
     trained = consolidated_model(accelerator, unet)  # every process: FSDP2 gathers the shards onto the main one
     if main:

@@ -13,18 +13,19 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from align.train.sharding import fsdp_units
 
 
 class OldPolicy:
     def __init__(self, params: list[torch.nn.Parameter], model: torch.nn.Module | None = None):
         self.params = list(params)
         self.tensors = [p.detach().clone() for p in self.params]
-        self.sharded = any(is_dtensor(p) for p in self.params)
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
         # FSDP2 keeps the root's gathered weights from a forward to its backward: a swap must drop every gathered
         # copy so that the next forward (or that backward) gathers the values swapped in.
-        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+        self.units = fsdp_units(model) if model is not None else []
 
     @contextlib.contextmanager
     def swapped_in(self):
@@ -55,18 +56,13 @@ class OldPolicy:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors (every process takes part in gathering the shards; accelerate writes the main one's)."""
-        return {str(i): (t.full_tensor() if is_dtensor(t) else t).detach().cpu() for i, t in enumerate(self.tensors)}
+        return {str(i): (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for i, t in enumerate(self.tensors)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if len(state) != len(self.tensors):
             raise ValueError(f"the checkpoint's old policy holds {len(state)} tensors, the model {len(self.tensors)}")
         for i, t in enumerate(self.tensors):
             whole = state[str(i)].to(t.dtype)
-            if is_dtensor(t):
+            if isinstance(t, DTensor):
                 whole = distribute_tensor(whole.to(t.device), t.device_mesh, t.placements)
             t.copy_(whole)
-
-
-def is_dtensor(tensor) -> bool:
-    """A shard of a tensor under FSDP2 (torch's DTensor)."""
-    return isinstance(tensor, DTensor)

@@ -112,7 +112,8 @@ def use_family_blocks(accelerator, family, denoiser) -> None:
 
 
 def block_units(model, class_names) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if type(m).__name__ in set(class_names)]
+    names = set(class_names)
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def shard_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
@@ -134,18 +135,20 @@ def fsdp_units(model) -> list:
 
 @contextlib.contextmanager
 def full_weights_for_main(accelerator, model, needed: bool = True):
-    """Every process enters: the sharded weights are all-gathered once and kept whole until the block ends, so that
-    the main process can run the model alone (held-out evaluation, AI feedback) while the others wait for it. The
-    gathered copy is dropped on exit. Unsharded runs (and ``needed`` false) do nothing."""
+    """Every process enters; yields whether this process does the work (``needed`` and it is the main one). Sharded,
+    the weights are all-gathered once and kept whole until the block ends, so that the main process can run the
+    model alone (held-out evaluation, AI feedback) while the others wait for it; the gathered copy is dropped on
+    exit. Unsharded runs (and ``needed`` false) gather nothing."""
+    runs_here = needed and accelerator.is_main_process
     if not (needed and is_sharded(accelerator)):
-        yield
+        yield runs_here
         return
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
-        yield
+        yield runs_here
     finally:
         for unit in units:
             unit.reshard()
