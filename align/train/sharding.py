@@ -144,6 +144,7 @@ def full_weights_for_main(accelerator, model, needed: bool = True):
         yield runs_here
         return
     units = fsdp_units(model)
+    resharding = bool(accelerator.state.fsdp_plugin.reshard_after_forward)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -152,7 +153,9 @@ def full_weights_for_main(accelerator, model, needed: bool = True):
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            # back as they were: the launcher's setting, and the root kept gathered from its forward to its backward
+            # (torch's own choice for the root)
+            unit.set_reshard_after_forward(resharding and unit is not model, recurse=False)
         accelerator.wait_for_everyone()
 
 
