@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from align.testing.nodes import kill_with_its_workers
 from align.testing.noise_pairs import write_noise_pairs
 from align.testing.two_processes import FSDP2, ROOT, launch_two_cpu_processes, two_cpu_processes_command
+from align.testing.weights import assert_weights_close
 from align.train import ddpo, dpo
 from align.train.ddpo import DDPOConfig
 from align.train.dpo import DPOConfig
@@ -59,18 +61,6 @@ def sharded_checkpoint_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     whole = checkpoint.parent / f"{checkpoint.name}.pt"
     dcp_to_torch_save(str(checkpoint / "pytorch_model_fsdp_0"), str(whole))
     return torch.load(whole, weights_only=False)["model"]
-
-
-def assert_close_weights(a: dict, b: dict) -> None:
-    """All-reduce and reduce-scatter sum in another order than accumulation: float tolerance, not bitwise. Adam
-    divides a near-zero gradient by its own size, so a rare element may move by up to the learning rate; a different
-    order of pairs or noise moves most elements."""
-    assert a.keys() == b.keys()
-    flat_a = torch.cat([a[k].flatten().double() for k in sorted(a)])
-    flat_b = torch.cat([b[k].flatten().double() for k in sorted(a)])
-    off = (flat_b - flat_a).abs() > 2e-5 + 1e-3 * flat_a.abs()
-    assert off.float().mean() < 0.02, f"{int(off.sum())} of {off.numel()} weights differ"
-    assert (flat_b - flat_a).norm() < 1e-3 * flat_a.norm()
 
 
 def launch_sharded(script: str, inputs: list[str], out: Path, flags: dict, *extra: str) -> subprocess.CompletedProcess:
@@ -116,16 +106,19 @@ def test_fsdp2_full_dpo_equals_one_process_and_its_final_weights_are_the_trained
     assert all(torch.equal(final[k], trained[k]) for k in final)
     base = unet_state(Path(tiny_model) / "unet")
     assert any(not torch.equal(final[k], base[k]) for k in final)  # it trained
-    assert_close_weights(unet_state(one / "final" / "unet"), final)
+    assert_weights_close(unet_state(one / "final" / "unet"), final)
 
 
-def kill_when(launch: subprocess.Popen, ready: Path, timeout: float = 300) -> None:
-    """kill -9 the launcher and both workers once ``ready`` exists."""
+def kill_when(launch: subprocess.Popen, ready: Path, timeout: float = 300) -> str:
+    """kill -9 the launcher and both workers once ``ready`` exists; returns how the run ended (a fast machine may
+    finish it first: the resume then has nothing left to train, and must still end as the straight run)."""
     deadline = time.monotonic() + timeout
     while not ready.exists() and launch.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert launch.poll() is None, "the run ended before it could be killed"
+    if launch.poll() is not None:
+        return f"finished (exit {launch.returncode}) before the kill"
     kill_with_its_workers(launch)
+    return "killed"
 
 
 @pytest.mark.slow  # two two-process launches after the module's run: ~40 s on the shared 2-core machine
@@ -135,7 +128,8 @@ def test_fsdp2_dpo_killed_and_resumed_finishes_bit_identical(tiny_model, pairs, 
             *argv_of({**DPO_SETTINGS, "gradient_accumulation_steps": 1, "max_steps": 3})]
     cmd, env = two_cpu_processes_command("align/dpo.py", argv, FSDP2)
     launch = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    kill_when(launch, out / "checkpoints" / "step_0000001" / "state.json")
+    ended = kill_when(launch, out / "checkpoints" / "step_0000001" / "state.json")
+    assert ended == "killed" or ended.startswith("finished (exit 0)"), ended
     launch_dpo(tiny_model, pairs, out, 3, "--resume", "latest")
 
     straight = unet_state(fsdp_dpo_run / "final" / "unet")
@@ -179,7 +173,7 @@ def test_fsdp2_full_online_rl_equals_one_process(tiny_model, family_models, prom
     for a, b in zip(metrics(one), metrics(two), strict=True):  # the same samples, rewards and updates
         for key in ("reward_mean", "reward_std", "trained_sample_fraction"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["epoch"], key)
-    assert_close_weights(final_denoiser(one), final_denoiser(two))
+    assert_weights_close(final_denoiser(one), final_denoiser(two))
 
 
 @pytest.mark.slow  # one two-process launch: ~20 s
@@ -194,3 +188,23 @@ def test_fsdp2_lora_dpo_saves_a_lora_that_loads(tiny_model, pairs, tmp_path):
     assert sharded.keys() == single.keys() and all("lora" in k for k in sharded)
     for key in single:
         torch.testing.assert_close(sharded[key], single[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # one two-process launch and one run in this process: ~30 s
+def test_fsdp2_ai_feedback_and_held_out_scores_come_from_the_gathered_model(tiny_model, prompt_file, tmp_path):
+    """The main process generates alone on the weights every process gathered for it: the first round's feedback
+    and the score before training are the one-process run's; later rounds and evaluations run too."""
+    flags = {**DPO_SETTINGS, "reward": "jpeg-compressibility", "prompts": prompt_file, "images_per_prompt": 2,
+             "feedback_rounds": 2, "max_steps": 2, "eval_prompts": prompt_file, "eval_every_steps": 1}
+    one = dpo.train(DPOConfig(model=tiny_model, output_dir=str(tmp_path / "one"), gradient_accumulation_steps=2, **flags))
+    two = tmp_path / "two"
+    launch_sharded("align/dpo.py", ["--model", tiny_model], two, flags)
+
+    def first_round(run: Path) -> list[dict]:
+        return pq.read_table(run / "feedback" / "round_1" / "pairs.parquet").drop_columns(["jpg_0", "jpg_1"]).to_pylist()
+
+    assert first_round(two) == first_round(one)
+    before = [json.loads((run / "eval_before.json").read_text())["scores"] for run in (one, two)]
+    assert before[1] == pytest.approx(before[0], rel=1e-6)
+    assert (two / "feedback" / "round_2" / "pairs.parquet").is_file() and (two / "eval_after.json").is_file()
+    assert [m["step"] for m in metrics(two)] == [1, 2] and "heldout_score" in metrics(two)[0]
