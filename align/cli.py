@@ -32,16 +32,29 @@ from rewards.secrets import install_log_scrubber, scrub_text
 
 T = TypeVar("T")
 
-# --help sections, in the order they are printed.
+# --help sections, in the order they are printed; after them, one section per choice that has options of its own
+# (a plug-in's group is the flag and value it belongs to, e.g. "--algorithm nft").
 GROUPS = ("model", "data", "judge", "sampling", "optimisation", "evaluation", "output")
 
 
+def is_choice_group(group: str) -> bool:
+    """A plug-in's options group: "--<flag> <value>"."""
+    flag, _, value = group.partition(" ")
+    return flag.startswith("--") and len(flag) > 2 and bool(value) and " " not in value
+
+
+def section_title(group: str) -> str:
+    """The --help section of an option group: the group's name, or "options of --algorithm nft" for a choice's."""
+    return f"options of {group}" if is_choice_group(group) else group
+
+
 def option(default=dataclasses.MISSING, help: str = "", group: str = "", *, default_factory=dataclasses.MISSING):
-    """A config field with its one-line help text and its --help group (one of GROUPS).
+    """A config field with its one-line help text and its --help group (one of GROUPS, or "--<flag> <value>" for the
+    options of one choice of a flag, such as an algorithm's).
 
     Mutable defaults go through ``default_factory`` as with ``dataclasses.field``."""
-    if group not in GROUPS:
-        raise ValueError(f"unknown option group {group!r}; one of {', '.join(GROUPS)}")
+    if group not in GROUPS and not is_choice_group(group):
+        raise ValueError(f"unknown option group {group!r}; one of {', '.join(GROUPS)} or '--<flag> <value>'")
     if not help.strip():
         raise ValueError("an option needs a help text")
     metadata = {"help": help, "group": group}
@@ -111,6 +124,8 @@ def _trl_parser_class():
                 if not fld.init:
                     continue
                 group = fld.metadata.get("group")
+                if group and is_choice_group(group) and group not in sections:
+                    sections[group] = self.add_argument_group(section_title(group))
                 plain = copy.copy(fld)  # HfArgumentParser passes every metadata key on to add_argument
                 meta = {k: v for k, v in fld.metadata.items() if k != "group"}
                 if "help" in meta:  # argparse %-formats help texts ("18%" would break --help)

@@ -1,4 +1,4 @@
-"""Reference values for AWM (align/train/awm.py), computed by the authors' own training script on seeded inputs.
+"""Reference values for AWM (align/train/objectives/awm.py), computed by the authors' own training script on seeded inputs.
 
     python -m experiments.awm_reference [--repo MIRROR] [--commit REV] [--out tests/data/awm_reference.json]
 

@@ -37,8 +37,11 @@ from align.data.prompt_sets import load_prompt_list
 from align.families import family_of_pipeline
 from align.families.base import cat_conditioning, expand_conditioning, guided_prediction, repeat_conditioning
 from align.pipeline import add_lora, decode_latents, load_pipeline, testbed_settings
+from align.sampling.registry import sampler_entry
 from align.train.advantages import group_advantages
-from align.train.ddpo import DDPOConfig, build_sampler, draw_prompts, train_timestep_indices
+from align.train.ddpo import DDPOConfig
+from align.train.online_rollouts import draw_prompts
+from align.train.online_update import train_timestep_indices
 
 
 def parse_args(argv=None):
@@ -172,7 +175,7 @@ def main(argv=None):
         if config.deterministic_tail and not family.is_flow and config.timestep_selection != "high_noise":
             sys.exit(f"--rows {row}: windows are for flow models")
         config.resolve_for_family(family.is_flow)
-        sampler = build_sampler(family, pipe, config, resolution, "cpu")
+        sampler = sampler_entry(config.sampler, family.is_flow).build(config, family, pipe, resolution, "cpu")
         estimates = [gradient_estimate(pipe, family, denoiser, judge, prompts, negative, sampler,
                                        resolution, config, args.seed * 1000 + i, args.detach_uncond, params,
                                        args.shared_noise)

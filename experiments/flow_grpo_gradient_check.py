@@ -29,7 +29,7 @@ from align.families import family_of_pipeline
 from align.families.base import expand_conditioning, guided_prediction, repeat_conditioning
 from align.pipeline import add_lora, load_pipeline
 from align.sampling.flow import sample_flow_with_logprob
-from align.train.rollout import FlowSampler
+from align.sampling.flow_sde_sampler import FlowSampler
 
 
 def parse_args(argv=None):

@@ -1,4 +1,4 @@
-"""Reference values for DiffusionNFT's maths (align/train/nft.py), computed by the authors' own lines.
+"""Reference values for DiffusionNFT's maths (align/train/objectives/nft.py), computed by the authors' own lines.
 
     python -m experiments.nft_reference [--repo DIR] [--commit REV] [--out tests/data]
 

@@ -25,7 +25,7 @@ from align.cli import parse_config
 from align.families import family_named
 from align.train.ddpo_config import DDPOConfig
 from align.train.dpo_config import DPOConfig
-from align.train.memory_model import CLIP_TOKENS, T5_TOKENS, PipelineParts, parameter_count, plan_parts
+from align.train.memory_model import PipelineParts, parameter_count, plan_parts
 from align.train.memory_plan import GIB, ddp_plan, fsdp2_plan, plan_table, total
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,24 +74,25 @@ def build(library: str, class_name: str, config: dict) -> torch.nn.Module:
 def sdxl_parts() -> PipelineParts:
     others = [build("transformers", "CLIPTextModel", CLIP_L), build("transformers", "CLIPTextModelWithProjection", CLIP_BIG_G),
               build("diffusers", "AutoencoderKL", VAE_4)]
-    return PipelineParts(family_named("StableDiffusionXLPipeline"), build("diffusers", "UNet2DConditionModel", SDXL_UNET),
-                         VAE_4, others, CLIP_TOKENS)
+    family = family_named("StableDiffusionXLPipeline")
+    return PipelineParts(family, build("diffusers", "UNet2DConditionModel", SDXL_UNET), VAE_4, others, family.text_tokens())
 
 
 def sd35_large_parts() -> PipelineParts:
     others = [build("transformers", "CLIPTextModelWithProjection", CLIP_L),
               build("transformers", "CLIPTextModelWithProjection", CLIP_BIG_G),
               build("transformers", "T5EncoderModel", T5_XXL), build("diffusers", "AutoencoderKL", VAE_16)]
-    return PipelineParts(family_named("StableDiffusion3Pipeline"),
-                         build("diffusers", "SD3Transformer2DModel", SD35_LARGE_TRANSFORMER), VAE_16, others,
-                         CLIP_TOKENS + T5_TOKENS["sd3"])
+    family = family_named("StableDiffusion3Pipeline")
+    return PipelineParts(family, build("diffusers", "SD3Transformer2DModel", SD35_LARGE_TRANSFORMER), VAE_16, others,
+                         family.text_tokens())
 
 
 def flux_dev_parts() -> PipelineParts:
     others = [build("transformers", "CLIPTextModel", CLIP_L), build("transformers", "T5EncoderModel", T5_XXL),
               build("diffusers", "AutoencoderKL", VAE_16)]
-    return PipelineParts(family_named("FluxPipeline"), build("diffusers", "FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
-                         VAE_16, others, T5_TOKENS["flux"])
+    family = family_named("FluxPipeline")
+    return PipelineParts(family, build("diffusers", "FluxTransformer2DModel", FLUX_DEV_TRANSFORMER), VAE_16, others,
+                         family.text_tokens())
 
 
 CONFIGS = {

@@ -43,7 +43,8 @@ from align.pipeline import add_lora, decode_latents, encode_prompts, load_pipeli
 from align.sampling.flow import FlowStep, gaussian_log_prob, sample_flow_with_logprob, sde_step
 from align.testbed.scene import sample_captions
 from align.train.advantages import group_advantages
-from align.train.ddpo import DDPOConfig, draw_prompts
+from align.train.ddpo import DDPOConfig
+from align.train.online_rollouts import draw_prompts
 from experiments.ddpo_gradient_snr import pairwise_cosine
 from scripts.build_flow_testbed import EVAL_CAPTION_SEED, encode_latents, render_scenes, swap_captions
 

@@ -10,10 +10,10 @@ step), not guessed.
 
 What runs is the project's own code: the trainers' Accelerator set-up (align.train.accelerator.make_accelerator, bf16
 autocast on the prepared UNet), align.pipeline's LoRA / frozen reference / disabled adapter, align.train.losses for
-Diffusion-DPO, and for the online-RL steps (DDPO, Flow-GRPO, DiffusionNFT) align.train.ddpo itself: its sampler
-(ddpo.build_sampler: align.train.rollout's DDIMSampler / FlowSampler / ODESampler), its objective
-(ddpo.build_objective: PolicyGradient or DiffusionNFT), ddpo.PolicyModels (trained, adapter-off reference, old
-policy), and ddpo.plan_epoch + ddpo.train_epoch on a Rollout of the sampled batch, set up as ddpo.train sets it up
+Diffusion-DPO, and for the online-RL steps (DDPO, Flow-GRPO, DiffusionNFT) the online-RL trainer's own parts: its
+sampler (align/sampling/registry.py: DDIMSampler / FlowSampler / ODESampler), its objective (align/train/objectives/:
+PolicyGradient or DiffusionNFT), PolicyModels (trained, adapter-off reference, old policy), and plan_epoch +
+train_epoch (align/train/online_update.py) on a Rollout of the sampled batch, set up as align.train.ddpo sets it up
 (frozen weights in the compute dtype, LoRA in float32). Diffusion-DPO's step reads cached latents and text embeddings
 (as the trainer does after its first pass, or from the precomputed store), so its VAE and text encoder run once.
 
@@ -59,12 +59,16 @@ from align.families.sd import StableDiffusion
 from align.families.sd3 import StableDiffusion3
 from align.families.sdxl import StableDiffusionXL
 from align.pipeline import add_lora, disabled_adapter, frozen_copy
+from align.sampling.registry import sampler_entry
 from align.testing.sd15 import SD15_UNET
-from align.train import ddpo
-from align.train.accelerator import adamw_class, keep_default_attention, make_accelerator
+from align.train.accelerator import adamw_class, make_accelerator
 from align.train.ddpo_config import DDPOConfig
+from align.train.ddpo_order import SAMPLE, epoch_generator
 from align.train.losses import diffusion_dpo_loss, per_sample_mse
+from align.train.objectives import algorithm
 from align.train.old_policy import OldPolicy
+from align.train.online_update import Epoch, Update, plan_epoch, train_epoch
+from align.train.policy_models import PolicyModels, sampling_merges_lora
 from align.train.rollout import Rollout
 
 # Peak dense bf16 tensor FLOP/s (no sparsity), from the vendors' data sheets.
@@ -212,7 +216,7 @@ class Models:
         torch.manual_seed(seed)
 
         unet = self._unet_class(**self.unet_config).to(self.device)
-        keep_default_attention(unet)  # SDPA, as the trainers run it
+        StableDiffusion().set_training_attention(unet)  # SDPA, as the trainers run it
         return unet
 
     @torch.no_grad()
@@ -318,7 +322,7 @@ def build_denoiser(arch: Arch, tiny: bool, device):
         model = model_class(**(arch.tiny_config if tiny else arch.config))
     if arch.kind == "unet":
 
-        keep_default_attention(model)  # SDPA, as the trainers run it
+        StableDiffusion().set_training_attention(model)  # SDPA, as the trainers run it
     return model
 
 
@@ -465,7 +469,7 @@ def online_rl_config(samples: int, inference_steps: int, precision: str, lora_ra
 
 
 def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype ddpo.train loads a LoRA run's frozen weights in."""
+    """The dtype the online-RL trainer loads a LoRA run's frozen weights in."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
 
 
@@ -481,7 +485,7 @@ def in_dtype(cond: dict, dtype: torch.dtype) -> dict:
 
 
 def trainer_pipe(scheduler, vae, denoiser) -> SimpleNamespace:
-    """The pipeline attributes the trainer's sampler (ddpo.build_sampler, the family's flow_sigmas) and decoder (the
+    """The pipeline attributes the trainer's sampler (its registry entry's build, the family's flow_sigmas) and decoder (the
     family's decode_latents) read; no text encoders: the conditioning is given."""
     return SimpleNamespace(scheduler=scheduler, vae=vae, vae_scale_factor=8, unet=denoiser, transformer=denoiser)
 
@@ -489,19 +493,20 @@ def trainer_pipe(scheduler, vae, denoiser) -> SimpleNamespace:
 class OnlineRLStep:
     """One epoch of align.train.ddpo on one sampling batch, set up as ddpo.train sets it up: the denoiser's frozen
     weights in the compute dtype and a LoRA in float32, gradient checkpointing, the old policy where the objective keeps
-    one, AdamW through accelerate; ddpo.build_sampler / build_objective, ddpo.PolicyModels and ddpo.Update.
+    one, AdamW through accelerate; the registries' sampler and objective, PolicyModels and online_update.Update.
 
     A call: sample the batch with the sampler (from the old policy where the objective samples with it, as
-    ddpo.collect_rollouts), decode it (the images a judge scores), draw random advantages, then ddpo.plan_epoch and
-    ddpo.train_epoch (the objective's loss on each trained step, backward, gradient clipping, AdamW) and the old
+    collect_rollouts), decode it (the images a judge scores), draw random advantages, then plan_epoch and
+    train_epoch (the objective's loss on each trained step, backward, gradient clipping, AdamW) and the old
     policy's update."""
 
     def __init__(self, family, denoiser, config: DDPOConfig, accelerator, pipe, cond: dict, negative: dict,
                  latent_shape: tuple[int, int, int], checkpointing: bool, resolution: int):
         config.resolve_for_family(family.is_flow)
         device = accelerator.device
-        self.sampler = ddpo.build_sampler(family, pipe, config, resolution, device)
-        self.objective = ddpo.build_objective(config, self.sampler)
+        self.sampler = sampler_entry(config.sampler, family.is_flow).build(config, family, pipe, resolution, device)
+        entry = algorithm(config.algorithm)
+        self.objective = entry.objective.from_config(self.sampler, config)
         cast(denoiser, compute_dtype(config.mixed_precision))
         add_lora(denoiser, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=family.lora_targets)
         for p in denoiser.parameters():
@@ -510,13 +515,13 @@ class OnlineRLStep:
         if checkpointing:
             denoiser.enable_gradient_checkpointing()
         params = [p for p in denoiser.parameters() if p.requires_grad]
-        self.old_policy = OldPolicy(params) if self.objective.uses_old_policy else None
+        self.old_policy = OldPolicy(params) if entry.objective.keeps_old_policy(config) else None
         optimizer = adamw_class(config.use_8bit_adam)(params, lr=config.learning_rate, weight_decay=config.adam_weight_decay)
         self.trained, self.optimizer = accelerator.prepare(denoiser, optimizer)
-        self.models = ddpo.PolicyModels(family, denoiser, self.trained, None, self.old_policy, config.guidance_scale,
-                                        accelerator.autocast, self.objective.samples_with_old_policy,
-                                        merge_lora=ddpo.sampling_merges_lora(config))
-        self.update = ddpo.Update(config, accelerator, self.models, self.objective, self.optimizer, params)
+        self.models = PolicyModels(family, denoiser, self.trained, None, self.old_policy, config.guidance_scale,
+                                   accelerator.autocast, self.objective.samples_with_old_policy,
+                                   merge_lora=sampling_merges_lora(config))
+        self.update = Update(config, accelerator, self.models, self.objective, self.optimizer, params, negative)
         self.family, self.denoiser, self.config, self.accelerator, self.pipe = family, denoiser, config, accelerator, pipe
         self.cond, self.negative, self.latent_shape = cond, negative, latent_shape
         self.epoch, self.global_step = 0, 0
@@ -524,7 +529,7 @@ class OnlineRLStep:
     def __call__(self) -> None:
         config, accelerator, family = self.config, self.accelerator, self.family
         samples = config.sample_batch_size
-        gen = ddpo.epoch_generator(config.seed, self.epoch, ddpo.SAMPLE, 0, 0)
+        gen = epoch_generator(config.seed, self.epoch, SAMPLE, 0, 0)
         embeds = self.cond["prompt_embeds"]
         self.denoiser.eval()
         with torch.no_grad(), accelerator.autocast(), self.models.sampling() as denoiser:
@@ -539,8 +544,8 @@ class OnlineRLStep:
         rollout = Rollout(prompts=["bench"] * samples, cond=self.cond, images=images, **steps)
         self.denoiser.train()
         advantages = torch.randn(samples, generator=gen).to(accelerator.device)
-        plan = ddpo.plan_epoch(config, rollout, self.epoch, 0, 1, 1, self.objective.needs_forward_noise)
-        self.global_step += ddpo.train_epoch(self.update, rollout, advantages, plan, self.negative, {})
+        plan = plan_epoch(config, rollout, self.epoch, 0, 1, 1, self.objective.needs_forward_noise)
+        self.global_step += train_epoch(self.update, Epoch(rollout, advantages, plan), {})
         if self.old_policy is not None:
             self.old_policy.update(self.objective.old_policy_decay(self.global_step))
         self.epoch += 1

@@ -1,4 +1,4 @@
-"""AWM's pure maths (align/train/awm.py) against the authors' train_sd3_awm.py: tests/data/awm_reference.json holds
+"""AWM's pure maths (align/train/objectives/awm.py) against the authors' train_sd3_awm.py: tests/data/awm_reference.json holds
 what their compute_log_prob_awm, training step, time sampling and "ema" adapter update gave on seeded float64
 inputs (experiments/awm_reference.py ran them, exec'd from the authors' file)."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from align.sampling.flow_ode_sampler import ODESampler
 from align.sampling.forward import flow_noised
-from align.train.awm import (
+from align.train.objectives.awm import (
     AdvantageWeightedMatching,
     awm_kl,
     awm_log_prob,
@@ -20,9 +21,9 @@ from align.train.awm import (
     awm_timestep_indices,
     ema_kl_decay,
 )
-from align.train.ddpo import train_timestep_indices
 from align.train.old_policy import OldPolicy
-from align.train.rollout import ODESampler, TrainBatch
+from align.train.online_update import train_timestep_indices
+from align.train.rollout import TrainBatch
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "awm_reference.json").read_text())
 # the authors' option names -> ours

@@ -20,9 +20,10 @@ from align.families import family_of_pipeline
 from align.families.base import guided_prediction
 from align.pipeline import add_lora, load_pipeline
 from align.sampling.flow import draw_window
-from align.train import ddpo
+from align.sampling.flow_sde_sampler import FlowSampler
+from align.train import ddpo, heldout
 from align.train.ddpo_config import DDPOConfig
-from align.train.rollout import FlowSampler
+from align.train.policy_models import PolicyModels
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,8 @@ def test_lora_run_on_each_family_loads_in_diffusers_and_changes_its_images(famil
 
 def test_flow_defaults_follow_flow_grpo_and_ddim_ones_the_ddpo_paper(family_models, prompt_file, tmp_path, monkeypatch):
     steps = []
-    real = ddpo.evaluate_model
-    monkeypatch.setattr(ddpo, "evaluate_model", lambda pipe, judge, cfg, n, *a: steps.append(n) or real(pipe, judge, cfg, n, *a))
+    real = heldout.evaluate_model
+    monkeypatch.setattr(heldout, "evaluate_model", lambda pipe, judge, cfg, n, *a: steps.append(n) or real(pipe, judge, cfg, n, *a))
     cfg = config(family_models("sd3"), prompt_file, tmp_path / "run", num_inference_steps=None, num_epochs=1,
                  eval_prompts=prompt_file, eval_inference_steps=3)
     run = ddpo.train(cfg)
@@ -109,9 +110,9 @@ def test_fast_run_stores_and_trains_only_the_window(family_models, prompt_file, 
     seen = []
     real = ddpo.train_epoch
 
-    def spy(update, rollout, *args):
-        seen.append({key: getattr(rollout, key).clone() for key in ("step_indices", "log_probs", "timesteps")})
-        return real(update, rollout, *args)
+    def spy(update, epoch, *args):
+        seen.append({key: getattr(epoch.rollout, key).clone() for key in ("step_indices", "log_probs", "timesteps")})
+        return real(update, epoch, *args)
 
     monkeypatch.setattr(ddpo, "train_epoch", spy)
     ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "fast", num_inference_steps=6, timestep_fraction=0.34,
@@ -188,7 +189,7 @@ def test_flow_update_differentiates_both_halves_of_guidance(family_models):
     params = [p for p in transformer.parameters() if p.requires_grad]
     cond, uncond = family.encode_prompts(pipe, ["a red circle"], 32), family.unconditional(pipe, 1, 32)
     latents, timesteps = torch.randn(1, 4, 16, 16), torch.tensor([500.0])
-    models = ddpo.PolicyModels(family, transformer, transformer, None, None, 3.0, contextlib.nullcontext)
+    models = PolicyModels(family, transformer, transformer, None, None, 3.0, contextlib.nullcontext)
     trained = models.predict(latents, timesteps, cond, uncond)
     torch.testing.assert_close(trained, guided_prediction(family, transformer, latents, timesteps, cond, uncond, 3.0),
                                rtol=0, atol=0)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from align.train.losses import ddpo_clipped_loss, gaussian_mean_kl
+from align.sampling.ddim import gaussian_mean_kl
+from align.train.losses import ddpo_clipped_loss
 
 
 def test_ppo_clip_loss_hand_computed():

@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 
 from align.train.advantages import PerPromptStatTracker, compute_advantages
-from align.train.ddpo import TRAIN, epoch_generator, train_timestep_indices
-from align.train.ddpo_order import gathered_slots, global_batch, in_global_order, stratified_order
+from align.train.ddpo_order import (
+    TRAIN,
+    epoch_generator,
+    gathered_slots,
+    global_batch,
+    in_global_order,
+    stratified_order,
+)
+from align.train.online_update import train_timestep_indices
 
 
 def epoch_schedule(processes: int, process: int, batches: int, batch_size: int, steps: int, k: int, epoch: int = 3):

@@ -18,15 +18,17 @@ from script_loader import load_experiment
 from align.families.sd import StableDiffusion
 from align.pipeline import add_lora, load_trained
 from align.sampling.ddim import ddim_step_mean_std, gaussian_log_prob, guided_noise_prediction
+from align.sampling.ddim_sampler import DDIMSampler
 from align.testing.tiny_flow import build_tiny_sd3
 from align.testing.two_processes import launch_two_cpu_processes
-from align.train import ddpo
+from align.train import ddpo, online_update
 from align.train.accelerator import end_training
 from align.train.ddpo import DDPOConfig
 from align.train.ddpo_rewards import MixedReward, RewardError, win_rates
 from align.train.losses import ddpo_clipped_loss
-from align.train.policy_gradient import PolicyGradient
-from align.train.rollout import DDIMSampler, Rollout
+from align.train.objectives.ppo import PolicyGradient
+from align.train.policy_models import PolicyModels
+from align.train.rollout import Rollout
 from rewards.base import Judge, Preference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,12 +234,12 @@ def test_lora_kl_uses_the_adapter_free_reference(tiny_model, prompt_file, tmp_pa
 
 def test_high_noise_selection_trains_the_first_steps_of_the_chain():
     gen = torch.Generator().manual_seed(0)
-    chosen = ddpo.train_timestep_indices(5, 20, 10, "high_noise", gen)
+    chosen = online_update.train_timestep_indices(5, 20, 10, "high_noise", gen)
     assert chosen.shape == (5, 10)
     for row in chosen:  # every sample: exactly the 10 noisiest steps (indices 0-9), shuffled
         assert sorted(row.tolist()) == list(range(10))
     assert len({tuple(r.tolist()) for r in chosen}) > 1
-    random_rows = ddpo.train_timestep_indices(50, 20, 10, "random", gen)
+    random_rows = online_update.train_timestep_indices(50, 20, 10, "random", gen)
     assert random_rows.max() >= 10 and all(len(set(r.tolist())) == 10 for r in random_rows)
 
 
@@ -429,17 +431,17 @@ def _inner_epoch_gradient(unet, params, scheduler, samples, negative, timestep_b
     optimizer = RecordingOptimizer(params)
     sampler = DDIMSampler(scheduler, steps, config.eta)
     objective = PolicyGradient(sampler, config.clip_range, config.adv_clip_max, config.kl_coef)
-    models = ddpo.PolicyModels(StableDiffusion(), unet, unet, None, None, config.guidance_scale, contextlib.nullcontext)
+    models = PolicyModels(StableDiffusion(), unet, unet, None, None, config.guidance_scale, contextlib.nullcontext)
     accelerator = Accelerator(cpu=True) if as_launched is None else as_launched(Accelerator(cpu=True))
-    update = ddpo.Update(config, accelerator, models, objective, optimizer, params)
+    update = online_update.Update(config, accelerator, models, objective, optimizer, params, negative)
     chain = samples["all_latents"]
     rollout = Rollout(prompts=["x"] * n, cond=samples["cond"], latents=chain[:, :-1], next_latents=chain[:, 1:],
                       timesteps=samples["timesteps"], step_indices=torch.arange(steps).expand(n, -1),
                       log_probs=samples["log_probs"], final_latents=chain[:, -1], images=torch.zeros(n, 3, 8, 8))
     gen = torch.Generator().manual_seed(1)
     order = torch.randperm(n, generator=gen)
-    plan = ddpo.EpochPlan(order, ddpo.train_timestep_indices(n, steps, steps, "random", gen), None)
-    updates = ddpo.train_epoch(update, rollout, samples["advantages"], plan, negative, {})
+    plan = online_update.EpochPlan(order, online_update.train_timestep_indices(n, steps, steps, "random", gen), None)
+    updates = online_update.train_epoch(update, online_update.Epoch(rollout, samples["advantages"], plan), {})
     assert updates == 1 and len(optimizer.steps) == 1
     return optimizer.steps[0]
 
@@ -572,14 +574,14 @@ def test_under_fsdp2_a_process_with_fewer_micro_batches_runs_weight_zero_ones(ti
     unet, params, scheduler, samples, negative = _lora_unet_and_samples(tiny_model)
     reference = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 1, 0.5)
     calls = []
-    real_step = ddpo.train_micro_batch
+    real_step = online_update.train_micro_batch
 
     def counting(*args, **kwargs):
         calls.append(kwargs["recorded"])
         return real_step(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ddpo, "train_micro_batch", counting)
+        patch.setattr(online_update, "train_micro_batch", counting)
         padded = _inner_epoch_gradient(unet, params, scheduler, samples, negative, 1, 0.5,
                                        as_launched=lambda accelerator: ShardedElsewhere(accelerator, 2))
     assert calls == [True, True, False, False]  # 2 of its own, 2 of weight 0

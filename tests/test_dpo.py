@@ -22,7 +22,7 @@ from wandb_records import history_rows
 from align.cli import parse_config
 from align.pipeline import add_lora, disabled_adapter, generate_images, load_pipeline, load_trained
 from align.testing.two_processes import launch_two_cpu_processes
-from align.train import dpo
+from align.train import dpo, dpo_data
 from align.train.dpo import DPOConfig, TrainingStopped
 from align.train.heldout import evaluate_model
 from rewards.images import decode_image, to_tensor
@@ -285,17 +285,17 @@ def test_online_rounds_label_the_model_trained_so_far(tiny_model, online_run):
 
 def test_online_rounds_resume_exactly_after_a_crash_in_round_two(tiny_model, prompts4, online_run, tmp_path, monkeypatch):
     straight = online_run
-    real = dpo.label_round
+    real = dpo_data.label_round
 
     def crash_on_round_two(*args, **kwargs):
-        if args[5] == 1:  # round_index
+        if args[4] == 1:  # round_index
             raise RuntimeError("simulated crash while labelling round 2")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dpo, "label_round", crash_on_round_two)
+    monkeypatch.setattr(dpo_data, "label_round", crash_on_round_two)
     with pytest.raises(RuntimeError, match="simulated crash"):
         dpo.train(online_config(tiny_model, prompts4, tmp_path / "crashed"))
-    monkeypatch.setattr(dpo, "label_round", real)
+    monkeypatch.setattr(dpo_data, "label_round", real)
     resumed = dpo.train(online_config(tiny_model, prompts4, tmp_path / "crashed", resume="latest"))
     a, b = _trainable(straight), _trainable(resumed)
     for key in a:

@@ -27,7 +27,7 @@ import align.pipeline
 import align.train.checkpoints
 import align.train.report
 from align.run_folder import SET_ASIDE
-from align.train import ddpo, dpo
+from align.train import ddpo, dpo, dpo_feedback, heldout, lifecycle, online_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,7 +127,7 @@ def _count(n):
 
 
 def _labelling_fails_after_one_batch(monkeypatch):
-    real = dpo.generate_feedback
+    real = dpo_feedback.generate_feedback
 
     def generate_feedback(generate_images, *args, **kwargs):
         done = {"n": 0}
@@ -140,7 +140,7 @@ def _labelling_fails_after_one_batch(monkeypatch):
 
         return real(generate_then_fail, *args, **kwargs)
 
-    monkeypatch.setattr(dpo, "generate_feedback", generate_feedback)
+    monkeypatch.setattr(dpo_feedback, "generate_feedback", generate_feedback)
 
 
 def _half_written_lora(unet, folder, family=None):
@@ -154,9 +154,10 @@ DPO_STAGES = {
         align.train.checkpoints, "publish_folder", lambda staged, path: path.name == "step_0000004")[1]),
     "final save": lambda mp: mp.setattr(align.pipeline, "save_lora", _fail_when(
         align.pipeline, "save_lora", lambda *a: True, partial=_half_written_lora)[1]),
-    "after-evaluation": lambda mp: mp.setattr(dpo, "evaluate_model", _fail_when(
-        dpo, "evaluate_model", lambda *a: a[-1] == "after")[1]),
-    "report": lambda mp: mp.setattr(dpo, "write_run_report", _fail_when(dpo, "write_run_report", lambda *a: True)[1]),
+    "after-evaluation": lambda mp: mp.setattr(heldout, "evaluate_model", _fail_when(
+        heldout, "evaluate_model", lambda *a: a[-1] == "after")[1]),
+    "report": lambda mp: mp.setattr(lifecycle, "write_training_report", _fail_when(
+        lifecycle, "write_training_report", lambda *a, **k: True)[1]),
 }
 
 
@@ -179,7 +180,7 @@ def test_dpo_interrupted_at_each_stage_finishes_with_resume_latest(tiny_model, p
 
 
 def _decode_fails_in_epoch_two(mp):
-    mp.setattr(ddpo, "decode_latents", _fail_when(ddpo, "decode_latents", _count(3))[1])
+    mp.setattr(online_rollouts, "decode_latents", _fail_when(online_rollouts, "decode_latents", _count(3))[1])
 
 
 DDPO_STAGES = {
@@ -188,10 +189,10 @@ DDPO_STAGES = {
         align.train.checkpoints, "publish_folder", lambda staged, path: path.name == "step_0000002")[1]),
     "final save": lambda mp: mp.setattr(align.pipeline, "save_lora", _fail_when(
         align.pipeline, "save_lora", lambda *a: True, partial=_half_written_lora)[1]),
-    "after-evaluation": lambda mp: mp.setattr(ddpo, "evaluate_model", _fail_when(
-        ddpo, "evaluate_model", lambda *a: a[-1] == "after")[1]),
-    "report": lambda mp: mp.setattr(ddpo, "write_training_report", _fail_when(
-        ddpo, "write_training_report", lambda *a, **k: True)[1]),
+    "after-evaluation": lambda mp: mp.setattr(heldout, "evaluate_model", _fail_when(
+        heldout, "evaluate_model", lambda *a: a[-1] == "after")[1]),
+    "report": lambda mp: mp.setattr(lifecycle, "write_training_report", _fail_when(
+        lifecycle, "write_training_report", lambda *a, **k: True)[1]),
 }
 
 

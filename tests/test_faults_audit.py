@@ -22,7 +22,7 @@ import yaml
 from align.data.latent_store import MANIFEST, read_manifest, shard_name
 from align.judgebench import benchmark as judgebench
 from align.run_folder import LOCK_FILE, RunFolder, RunFolderError, process_start, read_metrics
-from align.train import dpo
+from align.train import dpo, dpo_data
 
 sys.path.insert(0, str(Path(__file__).parent))
 import errno
@@ -104,7 +104,7 @@ def test_a_run_lets_go_of_its_lock_however_it_ends(tiny_model, pair_parquet, tmp
 def test_a_start_stopped_by_a_bad_input_leaves_nothing_so_the_corrected_command_runs(tiny_model, tmp_path, capsys,
                                                                                        monkeypatch):
 
-    monkeypatch.setattr(dpo, "UPFRONT_IMAGE_CHECK", 0)  # as in a run reading many pairs: met while encoding
+    monkeypatch.setattr(dpo_data, "UPFRONT_IMAGE_CHECK", 0)  # as in a run reading many pairs: met while encoding
 
     broken = write_pairs(tmp_path / "broken.parquet", corrupt_row=3)  # found only when its image is read
     out = tmp_path / "run"

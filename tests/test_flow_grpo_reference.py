@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from align.sampling.flow import cps_log_prob, cps_step, flow_grpo_kl, gaussian_log_prob, sde_step
+from align.sampling.flow_sde_sampler import FlowSampler
 from align.train.advantages import MODES, compute_advantages, kept_sample_mask
-from align.train.policy_gradient import PolicyGradient
-from align.train.rollout import FlowSampler, TrainBatch
+from align.train.objectives.ppo import PolicyGradient
+from align.train.rollout import TrainBatch
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "flow_grpo_reference.json").read_text())
 SIGMAS = torch.tensor(REFERENCE["scheduler"]["sigmas"], dtype=torch.float32)

@@ -18,7 +18,7 @@ from align.eval import evaluate as ev
 from align.pipeline import save_full_unet
 from align.testbed.models import build_pipeline
 from align.testbed.tokenizer import testbed_tokenizer
-from align.train import ddpo, dpo
+from align.train import ddpo, dpo, dpo_feedback, online_rollouts
 from align.train.command import TrainingStopped
 
 
@@ -55,7 +55,7 @@ def test_dpo_stops_on_nan_weights_after_a_step_and_keeps_the_last_good_checkpoin
 
 def test_ddpo_stops_on_nan_images_like_a_failed_reward(tiny_model, prompt_file, tmp_path, monkeypatch):  # noqa: F811
 
-    real = ddpo.decode_latents
+    real = online_rollouts.decode_latents
     calls = {"n": 0}
 
     def nan_in_epoch_two(pipe, latents):
@@ -63,7 +63,7 @@ def test_ddpo_stops_on_nan_images_like_a_failed_reward(tiny_model, prompt_file, 
         images = real(pipe, latents)
         return images * float("nan") if calls["n"] > 2 else images  # two sampling batches per epoch
 
-    monkeypatch.setattr(ddpo, "decode_latents", nan_in_epoch_two)
+    monkeypatch.setattr(online_rollouts, "decode_latents", nan_in_epoch_two)
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match="non-finite generated images at epoch 1") as stopped:
         ddpo.train(ddpo_config(tiny_model, prompt_file, out))
@@ -135,7 +135,7 @@ def test_dpo_stops_before_judging_degenerate_feedback_images(tiny_model, prompt_
     def black_generator(pipe, **kwargs):  # a base model full of NaNs draws black images once they are PIL images
         return lambda prompts, seeds: [Image.new("RGB", (16, 16)) for _ in prompts]
 
-    monkeypatch.setattr(dpo, "make_pipeline_generator", black_generator)
+    monkeypatch.setattr(dpo_feedback, "make_pipeline_generator", black_generator)
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match=r"degenerate images while labelling feedback \(6 of 6 images are blank"):
         dpo.train(small_config(tiny_model, out, reward="jpeg-compressibility", prompts=prompt_file))

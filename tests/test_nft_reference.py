@@ -1,4 +1,4 @@
-"""align/train/nft.py against the authors' own lines (tests/data/nft_reference.json, written by
+"""align/train/objectives/nft.py against the authors' own lines (tests/data/nft_reference.json, written by
 experiments/nft_reference.py from NVlabs/DiffusionNFT @ 24af555), plus the x0-space identities it rests on."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 
 from align.sampling import forward
 from align.sampling.flow import dpm2_flow_step
-from align.train import nft
+from align.sampling.flow_ode_sampler import ODESampler
+from align.train.objectives import nft
 from align.train.old_policy import OldPolicy
-from align.train.rollout import ODESampler, TrainBatch
+from align.train.rollout import TrainBatch
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "nft_reference.json").read_text())
 RTOL = 1e-5

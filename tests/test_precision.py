@@ -18,12 +18,12 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 from safetensors.torch import load_file
 
 from align.cli import ConfigError
+from align.families.sd import StableDiffusion
 from align.pipeline import cast_frozen, load_pipeline
 from align.testing.noise_pairs import write_noise_pairs
-from align.train import ddpo, dpo
+from align.train import ddpo, dpo, trained_model
 from align.train.accelerator import (
     cpu_launch_lost_its_processes,
-    keep_default_attention,
     refuse_unsupported_distribution,
     refuse_unsupported_launch,
     resolve_mixed_precision,
@@ -221,7 +221,7 @@ def test_another_attention_processor_is_put_back_to_sdpa(tiny_model):
     unet = UNet2DConditionModel.from_pretrained(Path(tiny_model) / "unet")
     assert all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())  # diffusers' default
     unet.set_attn_processor(AttnProcessor())
-    keep_default_attention(unet)
+    StableDiffusion().set_training_attention(unet)
     assert unet.attn_processors and all(isinstance(p, AttnProcessor2_0) for p in unet.attn_processors.values())
 
 
@@ -234,7 +234,7 @@ def test_ddpo_full_fine_tuning_keeps_the_frozen_parts_in_the_compute_dtype(tiny_
         loaded.append(load_pipeline(*args, **kwargs))
         return loaded[-1]
 
-    monkeypatch.setattr(ddpo, "load_pipeline", recording)
+    monkeypatch.setattr(trained_model, "load_pipeline", recording)
     ddpo.train(ddpo_config(tiny_model, tmp_path / "full", finetune="full", num_epochs=1, checkpointing_epochs=1))
     pipe = loaded[0]
     assert {p.dtype for p in pipe.text_encoder.parameters()} == {torch.bfloat16}

@@ -20,7 +20,8 @@ from align.metrics import mean_and_sem
 from align.train import dpo
 from align.train.dpo_config import DPOConfig
 from align.train.heldout import save_image_row
-from align.train.report import readable, write_training_report
+from align.train.objectives import nft
+from align.train.report import Curve, readable, write_training_report
 
 
 def _decode_data_uris(text):
@@ -172,7 +173,8 @@ def test_trainer_report_of_a_ddpo_style_folder(tmp_path):
         (tmp_path / "samples" / f"epoch_{epoch:05d}.json").write_text(json.dumps(captions))
     for label, seeds in (("before", [1, 2]), ("after", [3, 4])):
         (tmp_path / f"eval_{label}.json").write_text(json.dumps({"mean": 0.5, "sem": 0.1, "scores": [0.4, 0.6], "prompts": ["a", "b"], "seeds": seeds}))
-    text = write_training_report(tmp_path, "DDPO", metric_keys=("reward_mean", "approx_kl", "clipfrac"), step_name="epoch").read_text()
+    curves = (Curve("reward", ("reward_mean",)), Curve("approximate KL", ("approx_kl",)), Curve("clipped", ("clipfrac",)))
+    text = write_training_report(tmp_path, "DDPO", curves=curves, step_name="epoch").read_text()
     assert "3 epochs logged" in text and "different prompts or seeds" in text
     assert "p&lt;2&gt; <b>0.500</b>" in text and "q&lt;1&gt; <b>0.250</b>" in text and "epoch 1" in text and "epoch 3" in text
     shown = _images_by_alt(text)
@@ -196,3 +198,15 @@ def test_small_images_are_enlarged_sharply_and_large_ones_shrunk():
     assert big.getpixel((4, 4)) == (255, 0, 0) and big.getpixel((5, 5)) == (0, 0, 0)  # nearest-neighbour: no blur
     assert readable(Image.new("RGB", (512, 512))).size == (256, 256)
     assert readable(Image.new("RGB", (200, 100))).size == (200, 100)
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_an_algorithms_report_draws_its_own_curves_each_once(tmp_path, kl):
+    """DiffusionNFT's curves come from its registry entry: its loss once (the total loss is its own curve only when a
+    KL term was added), and no other trainer's titles."""
+    records = [{"step": e, "reward_mean": 0.1 * e, "policy_loss": 1.0 / e, "loss": 1.0 / e + (0.1 if kl else 0.0),
+                **({"kl_to_reference": 0.1} if kl else {})} for e in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = write_training_report(tmp_path, "DiffusionNFT", curves=nft.ALGORITHM.curves, step_name="epoch").read_text()
+    shown = _images_by_alt(text)
+    assert "policy_loss" in shown and ("loss" in shown) == kl and ("kl_to_reference" in shown) == kl

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from align.data.pairs import DataError
-from align.families import family_of_pipeline
+from align.families import family_of, family_of_pipeline
 from align.families.base import cat_conditioning
 from align.pipeline import resolve_model
 from align.run_folder import atomic_path, atomic_write_text, file_sha256
@@ -92,19 +92,13 @@ def model_fingerprint(model: str) -> str:
     return digest.hexdigest()[:32]
 
 
-FLUX_DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size: its transformer config names no sample size
-
-
 def native_resolution(model: str) -> int:
-    """The pipeline's own image size: the denoiser's sample size (UNet or transformer) times the VAE's
-    downsampling, as the family's pipeline computes its default height."""
+    """The pipeline's own image size, from its config files (the family's rule: align/families)."""
     folder = model_folder(model)
-    denoiser = folder / "unet" / "config.json"
-    if not denoiser.is_file():
-        denoiser = folder / "transformer" / "config.json"
-    sample_size = json.loads(denoiser.read_text()).get("sample_size") or FLUX_DEFAULT_SAMPLE_SIZE
+    family = family_of(str(folder))
+    denoiser = json.loads((folder / family.denoiser_name / "config.json").read_text())
     vae = json.loads((folder / "vae" / "config.json").read_text())
-    return int(sample_size) * 2 ** (len(vae["block_out_channels"]) - 1)
+    return family.native_resolution_of(denoiser, vae)
 
 
 # -------------------------------------------------------------------------------------- manifest

@@ -2,8 +2,11 @@
 
 A family (SD 1.x/2.x, SDXL, SD3/SD3.5, FLUX) says how prompts become conditioning, how the denoiser
 is called, what the training target is, how latents map to pixels and which modules LoRA adapts.
-Trainers, evaluation, best-of-N and the latent precompute ask the family and never the pipeline
-class. Adding a family is one new file in this package and one line in ``align/families/__init__.py``.
+Trainers, evaluation, best-of-N, the latent precompute and the memory planner ask the family and never the
+pipeline class; what the planner and the latent store need before any weight loads (native resolution, latent
+shape, text tokens, the conditioning's shapes) are methods of the family that read the config files alone.
+Adding a family is one new file in this package and one line in ``align/families/__init__.py``
+(docs/development.md#adding-a-model-family).
 
 Conventions every family keeps:
 
@@ -85,6 +88,16 @@ def conditioning_to(cond: Conditioning, device=None, dtype=None) -> Conditioning
             for key, value in cond.items()}
 
 
+def vae_scale_factor(vae_config) -> int:
+    """The VAE's downsampling, as the pipelines compute it: 2 ** (number of blocks - 1)."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def config_of(module) -> dict:
+    """A model's config (through an accelerate/DDP wrapper) as a plain mapping."""
+    return dict(getattr(module, "module", module).config)
+
+
 class ModelFamily:
     """One model family. Subclasses set the attributes and implement the methods."""
 
@@ -97,6 +110,9 @@ class ModelFamily:
     # FSDP2's units (align/train/sharding.py): the UNet's transformer blocks and resnet blocks (whole down/up blocks
     # are too coarse: SDXL's first up block alone is ~1 B parameters, gathered whole for its forward)
     shard_blocks: tuple[str, ...] = ("BasicTransformerBlock", "ResnetBlock2D")
+    # The pipeline's default sample size where its denoiser's config names none (FluxPipeline: 128).
+    default_sample_size: int | None = None
+    text_tokens_clip: int = 77  # CLIP's padded prompt length
 
     # --- loading and saving -------------------------------------------------------------------
     def load_pipeline(self, model: str, dtype: torch.dtype, device):
@@ -142,14 +158,35 @@ class ModelFamily:
 
     def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
         """(C, H, W) of the latents of a square image of side ``resolution``."""
-        raise NotImplementedError
+        return self.latent_shape_of(config_of(self.denoiser(pipe)), pipe.vae.config, resolution)
 
     def native_resolution(self, pipe) -> int:
-        """The image side in pixels the pipeline generates when not told, as its ``__call__`` computes it:
-        ``default_sample_size`` (SDXL, SD3, FLUX) or the denoiser's sample size (SD 1.x/2.x), times the VAE's
-        downsampling."""
-        sample_size = getattr(pipe, "default_sample_size", None) or self.denoiser(pipe).config.sample_size
-        return int(sample_size) * pipe.vae_scale_factor
+        """The image side in pixels the pipeline generates when not told."""
+        return self.native_resolution_of(config_of(self.denoiser(pipe)), pipe.vae.config)
+
+    # --- shapes from the config files alone (the memory planner, the latent store) -----------------
+    def native_resolution_of(self, denoiser_config, vae_config) -> int:
+        """The image side the pipeline generates when not told, as its ``__call__`` computes it: the denoiser's
+        sample size (or the pipeline's ``default_sample_size``) times the VAE's downsampling."""
+        sample_size = denoiser_config.get("sample_size") or self.default_sample_size
+        return int(sample_size) * vae_scale_factor(vae_config)
+
+    def latent_shape_of(self, denoiser_config, vae_config, resolution: int) -> tuple[int, int, int]:
+        """(C, H, W) of the denoiser's latents for a square image of side ``resolution``."""
+        side = int(resolution) // vae_scale_factor(vae_config)
+        return (denoiser_config["in_channels"], side, side)
+
+    def text_tokens(self, model: str | None = None) -> int:
+        """The prompt's token count in the conditioning (the memory planner's attention sizes) of the pipeline in folder
+        ``model`` (None: the family's defaults)."""
+        return self.text_tokens_clip
+
+    def conditioning_shapes(self, denoiser_config, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each conditioning tensor of ``batch`` prompts, as ``encode_prompts`` returns them."""
+        return {"prompt_embeds": (batch, text_tokens, denoiser_config["cross_attention_dim"])}
+
+    def set_training_attention(self, denoiser) -> None:
+        """Put the attention processors the trainers run (and the memory planner counts) in place."""
 
     # --- the denoiser and its training target -------------------------------------------------
     def uses_guidance_embedding(self, denoiser) -> bool:

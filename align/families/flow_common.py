@@ -149,6 +149,10 @@ class FlowMatchingFamily(ModelFamily):
     def max_sequence_length(self, pipe) -> int:
         return max_sequence_length(pipe, self.default_max_sequence_length)
 
+    def trained_t5_tokens(self, model: str | None) -> int:
+        """The T5 length the model encodes with, from its folder (``flow_testbed.json``) or the pipeline's default."""
+        return (trained_max_sequence_length(model) if model else None) or self.default_max_sequence_length
+
     def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
         return encode_shifted(pipe.vae, pixels)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline
+from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline, vae_scale_factor
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__ / encode_prompt default
 TRAINING_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py --guidance_scale default (FLUX.1-dev is guidance-distilled)
@@ -63,6 +63,7 @@ class Flux(flow_common.FlowMatchingFamily):
                     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
     weighting_scheme = "none"  # the script's default: uniform timesteps, loss weight 1
+    default_sample_size = 128  # FluxPipeline's: its transformer config names no sample size
     shard_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
 
     def pipeline_class(self):
@@ -90,13 +91,22 @@ class Flux(flow_common.FlowMatchingFamily):
         prompt_embeds, pooled, _ = pipe.encode_prompt(list(prompts), None, max_sequence_length=self.max_sequence_length(pipe))
         return {"prompt_embeds": prompt_embeds, "pooled_embeds": pooled}
 
-    def latent_side(self, pipe, resolution: int) -> int:
-        # as FluxPipeline.prepare_latents: the VAE's downsampling, rounded down to whole 2x2 patches
-        return 2 * (int(resolution) // (pipe.vae_scale_factor * 2))
+    def latent_shape_of(self, denoiser_config, vae_config, resolution: int) -> tuple[int, int, int]:
+        # as FluxPipeline.prepare_latents: the VAE's downsampling, rounded down to whole 2x2 patches; the transformer
+        # takes the 2x2 patches' channels
+        side = 2 * (int(resolution) // (vae_scale_factor(vae_config) * 2))
+        return (denoiser_config["in_channels"] // 4, side, side)
 
-    def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
-        side = self.latent_side(pipe, resolution)
-        return (pipe.transformer.config.in_channels // 4, side, side)
+    def text_tokens(self, model: str | None = None) -> int:
+        """The T5 tokens (CLIP gives the pooled embedding only)."""
+        return self.trained_t5_tokens(model)
+
+    def conditioning_shapes(self, denoiser_config, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        shapes = {"prompt_embeds": (batch, text_tokens, denoiser_config["joint_attention_dim"]),
+                  "pooled_embeds": (batch, denoiser_config["pooled_projection_dim"])}
+        if denoiser_config.get("guidance_embeds"):
+            shapes["guidance"] = (batch,)
+        return shapes
 
     # --- the denoiser and its training target -------------------------------------------------
     def uses_guidance_embedding(self, denoiser) -> bool:
@@ -132,7 +142,7 @@ class Flux(flow_common.FlowMatchingFamily):
 
         config = pipe.scheduler.config
         sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-        tokens = (self.latent_side(pipe, resolution) // 2) ** 2
+        tokens = (self.latent_shape(pipe, resolution)[1] // 2) ** 2
         mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                              config.get("base_shift", 0.5), config.get("max_shift", 1.15))
         return flow_common.set_timesteps_copy(pipe.scheduler, num_inference_steps, sigmas=sigmas, mu=mu)

@@ -79,9 +79,14 @@ class StableDiffusion(ModelFamily):
         images = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
-    def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
-        side = resolution // pipe.vae_scale_factor
-        return (pipe.unet.config.in_channels, side, side)
+    def set_training_attention(self, denoiser) -> None:
+        """SDPA attention: diffusers' default AttnProcessor2_0 (torch's scaled_dot_product_attention), put back if a
+        loaded model carries another processor. LoRA (PEFT) wraps the projections, not the processor, so it stays."""
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        processors = getattr(denoiser, "attn_processors", {})
+        if processors and not all(isinstance(p, AttnProcessor2_0) for p in processors.values()):
+            denoiser.set_attn_processor(AttnProcessor2_0())
 
     def predict(self, denoiser, latents, timesteps, cond: Conditioning) -> torch.Tensor:
         return denoiser(latents, timesteps, encoder_hidden_states=cond["prompt_embeds"]).sample

@@ -65,9 +65,13 @@ class StableDiffusion3(flow_common.FlowMatchingFamily):
         )
         return {"prompt_embeds": prompt_embeds, "pooled_embeds": pooled}
 
-    def latent_shape(self, pipe, resolution: int) -> tuple[int, int, int]:
-        side = resolution // pipe.vae_scale_factor
-        return (pipe.transformer.config.in_channels, side, side)
+    def text_tokens(self, model: str | None = None) -> int:
+        """CLIP's 77 tokens and the T5 tokens, concatenated (zeros where the pipeline has no T5)."""
+        return self.text_tokens_clip + self.trained_t5_tokens(model)
+
+    def conditioning_shapes(self, denoiser_config, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        return {"prompt_embeds": (batch, text_tokens, denoiser_config["joint_attention_dim"]),
+                "pooled_embeds": (batch, denoiser_config["pooled_projection_dim"])}
 
     # --- the denoiser and its training target -------------------------------------------------
     def predict(self, denoiser, latents, timesteps, cond: Conditioning) -> torch.Tensor:

@@ -92,9 +92,11 @@ class StableDiffusionXL(StableDiffusion):
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:
         return [pipe.vae, pipe.text_encoder, pipe.text_encoder_2]
 
-    def default_resolution(self, pipe) -> int:
-        """The side the pipeline generates when not told (unet sample_size x VAE scale factor)."""
-        return pipe.default_sample_size * pipe.vae_scale_factor
+    def conditioning_shapes(self, denoiser_config, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        # the added text embedding's input is the pooled embedding and 6 size ids, each time-embedded
+        pooled = denoiser_config["projection_class_embeddings_input_dim"] - 6 * denoiser_config["addition_time_embed_dim"]
+        return {"prompt_embeds": (batch, text_tokens, denoiser_config["cross_attention_dim"]),
+                "pooled_embeds": (batch, pooled), "time_ids": (batch, 6)}
 
     @torch.no_grad()
     def encode_prompts(self, pipe, prompts: list[str], resolution: int | None = None) -> Conditioning:
@@ -112,7 +114,7 @@ class StableDiffusionXL(StableDiffusion):
             if out[0].ndim == 2:  # the projected text embedding of CLIPTextModelWithProjection
                 pooled = out[0]
         prompt_embeds = torch.cat(hidden, dim=-1).to(pipe.text_encoder_2.dtype)
-        side = resolution or self.default_resolution(pipe)
+        side = resolution or self.native_resolution(pipe)
         return {
             "prompt_embeds": prompt_embeds,
             "pooled_embeds": pooled.to(prompt_embeds.dtype),

@@ -115,6 +115,17 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return log_density.flatten(1).mean(dim=1)
 
 
+def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, σ²) ‖ N(ref_mean, σ²)) per sample, averaged over non-batch dimensions.
+
+    Two Gaussians with the same σ differ only in their means: KL = ‖mean - ref_mean‖² / (2σ²).
+    This is the per-step KL to the reference policy that Flow-GRPO adds to the loss; ``std``
+    broadcasts against ``mean`` ([B, 1, 1, 1] or a scalar).
+    """
+    per_element = (mean.float() - ref_mean.float()).pow(2) / (2 * std.float() ** 2)
+    return per_element.flatten(1).mean(dim=1)
+
+
 def ddim_step_with_logprob(
     scheduler,
     model_output: torch.Tensor,

@@ -2,10 +2,13 @@
 
 Rectified flow (SD3, FLUX): x_t = (1 - t)·x0 + t·ε with t = σ = timestep / 1000, velocity v = ε - x0.
 DDPM (SD 1.x/2.x, SDXL): x_t = √ᾱ·x0 + √(1-ᾱ)·ε, with epsilon or v-prediction (v = √ᾱ·ε - √(1-ᾱ)·x0).
-The trainer's samplers (align/train/rollout.py) give the forward-process objectives (DiffusionNFT, AWM) these.
+Each sampler (align/sampling/) holds its dynamics' forward process (``FlowForward`` or ``DDPMForward`` below) as
+``sampler.forward``: what the forward-process objectives (DiffusionNFT, AWM) train with; they never ask the family.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -71,3 +74,61 @@ def ddpm_x0(x_t: torch.Tensor, prediction: torch.Tensor, alpha_cumprod, predicti
         return v_prediction_x0(x_t, prediction, alpha_cumprod)
     raise ValueError(f"prediction_type {prediction_type!r}: the forward-process objectives train epsilon or "
                      "v-prediction models")
+
+
+# ----------------------------------------------------------------------------------------------
+# The two forward processes as the samplers hold them
+
+
+class ForwardProcess(Protocol):
+    """Noising clean latents at a denoiser timestep, the denoiser's training target, and the x0 of a prediction."""
+
+    def time(self, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def target(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def x0(self, prediction: torch.Tensor, latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+
+class FlowForward:
+    """Rectified flow: x_t = (1 - t)·x0 + t·ε with t = σ = timestep / num_train_timesteps; the model predicts ε - x0."""
+
+    def __init__(self, num_train_timesteps: int = 1000):
+        self.num_train_timesteps = num_train_timesteps
+
+    def time(self, timesteps):
+        return timesteps.float() / self.num_train_timesteps
+
+    def noisy(self, x0, noise, timesteps):
+        return flow_noised(x0.float(), noise.float(), self.time(timesteps))
+
+    def target(self, x0, noise, timesteps):
+        return noise.float() - x0.float()
+
+    def x0(self, prediction, latents, timesteps):
+        return flow_x0(latents.float(), prediction.float(), self.time(timesteps))
+
+
+class DDPMForward:
+    """DDPM: x_t = √ᾱ·x0 + √(1-ᾱ)·ε with ᾱ from the scheduler; the model predicts ε or v (its prediction_type)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def _alphas(self, timesteps, like):
+        return self.scheduler.alphas_cumprod.to(like.device, torch.float32)[timesteps.long().to(like.device)]
+
+    def time(self, timesteps):
+        return timesteps.float() / self.scheduler.config.num_train_timesteps
+
+    def noisy(self, x0, noise, timesteps):
+        return ddpm_noised(x0.float(), noise.float(), self._alphas(timesteps, x0))
+
+    def target(self, x0, noise, timesteps):
+        return ddpm_target(x0.float(), noise.float(), self._alphas(timesteps, x0), self.scheduler.config.prediction_type)
+
+    def x0(self, prediction, latents, timesteps):
+        return ddpm_x0(latents.float(), prediction.float(), self._alphas(timesteps, latents),
+                       self.scheduler.config.prediction_type)

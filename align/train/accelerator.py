@@ -1,5 +1,5 @@
 """The Accelerator the trainers run under: mixed precision as the launcher says, the distributed modes
-the trainers support (DDP and FSDP2; others refused in one line), TF32, the optimiser class, attention, and a clean end."""
+the trainers support (DDP and FSDP2; others refused in one line), TF32, the optimiser class, and a clean end."""
 
 from __future__ import annotations
 
@@ -132,16 +132,6 @@ def adamw_class(use_8bit_adam: bool):
     except ImportError:
         raise ConfigError("--use_8bit_adam needs bitsandbytes, which is not installed (pip install bitsandbytes)") from None
     return bnb.optim.AdamW8bit
-
-
-def keep_default_attention(unet) -> None:
-    """SDPA attention: diffusers' default AttnProcessor2_0 (torch's scaled_dot_product_attention); put it back if a
-    loaded model carries another processor. LoRA (PEFT) wraps the projections, not the processor, so it stays."""
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    processors = getattr(unet, "attn_processors", {})
-    if processors and not all(isinstance(p, AttnProcessor2_0) for p in processors.values()):
-        unet.set_attn_processor(AttnProcessor2_0())
 
 
 def tracker_config(config) -> dict:

@@ -29,14 +29,20 @@ class TrainingStopped(RuntimeError):
 
 
 def run_trainer(config_class: type, train: Callable, argv: list[str] | None, description: str | None,
-                stopped: tuple[type[BaseException], ...] = (TrainingStopped,)) -> None:
+                stopped: tuple[type[BaseException], ...] = (TrainingStopped,), check: Callable | None = None) -> None:
     """A trainer's ``main()``: parse the flags, run ``train(config)``, and turn a known failure into one line:
-    exit 2 for a bad input, 3 for a run that stopped (``stopped``: NaN loss, failed reward, ...)."""
+    exit 2 for a bad input, 3 for a run that stopped (``stopped``: NaN loss, failed reward, ...). ``--dry_run``
+    runs the trainer's own ``check`` of the config (what ``train`` checks before loading anything; default: the
+    config's rules), then prints the memory plan."""
     config = parse_config(config_class, argv, description=description)
     if hasattr(config, "quiet"):
         quiet_output(config.quiet)
     try:
-        (print_memory_plan if getattr(config, "dry_run", False) else train)(config)
+        if getattr(config, "dry_run", False):
+            (check or config_class.validate)(config)
+            print_memory_plan(config)
+        else:
+            train(config)
     except BAD_INPUT_ERRORS as err:
         die(str(err))
     except stopped as err:

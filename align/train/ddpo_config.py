@@ -1,41 +1,47 @@
 """The online-RL trainer's options: the dataclass behind `align/ddpo.py`'s flags and its YAML configs.
 
-``--algorithm ppo`` (the default) is DDPO (Black et al. 2023) as released in ddpo-pytorch on DDIM families (SD 1.x/2.x,
-SDXL) and Flow-GRPO (Liu et al. 2025) as its authors run it on flow-matching families (SD3, FLUX); ``nft`` is
-DiffusionNFT (Zheng et al. 2025) and ``awm`` Advantage Weighted Matching (Xue et al. 2025), on every family. The
-sampler options left unset (``None``) take the family's and the algorithm's value in ``resolve_for_family``.
+The algorithms (``--algorithm``: align/train/objectives/) and samplers (``--sampler``: align/sampling/registry.py) are
+plug-ins: this config inherits each algorithm's own options dataclass (its flags, under their own --help section), and
+the checks below read the two tables. The sampler options left unset (``None``) take the family's and the algorithm's
+values in ``resolve_for_family``.
 configs/testbed_ddpo.yaml holds the settings measured best on the shapes testbed
 (experiments/notes/removed-options.md lists the options removed after measurements showed they did not help).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from align.cli import ConfigError, option
+from align.sampling.registry import SAMPLERS, sampler_entry, sampler_names
 from align.train.advantages import MODES
 from align.train.heldout import check_periodic_evaluation
+from align.train.objectives import ALGORITHMS, OPTIONS, algorithm, algorithm_help
 from align.train.options import HeldOutOptions, ModelOptions, RunOptions
 from align.validation import check_common_inputs, check_optimiser_ranges
 
 TIMESTEP_SELECTIONS = ("random", "high_noise", "stratified")
-ALGORITHMS = ("ppo", "nft", "awm")
-SAMPLERS = ("ddim", "sde", "cps", "ode", "dpm2")
-OLD_POLICY_DECAYS = ("none", "linear-0.5", "delayed-linear-0.999")
-AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 # Sampler defaults per kind of family. DDIM: the DDPO paper (50 steps, η 1), evaluated with the same sampler.
 # Flow: Flow-GRPO's configs (config/grpo.py: sample.num_steps 10, eval_num_steps 40, noise_level 0.7).
 DDIM_DEFAULTS = {"num_inference_steps": 50, "eta": 1.0}
 FLOW_DEFAULTS = {"num_inference_steps": 10, "eval_inference_steps": 40, "eta": 0.7}
 
 
+def sampler_help() -> str:
+    kinds = {False: "DDIM families", True: "flow families"}
+    named = "; ".join(f"{name} ({', '.join(f'{kinds[e.flow]}: {e.title}' for e in SAMPLERS if e.name == name)})"
+                      for name in sampler_names())
+    defaults = ", ".join(f"{a.name}: {a.ddpm_defaults['sampler']} / {a.flow_defaults['sampler']}" for a in ALGORITHMS)
+    return (f"the training sampler: {named}. Only the stochastic ones record log-probabilities (what ppo trains on). "
+            f"None: the algorithm's own on DDIM / flow families ({defaults})")
+
+
 @dataclass
-class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
+class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
     # --- what to train and with which reward
-    algorithm: str = option("ppo", "ppo: PPO-clip on the sampled steps' log-probabilities (DDPO on SD 1.x/2.x and SDXL, "
-                            "Flow-GRPO on SD3/FLUX); nft: DiffusionNFT (the forward process, an implicit positive and "
-                            "negative policy); awm: Advantage Weighted Matching", "optimisation")
+    algorithm: str = option("ppo", algorithm_help(), "optimisation")
     reward: str = option("aesthetic", "the reward: a judge name, name[opt=value], or a weighted mix such as "
                          "pickscore:0.7,aesthetic:0.3", "judge")
     prompts: str | None = option(None, "training prompts (required): a text file, a dataset column, or "
@@ -59,11 +65,7 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
         None, "noise of the training sampler, > 0 (a deterministic step has no log-probability): DDIM's η for "
         "DDIM families (None: 1, the paper; testbed: 0.7); for flow families the SDE noise level a of Flow-GRPO, "
         "step std a·√(σ/(1-σ))·√Δσ (None: 0.7, the authors')", "sampling")
-    sampler: str | None = option(
-        None, "the training sampler: ddim (stochastic DDIM, DDIM families), sde (Flow-GRPO's SDE) or cps (Flow-CPS, the "
-        "Flow-GRPO authors' current Fast configs) for flow families, ode (deterministic: Euler / DDIM eta 0; no "
-        "log-probabilities), dpm2 (flow: DiffusionNFT's deterministic DPM-Solver++(2M)). None: ddim or sde for ppo, ode "
-        "for nft and awm", "sampling")
+    sampler: str | None = option(None, sampler_help(), "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
     samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling")
     sample_batch_size: int = option(8, "images per process per sampling batch", "sampling")
@@ -76,19 +78,6 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
     drop_zero_advantage: bool | None = option(
         None, "leave samples whose advantage is exactly 0 (tied groups) out of the update and average it over the rest, "
         "as Flow-GRPO's train_sd3.py (None: on for flow families with ppo, off otherwise: DDPO keeps them)", "optimisation")
-    # --- AWM
-    awm_weighting: str = option("ghuber", "AWM's weighting of the flow-matching error: uniform, t, t2, huber or ghuber "
-                                "(generalised Huber, the authors' recipes)", "optimisation")
-    awm_ghuber_power: float = option(0.25, "the generalised Huber's power p (the authors: 0.25)", "optimisation")
-    ema_kl_coef: float = option(1.0, "AWM: weight of the KL to the old (EMA) policy (the authors' ema_beta: 1)",
-                                "optimisation")
-    # --- DiffusionNFT
-    nft_beta: float = option(1.0, "DiffusionNFT's beta: how far the implicit positive/negative policies sit from the old "
-                             "policy (the authors: 1.0; 0.1 for OCR)", "optimisation")
-    old_policy_decay: str = option("linear-0.5", "DiffusionNFT's old (sampling) policy, an average of the trained "
-                                   "weights updated each epoch with decay: none (0: the trained weights), linear-0.5 "
-                                   "(min(0.001 x step, 0.5), the authors' default), delayed-linear-0.999 (0 for 75 steps, "
-                                   "then +0.0075 a step up to 0.999, their OCR recipe)", "optimisation")
     # --- objective (paper: PPO-clip, no KL)
     clip_range: float = option(1e-4, "PPO clip range of the probability ratio (the paper: 1e-4)", "optimisation")
     adv_clip_max: float = option(5.0, "advantages are clipped to [-this, this]", "optimisation")
@@ -160,48 +149,55 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions):
             raise ConfigError(
                 f"--sample_batch_size ({self.sample_batch_size}) must be a multiple of --images_per_prompt ({self.images_per_prompt})"
             )
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
-        if self.sampler is not None and self.sampler not in SAMPLERS:
-            raise ConfigError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
-        if self.old_policy_decay not in OLD_POLICY_DECAYS:
-            raise ConfigError(f"--old_policy_decay must be one of {', '.join(OLD_POLICY_DECAYS)}, got {self.old_policy_decay!r}")
-        if self.awm_weighting not in AWM_WEIGHTINGS:
-            raise ConfigError(f"--awm_weighting must be one of {', '.join(AWM_WEIGHTINGS)}, got {self.awm_weighting!r}")
-        if not self.awm_ghuber_power > 0:
-            raise ConfigError(f"--awm_ghuber_power must be > 0, got {self.awm_ghuber_power}")
-        if not self.ema_kl_coef >= 0:
-            raise ConfigError(f"--ema_kl_coef must be >= 0, got {self.ema_kl_coef}")
-        if not self.nft_beta > 0:
-            raise ConfigError(f"--nft_beta must be > 0, got {self.nft_beta}")
+        chosen = algorithm(self.algorithm)
+        if self.sampler is not None and self.sampler not in sampler_names():
+            raise ConfigError(f"--sampler must be one of {', '.join(sampler_names())}, got {self.sampler!r}")
+        if chosen.options is not None:
+            chosen.options.check(self)
+        self.refuse_other_algorithms_options(chosen)
         if self.advantage in ("group", "group-mean", "global-std") and self.images_per_prompt < 2:
             raise ConfigError(f"--advantage {self.advantage} needs --images_per_prompt >= 2 (a group per prompt)")
 
+    def refuse_other_algorithms_options(self, chosen) -> None:
+        """An option of another algorithm, given a value of its own, would be ignored: refused in one line."""
+        own = {f.name for f in dataclasses.fields(chosen.options)} if chosen.options is not None else set()
+        for entry in ALGORITHMS:
+            for field in dataclasses.fields(entry.options) if entry.options is not None else ():
+                if field.name not in own and getattr(self, field.name) != field.default:
+                    raise ConfigError(f"--{field.name} is an option of --algorithm {entry.name} ({entry.method.title}); "
+                                      f"this run trains --algorithm {chosen.name}: leave it out")
+
     def resolve_for_family(self, is_flow: bool) -> None:
-        """Fill the sampler options left unset with the family's defaults (DDIM or flow) and check what depends
-        on the family; called before anything is written, so the run's config.yaml records the values used."""
+        """Fill the sampler options left unset with the family's defaults (DDIM or flow) and the algorithm's, and check
+        what depends on the family; called before anything is written, so the run's config.yaml records the values
+        used."""
         for name, value in (FLOW_DEFAULTS if is_flow else DDIM_DEFAULTS).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.eval_inference_steps is None:
             self.eval_inference_steps = self.num_inference_steps
-        if self.sampler is None:
-            self.sampler = "ode" if self.algorithm != "ppo" else "sde" if is_flow else "ddim"
-        if self.drop_zero_advantage is None:
-            self.drop_zero_advantage = is_flow and self.algorithm == "ppo"
-        kind = "flow-matching" if is_flow else "DDIM"
-        if self.sampler in (("ddim",) if is_flow else ("sde", "cps", "dpm2")):
+        chosen = algorithm(self.algorithm)
+        for name, value in chosen.defaults(is_flow).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        entry = sampler_entry(self.sampler, is_flow)
+        if entry is None:
+            kind = "flow-matching" if is_flow else "DDIM"
             raise ConfigError(f"--sampler {self.sampler} is not a sampler of {kind} models (they take "
-                              f"{'sde, cps, ode or dpm2' if is_flow else 'ddim or ode'})")
+                              f"{', '.join(sampler_names(is_flow))})")
         if self.timestep_selection == "stratified" and self.num_train_timesteps > int(0.9 * self.num_inference_steps):
             raise ConfigError(f"--timestep_selection stratified draws one step in each of {self.num_train_timesteps} "
                               f"strata of the first 90% of the {self.num_inference_steps} steps: lower --timestep_fraction")
-        if self.algorithm == "ppo" and self.sampler in ("ode", "dpm2"):
-            raise ConfigError("--algorithm ppo needs a stochastic sampler (its steps' log-probabilities): --sampler "
-                              f"{'sde or cps' if is_flow else 'ddim'}, or --algorithm nft / awm")
-        if self.deterministic_tail and self.algorithm != "ppo":
-            raise ConfigError("--deterministic_tail is a window of stochastic steps for --algorithm ppo; nft and awm "
-                              "sample with the ODE")
+        stochastic = [e.name for e in SAMPLERS if e.flow == is_flow and e.stochastic]
+        without_log_probs = [a.name for a in ALGORITHMS if not a.needs_log_probs]
+        if chosen.needs_log_probs and not entry.stochastic:
+            raise ConfigError(f"--algorithm {chosen.name} needs a stochastic sampler (its steps' log-probabilities): "
+                              f"--sampler {' or '.join(stochastic)}, or --algorithm {' / '.join(without_log_probs)}")
+        if self.deterministic_tail and not chosen.needs_log_probs:
+            with_log_probs = [a.name for a in ALGORITHMS if a.needs_log_probs]
+            raise ConfigError(f"--deterministic_tail is a window of stochastic steps for --algorithm "
+                              f"{' / '.join(with_log_probs)}; {' and '.join(without_log_probs)} train on the forward "
+                              "process of the final images")
         if self.deterministic_tail and not is_flow and self.timestep_selection != "high_noise":
             raise ConfigError("--deterministic_tail needs --timestep_selection high_noise (the trained steps must be the first ones)")
 

@@ -15,10 +15,20 @@ So that N processes do what one process with N times the gradient accumulation d
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
 import torch
+
+# Every random draw of epoch e comes from a generator seeded by (seed, e, part, index, process), so an interrupted
+# run resumes exactly without saving sampler or data-loader state.
+SAMPLE, TRAIN, NOISE = "sample", "train", "noise"
+
+
+def epoch_generator(seed: int, epoch: int, part: str, index: int, process: int) -> torch.Generator:
+    key = f"{seed}/{epoch}/{part}/{index}/{process}".encode()
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
 
 
 def global_batch(batch: int, process: int, num_processes: int) -> int:

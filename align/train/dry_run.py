@@ -13,8 +13,7 @@ PROCESS_COUNTS = (1, 2, 4, 8)
 
 
 def print_memory_plan(config) -> None:
-    """Validate the config, count the model from its config files, print the table (the first process only)."""
-    config.validate()
+    """Count the model of a checked config from its config files, print the table (the first process only)."""
     planned = plan_run(config)
     if os.environ.get("RANK", "0") != "0":
         return

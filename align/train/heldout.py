@@ -21,6 +21,7 @@ from align.run_folder import (
     atomic_write_text,
     eval_file_name,
 )
+from align.train.sharding import full_weights_for_main
 
 
 def require_pointwise_eval_judge(spec: str, pointwise: bool) -> None:
@@ -94,3 +95,37 @@ def periodic_evaluation(pipe, judge, config, steps: int, guidance: float, run_di
         return evaluate_model(pipe, judge, config, steps, guidance, run_dir / EVALS / eval_file_name(done), f"step {done}")
     finally:
         denoiser.train(was_training)
+
+
+class HeldOutCheck:
+    """A run's held-out evaluation: before training (a run that starts at step 0), every ``every`` steps (epochs)
+    and after training, on the main process with the whole weights (FSDP2 gathers them once), all with the run's
+    steps and guidance. It is on when the run has held-out prompts and a judge to score them; ``judge`` is that judge
+    on the main process (None elsewhere)."""
+
+    def __init__(self, run, pipe, judge, steps: int, guidance: float, every: int, total: int):
+        self.run, self.pipe, self.judge, self.steps, self.guidance = run, pipe, judge, steps, guidance
+        self.every, self.total = every, total
+        config = run.config
+        self.enabled = bool(config.eval_prompts) and bool(config.eval_judge or config.reward)
+        self.denoiser = family_of_pipeline(pipe).denoiser(pipe)
+
+    def _on_main(self, needed: bool, score) -> float | None:
+        with full_weights_for_main(self.run.accelerator, self.denoiser, needed=needed) as here:
+            return score() if here else None
+
+    def before(self, start: int) -> None:
+        self._on_main(self.enabled and start == 0, lambda: evaluate_model(
+            self.pipe, self.judge, self.run.config, self.steps, self.guidance, self.run.path / "eval_before.json",
+            "before"))
+
+    def during(self, done: int) -> float | None:
+        """The held-out score after ``done`` steps when one is due (main process), else None."""
+        due = self.enabled and periodic_evaluation_due(self.every, done, self.total)
+        return self._on_main(due, lambda: periodic_evaluation(self.pipe, self.judge, self.run.config, self.steps,
+                                                              self.guidance, self.run.path, done))
+
+    def after(self) -> None:
+        self._on_main(self.enabled, lambda: evaluate_model(
+            self.pipe, self.judge, self.run.config, self.steps, self.guidance, self.run.path / "eval_after.json",
+            "after"))

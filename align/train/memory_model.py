@@ -23,14 +23,12 @@ import torch
 from align.cli import ConfigError
 from align.families import family_named
 from align.families.base import ModelLoadError, one_line
-from align.families.flow_common import trained_max_sequence_length
 from align.pipeline import add_lora, check_model
 from align.train.accelerator import resolve_mixed_precision
 from align.train.memory_plan import FP32, RunShape, compute_bytes, optimizer_bytes_per_parameter
+from align.train.objectives import algorithm
 
 FROZEN_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
-CLIP_TOKENS = 77
-T5_TOKENS = {"sd3": 256, "flux": 512}  # the pipelines' default max_sequence_length
 
 
 def read_model_index(model: str) -> dict:
@@ -164,25 +162,16 @@ def activation_bytes(denoiser: torch.nn.Module, forward, checkpointing: bool) ->
 
 
 def training_forward(family, denoiser, vae_config: dict, batch: int, resolution: int, text_tokens: int, dtype):
-    """A no-argument call of the family's training prediction on meta inputs of the run's shapes."""
-    config = denoiser.config
-    scale = 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
-    channels = vae_config.get("latent_channels", 4)
-    side = resolution // scale if family.name != "flux" else 2 * (resolution // (scale * 2))
+    """A no-argument call of the family's training prediction on meta inputs of the run's shapes (the family says
+    what they are: align/families)."""
+    config = dict(denoiser.config)
 
-    def meta(*shape):
+    def meta(shape):
         return torch.zeros(*shape, device="meta", dtype=dtype)
 
-    width = config.get("cross_attention_dim") or config.get("joint_attention_dim")
-    cond = {"prompt_embeds": meta(batch, text_tokens, width)}
-    if family.name == "sdxl":
-        cond["pooled_embeds"] = meta(batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim)
-        cond["time_ids"] = meta(batch, 6)
-    elif family.is_flow:
-        cond["pooled_embeds"] = meta(batch, config.pooled_projection_dim)
-    if family.name == "flux" and config.get("guidance_embeds"):
-        cond["guidance"] = meta(batch)
-    latents, timesteps = meta(batch, channels, side, side), meta(batch)
+    cond = {key: meta(shape) for key, shape in family.conditioning_shapes(config, batch, text_tokens).items()}
+    latents = meta((batch, *family.latent_shape_of(config, vae_config, resolution)))
+    timesteps = meta((batch,))
     return lambda: family.predict(denoiser, latents, timesteps, cond)
 
 
@@ -198,13 +187,6 @@ class PlannedRun:
     forward_batch: int   # samples per training forward and process
     precision: str
     summary: str
-
-
-def text_tokens(family, model: str) -> int:
-    if family.name in T5_TOKENS:
-        t5 = trained_max_sequence_length(model) or T5_TOKENS[family.name]
-        return t5 + (CLIP_TOKENS if family.name == "sd3" else 0)
-    return CLIP_TOKENS
 
 
 @dataclass
@@ -232,7 +214,7 @@ def read_pipeline_parts(model_spec: str) -> PipelineParts:
         raise ConfigError(str(err)) from None
     except Exception as err:  # the hub, a missing or broken config file: one line
         raise ConfigError(f"--model {model_spec!r}: cannot read the pipeline's config files ({one_line(err)})") from None
-    return PipelineParts(family, denoiser, vae_config, others, text_tokens(family, model))
+    return PipelineParts(family, denoiser, vae_config, others, family.text_tokens(model))
 
 
 def plan_run(config) -> PlannedRun:
@@ -262,11 +244,10 @@ def plan_parts(parts: PipelineParts, config) -> PlannedRun:
         cfg_rows = 2 if config.guidance_scale != 1.0 and not family.uses_guidance_embedding(denoiser) else 1
         forward_batch = config.train_batch_size * cfg_rows
         reference = int(not lora and config.kl_coef > 0)
-        old_policy = int(config.algorithm == "nft" or (config.algorithm == "awm" and config.ema_kl_coef > 0))
+        old_policy = int(algorithm(config.algorithm).objective.keeps_old_policy(config))
     else:
         forward_batch, reference, old_policy = 2 * config.train_batch_size, int(not lora), 0  # winner and loser
-    native = (denoiser.config.get("sample_size") or 128) * 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
-    resolution = config.resolution or native
+    resolution = config.resolution or family.native_resolution_of(dict(denoiser.config), vae_config)
     dtype = {2: torch.bfloat16, FP32: torch.float32}[compute]
     torch.nn.Module.to(denoiser, dtype)  # diffusers' own .to() warns about fp32-kept modules on a plain cast
     forward = training_forward(family, denoiser, vae_config, forward_batch, resolution, parts.text_tokens, dtype)

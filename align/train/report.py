@@ -1,12 +1,12 @@
 """The HTML report of a training run (DPO, DDPO): what changed, shown so that it can be read.
 
-    write_training_report(run_dir, "Diffusion-DPO: testbed", curves=(("loss",), ("implicit_acc",)))
+    write_training_report(run_dir, "Diffusion-DPO: testbed", curves=(Curve("DPO loss", ("loss",)),))
 
 Sections, from what the run folder holds (each one is left out when its files are absent):
 1. held-out evaluation: mean score before/after, the paired difference and its standard error, how many
    images got better or worse (eval_before.json / eval_after.json), and the score along the run (evals/);
 2. before/after: the same held-out prompts and seeds, side by side, with each image's score;
-3. training curves from metrics.jsonl;
+3. training curves from metrics.jsonl, as the trainer (for online RL, the algorithm) names them;
 4. samples saved during training (samples/), with their prompts (and rewards) where they were recorded;
 5. the run's config (config.yaml, secrets already masked).
 Small images (the testbed's 32-64 px) are enlarged with nearest-neighbour so their pixels stay sharp.
@@ -18,6 +18,7 @@ import html
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,16 @@ SHOWN_SIZE = 160  # px: small images are enlarged (by a whole factor) to about t
 MAX_SIZE = 256  # px: large images (SD's 512) are shrunk to this, so the page stays a few MB
 MAX_PAIRS = 24  # before/after pairs shown
 SAME = 1e-9  # score changes smaller than this count as "same"
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One training-curve plot: its title and the metrics.jsonl keys drawn on it; with ``when_logged``, only if one
+    of those keys was logged too (a total loss is its own curve only where a KL term was added to the policy loss)."""
+
+    title: str
+    keys: tuple[str, ...]
+    when_logged: tuple[str, ...] = ()
 
 
 
@@ -158,32 +169,28 @@ def _before_after_cards(run_dir: Path, before: dict, after: dict) -> str:
 
 # ------------------------------------------------------------------------------------ curves and samples
 
-# Plot titles (by a plot's first key) and legend names.
-_TITLES = {
-    "loss": "DPO loss", "implicit_acc": "implicit accuracy",
-    "reward_margin": "implicit reward margin", "model_mse": "denoising error on the pairs",
-    "reward_mean": "reward (mean over the epoch's samples)", "approx_kl": "approximate KL to the sampling policy",
-    "kl_to_reference": "KL to the reference model", "clipfrac": "fraction of clipped ratios", "policy_loss": "policy loss",
-}
-_NAMES = {"model_mse": "trained model", "ref_mse": "reference"}
+_NAMES = {"model_mse": "trained model", "ref_mse": "reference"}  # legend names
 
 
-def _curves(records: list[dict], curves: Sequence[Sequence[str]], step_name: str) -> str:
+def _series(records: list[dict], key: str) -> tuple[list, list]:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def _curves(records: list[dict], curves: Sequence[Curve], step_name: str) -> str:
     plots = []
-    for keys in curves:
-        series = {}
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-            if points:
-                series[_NAMES.get(key, key)] = ([x for x, _ in points], [y for _, y in points])
+    for curve in curves:
+        if curve.when_logged and not any(key in r for r in records for key in curve.when_logged):
+            continue
+        series = {_NAMES.get(key, key): _series(records, key) for key in curve.keys}
+        series = {name: points for name, points in series.items() if points[0]}
         if not series:
             continue
-        title = _TITLES.get(keys[0], keys[0])
-        if keys == ("reward_mean",) and any("reward_std" in r for r in records):
-            plot = _reward_band_plot(records, title, step_name)
+        if curve.keys == ("reward_mean",) and any("reward_std" in r for r in records):
+            plot = _reward_band_plot(records, curve.title, step_name)
         else:
-            plot = line_plot(series, title=title, xlabel=step_name, size=(4.0, 2.8))
-        plots.append(img_tag(plot, alt=" / ".join(keys)))
+            plot = line_plot(series, title=curve.title, xlabel=step_name, size=(4.0, 2.8))
+        plots.append(img_tag(plot, alt=" / ".join(curve.keys)))
     return f'<div class="plots">{"".join(plots)}</div>' if plots else ""
 
 
@@ -253,14 +260,13 @@ def _config_list(run_dir: Path) -> str:
 # ------------------------------------------------------------------------------------ the page
 
 
-def write_training_report(run_dir: str | Path, title: str, metric_keys: Sequence[str | Sequence[str]],
+def write_training_report(run_dir: str | Path, title: str, curves: Sequence[Curve],
                           extra_sections: Sequence[Section] = (), judge: str | None = None, step_name: str = "step") -> Path:
-    """report.html of a run folder. ``metric_keys``: one plot per entry (a key, or keys drawn on one plot);
-    ``judge``: the held-out evaluation's judge (named in the table); ``step_name``: what metrics.jsonl's "step"
-    counts (DDPO: epochs); ``extra_sections`` come last."""
+    """report.html of a run folder. ``curves``: the training-curve plots; ``judge``: the held-out evaluation's judge
+    (named in the table); ``step_name``: what metrics.jsonl's "step" counts (DDPO: epochs); ``extra_sections`` come
+    last."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    curves = [(k,) if isinstance(k, str) else tuple(k) for k in metric_keys]
     last_step = max((r["step"] for r in records), default=0)
     lede = f"Run folder {run_dir}: {last_step} {step_name}s logged."
     sections = []

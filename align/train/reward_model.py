@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,17 +41,10 @@ from align.run_folder import (
 from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
 from align.testbed.pairs import rendered_pairs, write_parquet
 from align.testbed.tokenizer import testbed_tokenizer
-from align.train.accelerator import end_training, make_accelerator
-from align.train.checkpoints import (
-    check_resume_settings,
-    register_trainable_checkpoint_hooks,
-    resume_from_checkpoint,
-    save_checkpoint,
-    start_run,
-)
 from align.train.command import TrainingStopped, run_trainer
+from align.train.lifecycle import TrainingRun
 from align.train.options import RunOptions
-from align.train.report import write_training_report
+from align.train.report import Curve
 from align.train.reward_losses import (
     binary_cross_entropy_loss,
     bradley_terry_loss,
@@ -71,6 +64,8 @@ BACKBONES = ("clip", "blip", "mllm")
 FINETUNE = ("lora", "full", "head")
 TESTBED_SCRATCH = "testbed:scratch"
 TESTBED_ORACLE = "testbed-oracle:"
+CURVES = (Curve("Bradley-Terry loss", ("loss",)), Curve("training pairwise accuracy", ("train_acc",)),
+          Curve("held-out pairwise accuracy", ("eval_acc",)), Curve("held-out Bradley-Terry loss", ("eval_bt_loss",)))
 
 
 @dataclass
@@ -386,38 +381,26 @@ def check_inputs(config: RewardTrainConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
-@restores_old_run_on_failure
-def train(config: RewardTrainConfig) -> Path:
-    """Train a reward model; returns the final folder (loadable with rewards.load)."""
-    from accelerate.utils import set_seed
-    from transformers import get_scheduler
-
-    check_inputs(config)
-    run = RunFolder(config.output_dir, resume=config.resume, overwrite=config.overwrite)
-    check_resume_settings(run, config)  # a resumed run keeps its settings (or is refused in one line)
-    accelerator, config.mixed_precision = make_accelerator(  # the flag, else accelerate's setting; recorded resolved
-        config.mixed_precision, "reward", gradient_accumulation_steps=config.gradient_accumulation_steps,
-        log_with=None if config.report_to == "none" else config.report_to, project_dir=str(run.path),
-    )
-    main = accelerator.is_main_process
-    start_run(accelerator, run, config)
-    set_seed(config.seed)
-
-    # 1. Data: pairs (winner first), a held-out split, optional unpaired labels.
-    source = oracle_pairs_file(config.dataset, run, accelerator)
+def training_pairs(run: TrainingRun):
+    """(training pairs, held-out pairs, unpaired labels): the pairs winner first, a held-out split of them unless
+    --eval_dataset names its own, and LLaVA-Reward's unpaired labels where given."""
+    config = run.config
+    source = oracle_pairs_file(config.dataset, run.folder, run.accelerator)
     pairs, stats = load_pairs(source, split=config.dataset_split, tie_policy=config.tie_policy, max_pairs=config.max_pairs)
     if config.eval_dataset:
         train_pairs = pairs
-        eval_source = oracle_pairs_file(config.eval_dataset, run, accelerator)
+        eval_source = oracle_pairs_file(config.eval_dataset, run.folder, run.accelerator)
         eval_pairs, _ = load_pairs(eval_source, split=config.dataset_split, tie_policy="drop")
     else:
         train_pairs, eval_pairs = split_pairs(pairs, config.eval_fraction, config.seed)
     unpaired = load_unpaired(config.unpaired) if config.unpaired else []
-    if main:
-        print(f"[data] {stats.summary()}; train pairs {len(train_pairs)}, held-out pairs {len(eval_pairs)}, "
-              f"unpaired labels {len(unpaired)}", flush=True)
+    run.say(f"{stats.summary()}; train pairs {len(train_pairs)}, held-out pairs {len(eval_pairs)}, unpaired labels "
+            f"{len(unpaired)}", tag="data")
+    return train_pairs, eval_pairs, unpaired
 
-    # 2. Model, optimiser, schedule (sizes printed so they can be checked).
+
+def trainable_reward_model(config: RewardTrainConfig, train_pairs):
+    """The reward model in training mode (a CLIP/BLIP backbone's feature normalisation fitted on the first pairs)."""
     model = build_model(config)
     if config.backbone in ("clip", "blip"):
         sample = train_pairs[:128]
@@ -426,6 +409,73 @@ def train(config: RewardTrainConfig) -> Path:
             [decode(p.chosen, "pair") for p in sample] + [decode(p.rejected, "pair") for p in sample],
         )
     model.train()
+    return model
+
+
+@dataclass
+class RewardData:
+    """The pairs and unpaired labels a step reads, in the run's seeded orders."""
+
+    pairs: list
+    order: Order
+    unpaired: list
+    unpaired_order: Order | None
+
+
+def train_step(run: TrainingRun, model, optimizer, scheduler, data: RewardData, step: int) -> dict[str, float]:
+    """One optimiser step over the accumulated micro-steps: the Bradley-Terry loss (plus the BCE on unpaired labels);
+    returns its averaged metrics."""
+    config, accelerator = run.config, run.accelerator
+    accumulation = config.gradient_accumulation_steps
+    rank, world = accelerator.process_index, accelerator.num_processes
+    totals = {"loss": 0.0, "bt_loss": 0.0, "bce_loss": 0.0, "train_acc": 0.0}
+    for micro in range(accumulation):
+        counter = ((step * accumulation + micro) * world + rank) * config.train_batch_size
+        with accelerator.accumulate(model):
+            captions, chosen, rejected = pair_batch(data.pairs, data.order, counter, config.train_batch_size)
+            rewards = model(captions + captions, chosen + rejected)
+            r_w, r_l = rewards.float().chunk(2)
+            bt = bradley_terry_loss(r_w, r_l, config.tau)
+            loss = bt
+            if data.unpaired:
+                picks = [data.unpaired[data.unpaired_order[counter + j]] for j in range(config.train_batch_size)]
+                images = [decode(e.image, "unpaired image") for e in picks]
+                scores = model([e.caption for e in picks], images).float()
+                labels = torch.tensor([e.label for e in picks], device=scores.device)
+                bce = binary_cross_entropy_loss(scores, labels)  # LLaVA-Reward's Binary_Cls_loss: no tau
+                loss = loss + config.bce_weight * bce
+                totals["bce_loss"] += float(bce.detach()) / accumulation
+            if not torch.isfinite(loss):
+                raise TrainingStopped(f"loss became {float(loss)} at step {step}; last good checkpoint: {run.latest_checkpoint()}")
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and config.max_grad_norm > 0:
+                accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        totals["loss"] += float(loss.detach()) / accumulation
+        totals["bt_loss"] += float(bt.detach()) / accumulation
+        totals["train_acc"] += pairwise_accuracy(r_w.detach(), r_l.detach()) / accumulation
+    if not data.unpaired:
+        totals.pop("bce_loss")
+    return totals
+
+
+@restores_old_run_on_failure
+def train(config: RewardTrainConfig) -> Path:
+    """Train a reward model; returns the final folder (loadable with rewards.load)."""
+    from transformers import get_scheduler
+
+    check_inputs(config)
+    run = TrainingRun(config, "reward", accumulate=True)
+    accelerator = run.accelerator
+    run.start()
+
+    # 1. Data: pairs (winner first), a held-out split, optional unpaired labels.
+    train_pairs, eval_pairs, unpaired = training_pairs(run)
+
+    # 2. Model, optimiser, schedule (sizes printed so they can be checked).
+    model = trainable_reward_model(config, train_pairs)
     params = [p for p in model.parameters() if p.requires_grad]
     per_step = config.train_batch_size * accelerator.num_processes * config.gradient_accumulation_steps
     steps_per_epoch = max(1, math.ceil(len(train_pairs) / per_step))
@@ -436,112 +486,59 @@ def train(config: RewardTrainConfig) -> Path:
         num_warmup_steps=math.ceil(config.lr_warmup_ratio * max_steps) * accelerator.num_processes,
         num_training_steps=max_steps * accelerator.num_processes,
     )
-    if main:
-        print(f"[reward] backbone {config.backbone} ({config.model}) | finetune {config.finetune} | trainable "
-              f"parameters {sum(p.numel() for p in params):,} | pairs per step {per_step} | steps per epoch "
-              f"{steps_per_epoch} | steps {max_steps} | tau {config.tau} | lr {config.learning_rate}", flush=True)
-    register_trainable_checkpoint_hooks(accelerator, only_trainable=config.finetune != "full")
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    if accelerator.is_main_process and log_with_enabled(config):
-        accelerator.init_trackers("train_reward", config={k: str(v) for k, v in asdict(config).items()})
+    run.say(f"backbone {config.backbone} ({config.model}) | finetune {config.finetune} | trainable parameters "
+            f"{sum(p.numel() for p in params):,} | pairs per step {per_step} | steps per epoch {steps_per_epoch} | "
+            f"steps {max_steps} | tau {config.tau} | lr {config.learning_rate}")
+    model, optimizer, scheduler = run.prepare(model, optimizer, scheduler, only_trainable=config.finetune != "full")
+    run.init_trackers("train_reward")
 
     # 3. Resume: model, optimiser, schedule and RNG states; the data position follows from the step.
-    start_step = resume_from_checkpoint(accelerator, run, "reward")
-    if start_step is None:
-        start_step = 0
-        if config.resume and main:  # 'latest' before the first checkpoint: a run stopped that early starts
-            run.truncate_metrics(0)  # again, as dpo/ddpo do (a named damaged checkpoint is refused above)
-            print("[reward] --resume latest: no checkpoint yet, starting from step 0", flush=True)
-
-    order = Order(len(train_pairs), config.seed)
-    unpaired_order = Order(len(unpaired), config.seed + 1) if unpaired else None
-    rank, world = accelerator.process_index, accelerator.num_processes
+    start_step, _ = run.resume()
+    data = RewardData(train_pairs, Order(len(train_pairs), config.seed), unpaired,
+                      Order(len(unpaired), config.seed + 1) if unpaired else None)
     for step in range(start_step, max_steps):
-        totals = {"loss": 0.0, "bt_loss": 0.0, "bce_loss": 0.0, "train_acc": 0.0}
-        for micro in range(config.gradient_accumulation_steps):
-            counter = ((step * config.gradient_accumulation_steps + micro) * world + rank) * config.train_batch_size
-            with accelerator.accumulate(model):
-                captions, chosen, rejected = pair_batch(train_pairs, order, counter, config.train_batch_size)
-                rewards = model(captions + captions, chosen + rejected)
-                r_w, r_l = rewards.float().chunk(2)
-                bt = bradley_terry_loss(r_w, r_l, config.tau)
-                loss = bt
-                if unpaired:
-                    picks = [unpaired[unpaired_order[counter + j]] for j in range(config.train_batch_size)]
-                    images = [decode(e.image, "unpaired image") for e in picks]
-                    scores = model([e.caption for e in picks], images).float()
-                    labels = torch.tensor([e.label for e in picks], device=scores.device)
-                    bce = binary_cross_entropy_loss(scores, labels)  # LLaVA-Reward's Binary_Cls_loss: no tau
-                    loss = loss + config.bce_weight * bce
-                    totals["bce_loss"] += float(bce.detach()) / config.gradient_accumulation_steps
-                if not torch.isfinite(loss):
-                    raise TrainingStopped(f"loss became {float(loss)} at step {step}; last good checkpoint: {run.latest_checkpoint()}")
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and config.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, config.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            totals["loss"] += float(loss.detach()) / config.gradient_accumulation_steps
-            totals["bt_loss"] += float(bt.detach()) / config.gradient_accumulation_steps
-            totals["train_acc"] += pairwise_accuracy(r_w.detach(), r_l.detach()) / config.gradient_accumulation_steps
+        logs = train_step(run, model, optimizer, scheduler, data, step)
         done = step + 1
-        logs = {**totals, "lr": scheduler.get_last_lr()[0], "epoch": done / steps_per_epoch}
-        if not unpaired:
-            logs.pop("bce_loss")
+        logs.update(lr=scheduler.get_last_lr()[0], epoch=done / steps_per_epoch)
         if done % steps_per_epoch == 0 or done == max_steps:
             r_w, r_l = pair_rewards(accelerator.unwrap_model(model), eval_pairs, config.train_batch_size * 2)
             logs["eval_acc"] = pairwise_accuracy(r_w, r_l)
             logs["eval_bt_loss"] = float(bradley_terry_loss(r_w, r_l, config.tau))
-            if main:
-                print(f"[eval] step {done} epoch {done / steps_per_epoch:.2f}: held-out pairwise accuracy "
-                      f"{logs['eval_acc']:.4f} on {len(eval_pairs)} pairs, BT loss {logs['eval_bt_loss']:.4f}", flush=True)
-        if main:
-            run.log(done, logs)
-        if log_with_enabled(config):
-            accelerator.log(logs, step=done)
+            run.say(f"step {done} epoch {done / steps_per_epoch:.2f}: held-out pairwise accuracy {logs['eval_acc']:.4f} "
+                    f"on {len(eval_pairs)} pairs, BT loss {logs['eval_bt_loss']:.4f}", tag="eval")
+        run.log(done, logs)
         if done % config.checkpointing_steps == 0 or done == max_steps:
-            save_checkpoint(accelerator, run, done, config.checkpoints_total_limit)
+            run.checkpoint(done)
 
-    # 4. Calibration on the held-out pairs, final weights and marker (written last).
+    # 4. Calibration on the held-out pairs, final weights and marker (written last), report.
     accelerator.wait_for_everyone()
     final = run.path / "final"
-    if main:
-        trained = accelerator.unwrap_model(model)
-        r_w, r_l = pair_rewards(trained, eval_pairs, config.train_batch_size * 2)
-        calibration = calibrate(r_w, r_l, config.tau, fit=config.calibrate)
-
-        with atomic_folder(final) as staged:  # the whole final/ at once: a half-written one never loads
-            meta = trained.save(staged)
-            save_reliability_plot(calibration, staged / "reliability.png")
-            meta.update(
-                name=config.name or run.path.name,
-                tau=config.tau,
-                calibration=calibration,
-                eval_accuracy=pairwise_accuracy(r_w, r_l),
-                eval_pairs=len(eval_pairs),
-                train_pairs=len(train_pairs),
-                trained_on=config.dataset,
-                backbone_model=config.model,
-            )
-            write_model_card(staged, config, meta, final)
-            write_marker(staged, meta)
-        print(f"[reward] held-out accuracy {meta['eval_accuracy']:.4f}; calibration temperature "
-              f"{calibration['temperature']:.4g} (ECE {calibration['ece_before']:.4f} -> {calibration['ece_after']:.4f}); "
-              f"load it with rewards.load({str(final)!r})", flush=True)
-
-        write_training_report(run.path, title=f"Reward model: {config.model}",
-                              metric_keys=("loss", "train_acc", "eval_acc", "eval_bt_loss"),
-                              extra_sections=[calibration_section(meta, final / "reliability.png")])
-        run.let_go_of_old_run()
+    if run.main:
+        meta = save_reward_model(accelerator.unwrap_model(model), config, run.path, eval_pairs, len(train_pairs))
+        run.report(f"Reward model: {config.model}", CURVES, extra_sections=[calibration_section(meta, final / "reliability.png")])
     del model, optimizer, scheduler
-    end_training(accelerator)
+    run.end()
     return final
 
 
-
-def log_with_enabled(config: RewardTrainConfig) -> bool:
-    return config.report_to != "none"
+def save_reward_model(trained, config: RewardTrainConfig, run_path: Path, eval_pairs, train_pairs: int) -> dict:
+    """final/ as a whole: the weights, the calibration fitted on the held-out pairs, its reliability plot, the model
+    card and the marker that makes the folder a judge (written last); returns its metadata."""
+    final = run_path / "final"
+    r_w, r_l = pair_rewards(trained, eval_pairs, config.train_batch_size * 2)
+    calibration = calibrate(r_w, r_l, config.tau, fit=config.calibrate)
+    with atomic_folder(final) as staged:  # the whole final/ at once: a half-written one never loads
+        meta = trained.save(staged)
+        save_reliability_plot(calibration, staged / "reliability.png")
+        meta.update(name=config.name or run_path.name, tau=config.tau, calibration=calibration,
+                    eval_accuracy=pairwise_accuracy(r_w, r_l), eval_pairs=len(eval_pairs), train_pairs=train_pairs,
+                    trained_on=config.dataset, backbone_model=config.model)
+        write_model_card(staged, config, meta, final)
+        write_marker(staged, meta)
+    print(f"[reward] held-out accuracy {meta['eval_accuracy']:.4f}; calibration temperature "
+          f"{calibration['temperature']:.4g} (ECE {calibration['ece_before']:.4f} -> {calibration['ece_after']:.4f}); "
+          f"load it with rewards.load({str(final)!r})", flush=True)
+    return meta
 
 
 def calibrate(r_w: torch.Tensor, r_l: torch.Tensor, tau: float, fit: bool = True, num_bins: int = 10) -> dict:
@@ -629,7 +626,12 @@ The reliability diagram of the held-out pairs is `reliability.png`.
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_trainer(RewardTrainConfig, train, argv, __doc__)
+    run_trainer(RewardTrainConfig, train, argv, __doc__, check=refuse_dry_run)
+
+
+def refuse_dry_run(config: RewardTrainConfig) -> None:
+    raise ConfigError("--dry_run plans the memory of the diffusion trainers (align/dpo.py, align/ddpo.py); a reward "
+                      "model's run has no plan: leave it out")
 
 
 if __name__ == "__main__":

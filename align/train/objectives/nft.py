@@ -44,8 +44,13 @@ The authors' recipe (SD3.5-Medium, config/nft.py; 8 GPUs):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from align.cli import ConfigError, option
+from align.train.objectives.base import Algorithm, Method, Objective
+from align.train.report import Curve
 from align.train.rollout import TrainBatch
 
 ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
@@ -58,8 +63,6 @@ OLD_POLICY_SCHEDULES = {
     "delayed-linear-0.999": (75, 0.0075, 0.999),  # decay_type 2: 0 until step 75, then 0.0075/step up to 0.999
 }
 AUTHORS_DECAY_TYPES = {0: "none", 1: "linear-0.5", 2: "delayed-linear-0.999"}
-
-
 
 
 def _non_batch_dims(x: torch.Tensor) -> tuple[int, ...]:
@@ -176,15 +179,26 @@ def old_policy_decay(step: int, schedule: str | int = "linear-0.5") -> float:
     return min((step - flat) * rate, ceiling)
 
 
+@dataclass
+class NFTOptions:
+    """DiffusionNFT's own flags."""
+
+    nft_beta: float = option(1.0, "DiffusionNFT's beta: how far the implicit positive/negative policies sit from the old "
+                             "policy (the authors: 1.0; 0.1 for OCR)", "--algorithm nft")
+    old_policy_decay: str = option("linear-0.5", "DiffusionNFT's old (sampling) policy, an average of the trained "
+                                   "weights updated each epoch with decay: none (0: the trained weights), linear-0.5 "
+                                   "(min(0.001 x step, 0.5), the authors' default), delayed-linear-0.999 (0 for 75 steps, "
+                                   "then +0.0075 a step up to 0.999, their OCR recipe)", "--algorithm nft")
+
+    def check(self) -> None:
+        if not self.nft_beta > 0:
+            raise ConfigError(f"--nft_beta must be > 0, got {self.nft_beta}")
+        if self.old_policy_decay not in OLD_POLICY_SCHEDULES:
+            raise ConfigError(f"--old_policy_decay must be one of {', '.join(OLD_POLICY_SCHEDULES)}, got "
+                              f"{self.old_policy_decay!r}")
 
 
-
-
-
-
-
-
-class DiffusionNFT:
+class DiffusionNFT(Objective):
     """DiffusionNFT's objective for the trainer (align/train/ddpo.py --algorithm nft), on every family.
 
     The rollouts' final latents are x0; each trained step noises them with the step's own noise through the
@@ -193,15 +207,21 @@ class DiffusionNFT:
     the old and the trained weights alike). The sampler maps each prediction to x0 (velocity, epsilon or v).
     """
 
-    needs_log_probs = False
-    uses_old_policy = True
     samples_with_old_policy = True
     needs_forward_noise = True
-    zero_advantage_is_zero_loss = False
 
     def __init__(self, sampler, beta: float, adv_clip_max: float, kl_coef: float, decay_schedule: str):
         self.sampler, self.beta, self.adv_clip_max = sampler, beta, adv_clip_max
         self.kl_coef, self.decay_schedule = kl_coef, decay_schedule
+
+    @classmethod
+    def from_config(cls, sampler, config) -> DiffusionNFT:
+        return cls(sampler, beta=config.nft_beta, adv_clip_max=config.adv_clip_max, kl_coef=config.kl_coef,
+                   decay_schedule=config.old_policy_decay)
+
+    @staticmethod
+    def keeps_old_policy(config) -> bool:
+        return True  # it samples the rollouts and anchors the implicit policies
 
     def old_policy_decay(self, step: int) -> float:
         return old_policy_decay(step, self.decay_schedule)
@@ -220,3 +240,24 @@ class DiffusionNFT:
             loss = loss + self.kl_coef * kl
             metrics["kl_to_reference"] = kl.detach()
         return loss, metrics
+
+    def describe(self) -> str:
+        return (f"beta {self.beta}, advantage clip {self.adv_clip_max}, old policy {self.decay_schedule}, KL coefficient "
+                f"{self.kl_coef}")
+
+
+ALGORITHM = Algorithm(
+    name="nft",
+    summary="DiffusionNFT (the forward process, an implicit positive and negative policy)",
+    method=Method("DiffusionNFT", "Zheng et al. 2025"),
+    objective=DiffusionNFT,
+    options=NFTOptions,
+    needs_log_probs=False,
+    ddpm_defaults={"sampler": "ode", "drop_zero_advantage": False},
+    flow_defaults={"sampler": "ode", "drop_zero_advantage": False},
+    curves=(Curve("DiffusionNFT loss", ("policy_loss",)),
+            Curve("positive and negative losses", ("positive_loss", "negative_loss")),
+            Curve("squared distance to the old policy (x0)", ("old_deviate_x0",)),
+            Curve("KL to the reference model", ("kl_to_reference",)),
+            Curve("total loss (DiffusionNFT + KL)", ("loss",), when_logged=("kl_to_reference",))),
+)

@@ -25,8 +25,13 @@ The authors' SD3.5-Medium recipe (config/dgx_awm.py; PickScore / GenEval / OCR w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from align.cli import ConfigError, option
+from align.train.objectives.base import Algorithm, Method, Objective
+from align.train.report import Curve
 from align.train.rollout import TrainBatch
 
 WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")  # the authors': Uniform, t, t**2, huber, ghuber
@@ -83,8 +88,6 @@ def awm_log_prob(
         return -(torch.sqrt(mse + _EPS) - 1e-5) * t
     eps = torch.tensor(_EPS, dtype=mse.dtype, device=mse.device)
     return -(torch.pow(mse + eps, ghuber_power) - torch.pow(eps, ghuber_power)) * t / ghuber_power
-
-
 
 
 def awm_std_dev_t(t: torch.Tensor) -> torch.Tensor:
@@ -193,8 +196,6 @@ def ema_kl_decay(step: int, decay: float = 0.3, schedule: str = "linear", rate: 
     return min(float(decay), rate * step)
 
 
-
-
 def awm_timestep_indices(
     num_steps: int,
     train_timesteps: int,
@@ -234,9 +235,26 @@ def awm_timestep_indices(
     return indices if first is None else torch.cat([first, indices])
 
 
+@dataclass
+class AWMOptions:
+    """AWM's own flags."""
+
+    awm_weighting: str = option("ghuber", "AWM's weighting of the flow-matching error: uniform, t, t2, huber or ghuber "
+                                "(generalised Huber, the authors' recipes)", "--algorithm awm")
+    awm_ghuber_power: float = option(0.25, "the generalised Huber's power p (the authors: 0.25)", "--algorithm awm")
+    ema_kl_coef: float = option(1.0, "AWM: weight of the KL to the old (EMA) policy (the authors' ema_beta: 1)",
+                                "--algorithm awm")
+
+    def check(self) -> None:
+        if self.awm_weighting not in WEIGHTINGS:
+            raise ConfigError(f"--awm_weighting must be one of {', '.join(WEIGHTINGS)}, got {self.awm_weighting!r}")
+        if not self.awm_ghuber_power > 0:
+            raise ConfigError(f"--awm_ghuber_power must be > 0, got {self.awm_ghuber_power}")
+        if not self.ema_kl_coef >= 0:
+            raise ConfigError(f"--ema_kl_coef must be >= 0, got {self.ema_kl_coef}")
 
 
-class AdvantageWeightedMatching:
+class AdvantageWeightedMatching(Objective):
     """AWM's objective for the trainer (align/train/ddpo.py --algorithm awm), on every family.
 
     Each trained step noises the rollout's final latents with its own noise through the sampler's forward process;
@@ -248,8 +266,6 @@ class AdvantageWeightedMatching:
     policy, which follows the trained weights once per epoch with decay min(0.3, 0.001·step).
     """
 
-    needs_log_probs = False
-    samples_with_old_policy = False
     needs_forward_noise = True
 
     def __init__(self, sampler, weighting: str, ghuber_power: float, clip_range: float, adv_clip_max: float,
@@ -265,10 +281,10 @@ class AdvantageWeightedMatching:
         return cls(sampler, config.awm_weighting, config.awm_ghuber_power, config.clip_range, config.adv_clip_max,
                    config.kl_coef, config.ema_kl_coef)
 
-    @property
-    def uses_old_policy(self) -> bool:
+    @staticmethod
+    def keeps_old_policy(config) -> bool:
         """The EMA policy is kept only where its KL term is (a second copy of the trained weights)."""
-        return self.ema_kl_coef > 0
+        return config.ema_kl_coef > 0
 
     @property
     def zero_advantage_is_zero_loss(self) -> bool:
@@ -295,3 +311,23 @@ class AdvantageWeightedMatching:
                 loss = loss + coef * kl
                 metrics[name] = kl.detach()
         return loss, metrics
+
+    def describe(self) -> str:
+        return (f"{self.weighting} weighting, advantage clip {self.adv_clip_max}, clip range {self.clip_range}, KL "
+                f"coefficient {self.kl_coef}, KL to the EMA policy {self.ema_kl_coef}")
+
+
+ALGORITHM = Algorithm(
+    name="awm",
+    summary="Advantage Weighted Matching (the forward process, advantage-weighted flow matching)",
+    method=Method("AWM", "Xue et al. 2025"),
+    objective=AdvantageWeightedMatching,
+    options=AWMOptions,
+    needs_log_probs=False,
+    ddpm_defaults={"sampler": "ode", "drop_zero_advantage": False},
+    flow_defaults={"sampler": "ode", "drop_zero_advantage": False},
+    curves=(Curve("AWM loss", ("policy_loss",)),
+            Curve("KL to the reference model", ("kl_to_reference",)),
+            Curve("KL to the EMA policy", ("kl_to_old",)),
+            Curve("total loss (AWM + KL)", ("loss",), when_logged=("kl_to_reference", "kl_to_old"))),
+)

@@ -13,17 +13,18 @@ from __future__ import annotations
 import torch
 
 from align.train.losses import ddpo_clipped_loss
+from align.train.objectives.base import Algorithm, Method, Objective
+from align.train.report import Curve
 from align.train.rollout import TrainBatch
 
 
-class PolicyGradient:
-    needs_log_probs = True
-    uses_old_policy = False
-    samples_with_old_policy = False
-    needs_forward_noise = False
-
+class PolicyGradient(Objective):
     def __init__(self, sampler, clip_range: float, adv_clip_max: float, kl_coef: float):
         self.sampler, self.clip_range, self.adv_clip_max, self.kl_coef = sampler, clip_range, adv_clip_max, kl_coef
+
+    @classmethod
+    def from_config(cls, sampler, config) -> PolicyGradient:
+        return cls(sampler, clip_range=config.clip_range, adv_clip_max=config.adv_clip_max, kl_coef=config.kl_coef)
 
     @property
     def zero_advantage_is_zero_loss(self) -> bool:
@@ -44,3 +45,23 @@ class PolicyGradient:
             loss = loss + self.kl_coef * kl
             metrics["kl_to_reference"] = kl.detach()
         return loss, metrics
+
+    def describe(self) -> str:
+        return f"PPO clip range {self.clip_range}, advantage clip {self.adv_clip_max}, KL coefficient {self.kl_coef}"
+
+
+ALGORITHM = Algorithm(
+    name="ppo",
+    summary="PPO-clip on the sampled steps' log-probabilities (DDPO on SD 1.x/2.x and SDXL, Flow-GRPO on SD3/FLUX)",
+    method=Method("DDPO", "Black et al. 2023"),
+    flow_method=Method("Flow-GRPO", "Liu et al. 2025"),
+    objective=PolicyGradient,
+    needs_log_probs=True,
+    ddpm_defaults={"sampler": "ddim", "drop_zero_advantage": False},  # ddpo-pytorch keeps tied groups
+    flow_defaults={"sampler": "sde", "drop_zero_advantage": True},  # Flow-GRPO's train_sd3.py drops them
+    curves=(Curve("approximate KL to the sampling policy", ("approx_kl",)),
+            Curve("fraction of clipped ratios", ("clipfrac",)),
+            Curve("PPO loss", ("policy_loss",)),
+            Curve("KL to the reference model", ("kl_to_reference",)),
+            Curve("total loss (PPO + KL)", ("loss",), when_logged=("kl_to_reference",))),
+)

@@ -1,0 +1,85 @@
+"""What a sampler of the online-RL trainer is, and the registry entry that names one.
+
+A sampler runs the denoising chain from noise with the model's (guided) prediction and records the steps an objective
+may train on (``run``); a stochastic one also gives the Gaussian of one recorded step under another prediction
+(``step``), so that PPO re-scores a stored step with the current weights exactly as it was sampled. Every sampler holds
+its dynamics' forward process (``forward``: align/sampling/forward.py), which is all the forward-process objectives
+(DiffusionNFT, AWM) need.
+
+A sampler plugs in with one ``SamplerEntry`` per ``--sampler`` name and dynamics, listed in
+align/sampling/registry.py; the trainer, --help and the config checks read that table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from align.sampling.forward import ForwardProcess
+
+Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (latents [B, ...], timesteps [B]) -> model output
+
+
+@dataclass
+class StepGaussian:
+    """One stochastic step as the Gaussian N(mean, std²) with the sampler's log-density and the KL it trains with."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_density: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, mean, std) -> [B]
+    kl_to: Callable[[torch.Tensor], torch.Tensor]  # reference mean -> [B]
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        return self.log_density(x, self.mean, self.std)
+
+
+class Sampler(ABC):
+    """The denoising chain of one dynamics. ``run`` returns, batch-first, the recorded steps' inputs ``latents`` and
+    outputs ``next_latents`` [B, K, ...], their ``timesteps`` and ``step_indices`` [B, K], ``log_probs`` [B, K] (NaN
+    where a step is deterministic) and the ``final_latents`` [B, ...]."""
+
+    forward: ForwardProcess
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for the run's log and model card."""
+
+    @abstractmethod
+    def run(self, predict: Predict, noise: torch.Tensor, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """The chain from ``noise``, every random draw from ``generator``."""
+
+    def step(self, prediction, latents, timesteps, step_indices) -> StepGaussian:
+        """The Gaussian of recorded steps under ``prediction`` (stochastic samplers only)."""
+        raise ValueError(f"{self.describe()} has no step log-probabilities")
+
+
+@dataclass(frozen=True)
+class SamplerEntry:
+    """One ``--sampler`` value for one kind of model: ``flow`` True for flow-matching families (SD3, FLUX), False for
+    the DDPM/DDIM ones (SD 1.x/2.x, SDXL). ``stochastic``: its steps have log-probabilities (what PPO trains on).
+    ``build(config, family, pipe, resolution, device)`` makes the sampler from the trainer's config."""
+
+    name: str
+    flow: bool
+    title: str
+    stochastic: bool
+    build: Callable[..., Sampler]
+
+
+def standard_normal(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """N(0, I) noise shaped like ``like``, drawn on the generator's device (a CPU generator serves a GPU run)."""
+    device = generator.device if generator is not None else like.device
+    return torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device)
+
+
+def stack_steps(steps: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """[B, K, ...] from K tensors [B, ...] (an empty K = 0 stack shaped after ``like``)."""
+    return torch.stack(steps, dim=1) if steps else like.new_zeros((like.shape[0], 0, *like.shape[1:]))
+
+
+def window_size(config) -> int | None:
+    """The stochastic window of --deterministic_tail (the trained steps), or None: every step stochastic."""
+    return config.num_train_timesteps if config.deterministic_tail else None
