@@ -188,14 +188,20 @@ def store(tiny_model, pair_parquet, tmp_path_factory):  # noqa: F811
     ("num_pairs", "was changed after the store was written"),
     ("truncate", "bytes, "),
     ("flip", "hash mismatch"),
+    ("no digest", "carries no digest"),  # issue 61 finding 3: a 16 px store claiming 32 px, its digest deleted
 ])
 def test_a_damaged_store_is_refused_before_the_run_folder_is_written(tiny_model, store, tmp_path, capsys, damage, says):
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
     manifest = json.loads((copy / MANIFEST).read_text())
     shard = copy / shard_name(1)
+    resolution = 16
     if damage in ("resolution", "num_pairs"):
         manifest[damage] = manifest[damage] * 2 if damage == "resolution" else manifest[damage] - 1
+        (copy / MANIFEST).write_text(json.dumps(manifest))
+    elif damage == "no digest":
+        resolution = manifest["resolution"] = 32
+        del manifest["digest"]
         (copy / MANIFEST).write_text(json.dumps(manifest))
     elif damage == "truncate":
         shard.write_bytes(shard.read_bytes()[:-100])
@@ -205,7 +211,7 @@ def test_a_damaged_store_is_refused_before_the_run_folder_is_written(tiny_model,
         shard.write_bytes(bytes(data))
     out = tmp_path / "run"
     _main_fails(capsys, ["--model", tiny_model, "--latent_store", str(copy), "--output_dir", str(out), "--report_to",
-                         "none", "--max_steps", "1", "--resolution", "16"], "latent store", says)
+                         "none", "--max_steps", "1", "--resolution", str(resolution)], "latent store", says)
     assert not out.exists()
 
 
