@@ -286,15 +286,60 @@ def folder_manifest(folder: Path) -> dict[str, dict]:
     }
 
 
-def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint folder cannot be resumed from (a file missing, truncated or changed since it was
-    written), or None. Checkpoints written before manifests existed are trusted as they are."""
+# ------------------------------------------------------------------------------------------- sealed records
+# A record a run writes and reads back (a checkpoint's state.json, a latent store's manifest) carries a digest of its
+# own fields: a field edited by hand (the processes of a checkpoint, the resolution of a store) is seen, and a record
+# without a digest (edited, or written by a version before records were sealed) is never trusted.
+
+DIGEST = "digest"
+
+
+def record_digest(record: dict) -> str:
+    """sha256 of a record's fields but its digest (JSON, keys sorted), 32 hex digits."""
+    body = {k: v for k, v in record.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def seal(record: dict) -> dict:
+    """The record with its digest."""
+    body = {k: v for k, v in record.items() if k != DIGEST}
+    return {**body, DIGEST: record_digest(body)}
+
+
+def seal_problem(record) -> str | None:
+    """Why a record read back cannot be trusted (not an object, no digest, a digest that does not match), or None."""
+    if not isinstance(record, dict):
+        return f"is not a JSON object (found {type(record).__name__})"
+    if DIGEST not in record:
+        return "carries no digest (edited by hand, or written by a version before records were sealed)"
+    if record[DIGEST] != record_digest(record):
+        return "was changed after it was written (its digest does not match)"
+    return None
+
+
+def read_sealed(path: Path) -> dict:
+    """A sealed JSON record; ValueError (naming the file and why) when it is unreadable, unsealed or changed."""
     try:
-        state = json.loads((folder / CHECKPOINT_STATE).read_text())
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path.name} is unreadable ({type(err).__name__})") from None
+    if problem := seal_problem(record):
+        raise ValueError(f"{path.name} {problem}")
+    return record
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (its state.json unreadable, unsealed or changed; a file
+    missing, truncated or changed since it was written), or None."""
+    try:
+        state = read_sealed(folder / CHECKPOINT_STATE)
         int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{CHECKPOINT_STATE} is unreadable ({type(err).__name__})"
-    for name, expected in (state.get("files") or {}).items():
+        files = dict(state["files"])
+    except ValueError as err:
+        return str(err)
+    except (KeyError, TypeError) as err:
+        return f"{CHECKPOINT_STATE} lacks its step or file list ({type(err).__name__})"
+    for name, expected in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"

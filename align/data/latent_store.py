@@ -43,7 +43,7 @@ from align.data.pairs import DataError
 from align.families import family_of_pipeline
 from align.families.base import cat_conditioning
 from align.pipeline import resolve_model
-from align.run_folder import atomic_path, atomic_write_text, file_sha256
+from align.run_folder import atomic_path, atomic_write_text, file_sha256, record_digest, seal
 
 STORE_FORMAT = 2
 READABLE_FORMATS = (2,)  # format 1 (before conditioning dicts) had no digest: refused, like every store without one
@@ -131,13 +131,11 @@ class StoreSpec:
 
 def manifest_digest(manifest: dict) -> str:
     """The digest a manifest carries of its other fields: an edit by hand (resolution, pair count) is seen."""
-    body = {k: v for k, v in manifest.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+    return record_digest(manifest)
 
 
 def write_manifest(store: Path, manifest: dict) -> None:
-    manifest = {k: v for k, v in manifest.items() if k != "digest"}
-    atomic_write_text(store / MANIFEST, json.dumps({**manifest, "digest": manifest_digest(manifest)}, indent=2))
+    atomic_write_text(store / MANIFEST, json.dumps(seal(manifest), indent=2))
 
 
 def read_manifest(store: str | Path) -> dict | None:
