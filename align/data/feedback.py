@@ -41,8 +41,9 @@ from align.data.sealed_parquet import SealedParquetWriter, sealed_problem, write
 from align.families import family_of_pipeline
 from align.progress import progress_bar
 from align.run_folder import atomic_path
-from rewards.base import Judge, Preference, preference_from_scores
+from rewards.base import Judge, JudgeAnswerError, Preference, preference_from_scores
 from rewards.images import encode_png, to_pil
+from rewards.mllm import JudgeNotReadyError
 from rewards.secrets import scrub_text
 
 
@@ -190,11 +191,11 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
             for n in range(len(indices))
             for a, b in pairwise_scheme(images_per_prompt)
         ]
-        preferences = judge.compare(
+        preferences = _asked(judge, lambda: judge.compare(
             [batch_prompts[a] for _, a, _ in pairs],
             [images[a] for _, a, _ in pairs],
             [images[b] for _, _, b in pairs],
-        )
+        ))
         if len(preferences) != len(pairs):
             raise RuntimeError(
                 f"judge {judge.name!r} answered {len(preferences)} comparisons for {len(pairs)} pairs"
@@ -203,7 +204,7 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
             raw = {"prob_0": pref.prob_a, "tie": pref.tie, "raw": pref.raw}
             verdicts.append((n, a, b, pref, raw))
     else:
-        scores = judge.score(batch_prompts, images).detach().float().cpu().tolist()
+        scores = _asked(judge, lambda: judge.score(batch_prompts, images)).detach().float().cpu().tolist()
         for n in range(len(indices)):
             offset = n * images_per_prompt
             own = scores[offset : offset + images_per_prompt]
@@ -238,6 +239,15 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
             }
         )
     return rows
+
+
+def _asked(judge: Judge, question):
+    """A judge's answers; one that gave no valid score (JudgeAnswerError) or stopped answering (JudgeNotReadyError)
+    stops the labelling in one line (DataError; the answers it gave are in its cache)."""
+    try:
+        return question()
+    except (JudgeAnswerError, JudgeNotReadyError) as err:
+        raise DataError(str(err)) from None
 
 
 def _best_vs_worst(scores: list[float], tie_margin: float) -> tuple[int, int, Preference]:

@@ -59,7 +59,9 @@ from align.quiet import quiet_output
 from align.run_folder import atomic_write_text, clean_interrupted_writes
 from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
 from align.validation import check_common_inputs, check_not_a_training_run, check_weight_files
+from rewards.base import JudgeAnswerError
 from rewards.images import load_image, to_tensor
+from rewards.mllm import JudgeNotReadyError
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
 
@@ -557,6 +559,8 @@ def main(argv: list[str] | None = None) -> None:
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation
     except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
+    except (JudgeAnswerError, JudgeNotReadyError) as err:  # a judge that answered no valid score, or stopped answering
+        die(str(err), code=3)
     except OSError as err:  # a full disk: one line
         die_if_disk_full(err)
     out = Path(config.output_dir)
