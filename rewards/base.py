@@ -12,6 +12,10 @@ Every judge checks its inputs in one place, here: ``Judge.__init_subclass__`` wr
 [0, 1], and prompts a list of strings, one per image (rewards.images.check_images / check_prompts).
 A bad input raises TypeError/ValueError instead of being clamped into a plausible wrong score.
 Calls a judge makes to itself (compare asking score) are not checked again.
+
+Their outputs are checked too (check_answers): a score is finite, or NaN for an abstention from a judge that
+declares ``abstains = True`` ((M)LLM judges: a refusal, an answer without a rating, a failed call); a verdict's
+P(A better) is in [0, 1]. Anything else raises JudgeAnswerError naming the judge: the run stops.
 """
 
 from __future__ import annotations

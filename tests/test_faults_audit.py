@@ -290,6 +290,23 @@ def test_a_damaged_store_is_refused_before_the_run_folder_is_written(tiny_model,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_latent_store_path_that_cannot_be_a_folder_is_one_line(tiny_model, pair_parquet, tmp_path, capsys, where):  # noqa: F811
+    """Issue 61 finding 7: --latent_store naming a file ended in a NotADirectoryError traceback (with --dataset, when
+    the store was about to be built), leaving the run folder behind."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a store\n")
+    store = afile if where == "a file" else afile / "store"
+    out = tmp_path / "run"
+    _main_fails(capsys, ["--model", tiny_model, "--dataset", pair_parquet, "--latent_store", str(store), "--output_dir",
+                         str(out), "--report_to", "none", "--max_steps", "1", "--resolution", "16"],
+                "latent store", "file")
+    assert not out.exists()
+    with pytest.raises(SystemExit) as exit_:
+        precompute.main(["--model", tiny_model, "--dataset", pair_parquet, "--output", str(store)])
+    assert exit_.value.code == 2 and "file" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ a key in a variable of any name
 
 

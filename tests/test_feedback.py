@@ -172,6 +172,8 @@ def test_a_judge_with_only_compare_gets_adjacent_pairs_too(tmp_path):
 
 def test_abstentions_recorded_but_not_training_pairs(tmp_path):
     class Abstains(rewards.Judge):
+        abstains = True  # its NaN scores are abstentions (a judge that does not say so may not return NaN)
+
         def score(self, prompts, images):
             scores = -jpeg_size_kb(images)
             scores[:3] = float("nan")  # prompt 0: no usable score at all -> abstention

@@ -138,7 +138,21 @@ def write_manifest(store: Path, manifest: dict) -> None:
     atomic_write_text(store / MANIFEST, json.dumps(seal(manifest), indent=2))
 
 
+def check_store_path(store: str | Path) -> None:
+    """A store is a folder (or one to be made): a file, a dangling link or a file on its path is one line."""
+    store = Path(store)
+    if store.is_symlink() and not store.exists():
+        raise DataError(f"latent store {str(store)!r} is a link to nothing ({store.readlink()}); give a store folder")
+    if store.exists() and not store.is_dir():
+        raise DataError(f"latent store {str(store)!r} is a file, not a store folder; give a folder (new, or one built "
+                        "by python -m align.precompute)")
+    blocking = next((p for p in store.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise DataError(f"latent store {str(store)!r} cannot be a folder: {str(blocking)!r} on its path is a file")
+
+
 def read_manifest(store: str | Path) -> dict | None:
+    check_store_path(store)
     path = Path(store) / MANIFEST
     if not path.is_file():
         return None
