@@ -365,7 +365,7 @@ CASES = [
     Case("eval-output-empty", "evaluate", flags("evaluate", "--output_dir", ""), ("--output_dir is empty",)),
     Case("bench-output-empty", "judgebench", flags("judgebench", "--output_dir", ""), ("--output_dir is empty",)),
     Case("dpo-resume-a-running-run", "dpo", flags("dpo", "--output_dir", path("locked_run"), "--resume", "latest"),
-         ("in use by a run that is still going", "pid 1")),
+         ("in use by a run that is still going", "stop it: kill")),
     Case("dpo-overwrite-a-running-run", "dpo", flags("dpo", "--output_dir", path("locked_run"), "--overwrite", "true"),
          ("in use by a run that is still going",)),
     Case("ddpo-overwrite-a-running-run", "ddpo",
