@@ -14,7 +14,8 @@ single process's peak RSS (getrusage of the children), and the whole process tre
 20 ms (psutil: the trainer plus its DataLoader workers), in full and without file-backed pages
 (RSS - shared: the pages of memory-mapped data that were read count in RSS but the kernel can drop them).
 
-Before the first step: the seconds from the start of the process to the first line of metrics.jsonl, and
+Before the first step: the seconds from the start of the process to the first line of metrics.jsonl (and the CPU
+seconds the trainer's processes used by then: wall time on a shared machine also counts other jobs), and
 the data it read by then: the parquet file is dropped from the page cache before each run
 (posix_fadvise DONTNEED), and when step 1 is logged the pages of the parquet file, and of any file
 `datasets` wrote into its cache (a conversion of the whole file), that are in the page cache are counted
@@ -128,6 +129,15 @@ def data_read(data: Path, cache: Path) -> tuple[float, float]:
     return cached_bytes(data) / 2**20, written / 2**20
 
 
+def cpu_seconds(parent: psutil.Process) -> float | None:
+    """CPU seconds (user + system) the trainer and its live children have used: less sensitive than wall time to other
+    jobs on a shared machine."""
+    try:
+        return sum(sum(p.cpu_times()[:2]) for p in [parent, *parent.children(recursive=True)])
+    except psutil.Error:
+        return None
+
+
 def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: Path) -> dict:
     """Run dpo.py in a subprocess (from a fresh child of this script, so getrusage sees only it)."""
     env = dict(os.environ, HF_DATASETS_CACHE=str(workdir / "datasets_cache"), HF_HUB_OFFLINE="1",
@@ -139,7 +149,7 @@ def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: 
            "--report_to", "none", *extra]
     evict(data)
     metrics = workdir / "run" / "metrics.jsonl"
-    first_step = parquet_mb = cache_mb = None
+    first_step = first_cpu = parquet_mb = cache_mb = None
     start = time.perf_counter()
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     parent, tree_peak, anon_peak = psutil.Process(process.pid), 0, 0
@@ -147,6 +157,7 @@ def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: 
         if first_step is None and metrics.is_file() and metrics.stat().st_size > 0:
             first_step = time.perf_counter() - start
             parquet_mb, cache_mb = data_read(data, workdir / "datasets_cache")
+            first_cpu = cpu_seconds(parent)
         try:
             members = [parent, *parent.children(recursive=True)]
             infos = [m.memory_info() for m in members]
@@ -160,7 +171,8 @@ def measure(model: str, data: Path, resolution: int, extra: list[str], workdir: 
         raise SystemExit(f"dpo.py failed ({process.returncode}):\n{err[-3000:]}")
     return {"max_process_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
             "tree_mb": tree_peak / 2**20, "anon_mb": anon_peak / 2**20, "seconds": time.perf_counter() - start,
-            "first_step_s": first_step, "parquet_read_mb": parquet_mb, "cache_written_mb": cache_mb}
+            "first_step_s": first_step, "first_step_cpu_s": first_cpu, "parquet_read_mb": parquet_mb,
+            "cache_written_mb": cache_mb}
 
 
 def main() -> None:
@@ -201,7 +213,8 @@ def main() -> None:
                     raise SystemExit(f"{case} {size}: {out.stderr[-3000:]}")
                 results[size] = json.loads(out.stdout.strip().splitlines()[-1])
                 r = results[size]
-                print(f"{case:15s} {size:6d} pairs: first step after {r['first_step_s']:6.1f} s, data read before it "
+                print(f"{case:15s} {size:6d} pairs: first step after {r['first_step_s']:6.1f} s ({r['first_step_cpu_s']:6.1f} "
+                      f"CPU s), data read before it "
                       f"{r['parquet_read_mb']:8.1f} MB of the parquet file ({files[size].stat().st_size / 2**20:.0f} MB) + "
                       f"{r['cache_written_mb']:8.1f} MB written to datasets' cache; peak RSS {r['max_process_mb']:7.1f} MB "
                       f"(largest process), {r['tree_mb']:7.1f} MB (process tree), {r['anon_mb']:7.1f} MB (tree, "

@@ -38,9 +38,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import transformers
+from accelerate import init_empty_weights
 from diffusers import (
     AutoencoderKL,
-    DDPMScheduler,
+    DDIMScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     SD3Transformer2DModel,
@@ -85,27 +86,27 @@ def _clip(config: dict, tokenizer, projection: bool, dtype):
     return cls(transformers.CLIPTextConfig(**config, **ids)).to(dtype)
 
 
-def build_sd15(folder: Path, dtype) -> None:
+def build_sd15(folder: Path, dtype):
     tokenizer = _char_tokenizer(folder / "_tokenizer", 77)
     pipe = StableDiffusionPipeline(
         vae=AutoencoderKL(**SD15_VAE).to(dtype), text_encoder=_clip(CLIP_L, tokenizer, False, dtype),
         tokenizer=tokenizer, unet=UNet2DConditionModel(**SD15_UNET).to(dtype),
-        scheduler=DDPMScheduler(**SD_SCHEDULER), safety_checker=None, feature_extractor=None,
+        scheduler=DDIMScheduler(**SD_SCHEDULER), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False)
-    pipe.save_pretrained(folder / "pipeline")
+    return pipe
 
 
-def build_sdxl(folder: Path, dtype) -> None:
+def build_sdxl(folder: Path, dtype):
     tokenizer = _char_tokenizer(folder / "_tokenizer", 77)
     pipe = StableDiffusionXLPipeline(
         vae=AutoencoderKL(**{**SD15_VAE, "sample_size": 1024, "scaling_factor": 0.13025}).to(dtype),
         text_encoder=_clip(CLIP_L, tokenizer, False, dtype), text_encoder_2=_clip(CLIP_G, tokenizer, True, dtype),
         tokenizer=tokenizer, tokenizer_2=tokenizer, unet=UNet2DConditionModel(**SDXL_UNET).to(dtype),
         scheduler=EulerDiscreteScheduler(**{k: v for k, v in SD_SCHEDULER.items() if k not in ("clip_sample", "set_alpha_to_one")}))
-    pipe.save_pretrained(folder / "pipeline")
+    return pipe
 
 
-def build_sd35m(folder: Path, dtype) -> None:
+def build_sd35m(folder: Path, dtype):
     tokenizer = _char_tokenizer(folder / "_tokenizer", 77)
     t5 = transformers.T5EncoderModel(transformers.T5Config(**T5_XXL)).to(dtype)
     pipe = StableDiffusion3Pipeline(
@@ -114,10 +115,27 @@ def build_sd35m(folder: Path, dtype) -> None:
         text_encoder=_clip(CLIP_L, tokenizer, True, dtype), tokenizer=tokenizer,
         text_encoder_2=_clip(CLIP_G, tokenizer, True, dtype), tokenizer_2=tokenizer,
         text_encoder_3=t5, tokenizer_3=_t5_tokenizer())
-    pipe.save_pretrained(folder / "pipeline")
+    return pipe
 
 
 MODELS = {"sd15": (build_sd15, 512), "sdxl": (build_sdxl, 1024), "sd35m": (build_sd35m, 1024)}
+
+
+def write_configs(build, folder: Path, dtype) -> None:
+    """The pipeline folder's configs and tokenizers only (the parts built on the meta device: no memory), which is
+    all --dry_run reads: the plan is known before any weight is made."""
+    with init_empty_weights(include_buffers=False):  # buffers real: the schedulers build their tables
+        pipe = build(folder, dtype)
+    pipe.save_config(folder / "configs")  # model_index.json
+    for name, part in pipe.components.items():
+        if part is None:
+            continue
+        if hasattr(part, "save_pretrained") and not isinstance(part, torch.nn.Module):
+            part.save_pretrained(folder / "configs" / name)  # tokenizers, schedulers
+        elif hasattr(part, "save_config"):
+            part.save_config(folder / "configs" / name)  # diffusers models
+        else:
+            part.config.save_pretrained(folder / "configs" / name)  # transformers models
 
 
 def write_pair(path: Path, resolution: int) -> None:
@@ -181,30 +199,36 @@ def main() -> None:
     parser.add_argument("--gradient_checkpointing", type=lambda v: v.lower() == "true", default=False)
     parser.add_argument("--workdir", default="/tmp/bench_real_size", help="model folders are kept here and reused")
     parser.add_argument("--force", action="store_true", help="run even when the plan does not fit the free memory")
+    parser.add_argument("--plan_only", action="store_true", help="print the plan and stop (builds no weights)")
     args = parser.parse_args()
     build, native = MODELS[args.model]
     args.resolution = args.resolution or native
     work = Path(args.workdir) / args.model
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    if not (work / "pipeline" / "model_index.json").is_file():
-        print(f"[bench] building {args.model} with random weights in {work / 'pipeline'}", flush=True)
-        torch.manual_seed(0)
-        build(work, torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32)
+    dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    if not (work / "configs" / "model_index.json").is_file():
+        write_configs(build, work, dtype)
     data = work / f"pair_{args.resolution}.parquet"
     if not data.is_file():
         write_pair(data, args.resolution)
-    model = str(work / "pipeline")
     out = work / f"run_{args.finetune}_{args.mixed_precision}_{int(args.gradient_checkpointing)}"
-    plan = planned_gib(model, data, out, args, env)
+    plan = planned_gib(str(work / "configs"), data, out, args, env)
     available = psutil.virtual_memory().available / GIB
     label = (f"{args.model} {args.finetune} {args.resolution} px, mixed precision {args.mixed_precision}, gradient "
              f"checkpointing {'on' if args.gradient_checkpointing else 'off'}")
+    if args.plan_only:
+        print(json.dumps({"case": label, "planned_gib": round(plan, 2), "available_gib": round(available, 2)}))
+        return
     if plan * 1.1 > available and not args.force:
         print(json.dumps({"case": label, "planned_gib": round(plan, 2), "available_gib": round(available, 2),
                           "skipped": "the plan does not fit the memory available with 10% to spare"}))
         return
-    measured = one_step(model, data, out, args, env)
+    if not (work / "pipeline" / "model_index.json").is_file():
+        print(f"[bench] building {args.model} with random weights in {work / 'pipeline'}", flush=True)
+        torch.manual_seed(0)
+        build(work, dtype).save_pretrained(work / "pipeline")
+    measured = one_step(str(work / "pipeline"), data, out, args, env)
     print(json.dumps({"case": label, "planned_gib": round(plan, 2), "peak_rss_gib": round(measured["peak_rss_gib"], 2),
                       "tree_gib": round(measured["tree_gib"], 2), "planned/measured": round(plan / measured["peak_rss_gib"], 3),
                       "seconds": round(measured["seconds"], 1)}))
