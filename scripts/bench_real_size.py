@@ -13,7 +13,9 @@ tokenizers (the encoders keep their real vocabulary sizes) and saved with `save_
 it through the same `from_pretrained` path as real weights. The step is `align/dpo.py --max_steps 1` on one pair of
 random images at the resolution (`--latent_store none`: the step encodes its own images), in a fresh process; the
 peak RSS is that process's (getrusage of the children) and the process tree's sampled every 50 ms (psutil).
-`--dry_run true` with the same flags gives the planner's "DDP x1" total.
+`--dry_run true` with the same flags gives the planner's "DDP x1" total; its own process's peak RSS (the interpreter,
+torch and the libraries, the model built on the meta device) is printed as the runtime, which the plan, like a GPU's
+CUDA context, does not count.
 
 Before building anything the plan is compared with the memory available (psutil): a run whose plan does not fit
 with 10% to spare is skipped, and the script says so (the machine is shared: check `free -g` first).
@@ -156,11 +158,12 @@ def dpo_command(model: str, data: Path, out: Path, args) -> list[str]:
             "--train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_steps", "1",
             "--checkpointing_steps", "1000", "--latent_store", "none", "--report_to", "none",
             "--mixed_precision", args.mixed_precision, "--gradient_checkpointing", str(args.gradient_checkpointing).lower(),
-            "--quiet", "true"]
+            "--quiet", "true", "--overwrite", "true"]
 
 
-def planned_gib(model: str, data: Path, out: Path, args, env: dict) -> float:
-    """The planner's DDP x1 total (`--dry_run true`), in GiB."""
+def planned_gib(model: str, data: Path, out: Path, args, env: dict) -> tuple[float, float]:
+    """The planner's DDP x1 total (`--dry_run true`), and the dry run's own peak RSS (the interpreter, torch and the
+    libraries, the model on the meta device: what a process holds before any tensor of the plan), in GiB."""
     done = subprocess.run([*dpo_command(model, data, out, args), "--dry_run", "true"], env=env, capture_output=True,
                           text=True)
     if done.returncode != 0:
@@ -168,7 +171,8 @@ def planned_gib(model: str, data: Path, out: Path, args, env: dict) -> float:
     unit = re.search(r"(MiB|GiB) per process", done.stdout).group(1)
     total = float(re.search(r"^total\s+([\d.]+)", done.stdout, re.MULTILINE).group(1))
     print(done.stdout.strip(), flush=True)
-    return total / 1024 if unit == "MiB" else total
+    runtime = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB  # the only child waited for yet
+    return (total / 1024 if unit == "MiB" else total), runtime
 
 
 def one_step(model: str, data: Path, out: Path, args, env: dict) -> dict:
@@ -213,7 +217,7 @@ def main() -> None:
     if not data.is_file():
         write_pair(data, args.resolution)
     out = work / f"run_{args.finetune}_{args.mixed_precision}_{int(args.gradient_checkpointing)}"
-    plan = planned_gib(str(work / "configs"), data, out, args, env)
+    plan, runtime = planned_gib(str(work / "configs"), data, out, args, env)
     available = psutil.virtual_memory().available / GIB
     label = (f"{args.model} {args.finetune} {args.resolution} px, mixed precision {args.mixed_precision}, gradient "
              f"checkpointing {'on' if args.gradient_checkpointing else 'off'}")
@@ -229,8 +233,11 @@ def main() -> None:
         torch.manual_seed(0)
         build(work, dtype).save_pretrained(work / "pipeline")
     measured = one_step(str(work / "pipeline"), data, out, args, env)
-    print(json.dumps({"case": label, "planned_gib": round(plan, 2), "peak_rss_gib": round(measured["peak_rss_gib"], 2),
-                      "tree_gib": round(measured["tree_gib"], 2), "planned/measured": round(plan / measured["peak_rss_gib"], 3),
+    peak = measured["peak_rss_gib"]
+    print(json.dumps({"case": label, "planned_gib": round(plan, 2), "peak_rss_gib": round(peak, 2),
+                      "tree_gib": round(measured["tree_gib"], 2), "runtime_gib": round(runtime, 2),
+                      "planned/measured": round(plan / peak, 3),
+                      "planned/(measured - runtime)": round(plan / (peak - runtime), 3),
                       "seconds": round(measured["seconds"], 1)}))
 
 
