@@ -16,13 +16,21 @@ import json
 import os
 import re
 import shutil
-import socket
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
+from align.run_lock import (  # noqa: F401  (re-exported: the lock's names as they were here)
+    LOCK_FILE,
+    RunFolderError,
+    acquire_run_lock,
+    check_not_locked,
+    live_lock_holder,
+    process_command,
+    process_start,
+    release_run_lock,
+)
 from rewards.secrets import scrub, scrub_text
 
 # The process umask, read once (os.umask can only be read by setting it, which races with other threads).
@@ -38,7 +46,6 @@ JUDGE_ANSWERS = "judge_answers"  # process_N.sqlite: API/VLM judges' answers, so
 CHECKPOINT_STATE = "state.json"  # written last into a checkpoint: its step and the manifest of its files
 SET_ASIDE = ".overwritten_run"  # --overwrite: the old run's outputs, until the new run has a checkpoint
 _SET_ASIDE_LIST = "moved.json"  # inside SET_ASIDE: which outputs were being moved there
-LOCK_FILE = ".run.lock"  # pid, host and start of the process whose run writes into the folder (see "the lock")
 # Everything a run writes into its folder (other files, e.g. the user's notes, are never touched).
 RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feedback", "report.html",
                "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED,
@@ -62,117 +69,6 @@ def eval_step(path: Path) -> int:
 def held_out_evals(run_dir: str | Path) -> list[Path]:
     """The held-out scores written during a run (evals/step_N.json), in step order."""
     return sorted((Path(run_dir) / EVALS).glob("step_*.json"), key=eval_step)
-
-class RunFolderError(ValueError):
-    pass
-
-
-# ------------------------------------------------------------------------------------------- the lock
-# One run writes into a folder at a time. The main process of a run holds <run>/.run.lock (its pid, host, the
-# pid's start time and its launcher's pid); another start into the folder, --overwrite or --resume included, is
-# refused while that process lives. A lock whose process is gone (kill -9, a crash, a reboot) is stale and is
-# taken over: nothing has to be cleaned by hand. The processes of one `accelerate launch` share a launcher and
-# count as one run.
-
-
-def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (Linux /proc), so a pid reused after the holder
-    died is not mistaken for it; None where /proc is not there."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        pass
-    return start is None or process_start(pid) in (None, start)
-
-
-def _launcher() -> int | None:
-    """The pid of the launcher this process belongs to (accelerate launch / torchrun set RANK); None alone."""
-    return os.getppid() if "RANK" in os.environ or "LOCAL_RANK" in os.environ else None
-
-
-def _read_lock(path: Path) -> dict | None:
-    try:
-        holder = json.loads((path / LOCK_FILE).read_text())
-        int(holder["pid"])
-        return holder
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}  # torn or edited: nobody can be shown to hold it
-
-
-def _ours(holder: dict) -> bool:
-    if holder.get("host") != socket.gethostname():
-        return False
-    return holder.get("pid") == os.getpid() or (_launcher() is not None and holder.get("launcher") == _launcher())
-
-
-def live_lock_holder(path: str | Path) -> dict | None:
-    """The lock of another run still writing into ``path`` (a live process, or one on another host, which cannot
-    be checked), or None: no lock, our own, or a stale one."""
-    holder = _read_lock(Path(path))
-    if not holder or _ours(holder):
-        return None
-    if holder.get("host") == socket.gethostname() and not _alive(int(holder["pid"]), holder.get("start")):
-        return None
-    return holder
-
-
-def check_not_locked(path: str | Path) -> None:
-    """One line when another run is writing into ``path``."""
-    holder = live_lock_holder(path)
-    if holder is not None:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("time", 0)))
-        raise RunFolderError(
-            f"output folder {path} is in use by a run that is still going (pid {holder['pid']} on "
-            f"{holder.get('host')}, started {since}); wait for it to end or choose another --output_dir"
-            + ("" if holder.get("host") == socket.gethostname() else
-               f" (if that run is gone, delete {Path(path) / LOCK_FILE})")
-        )
-
-
-def acquire_run_lock(path: Path) -> None:
-    """Take <path>/.run.lock for this process (refused while another run holds it; a stale one is taken over).
-    Written whole beside it and linked into place: the link fails if a lock is there, so two starts cannot
-    both take it."""
-    path.mkdir(parents=True, exist_ok=True)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid()),
-          "launcher": _launcher(), "time": time.time()}
-    for _ in range(3):
-        check_not_locked(path)
-        holder = _read_lock(path)
-        if holder and _ours(holder):
-            return
-        if holder is not None:  # stale (its process is gone) or unreadable: take it over
-            (path / LOCK_FILE).unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=f"{LOCK_FILE}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(me, handle)
-            os.link(tmp, path / LOCK_FILE)
-        except FileExistsError:
-            continue  # another start took it between our look and our link: look again
-        finally:
-            os.unlink(tmp)
-        return
-    check_not_locked(path)
-
-
-def release_run_lock(path: str | Path) -> None:
-    """Remove <path>/.run.lock if this process holds it."""
-    holder = _read_lock(Path(path))
-    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        (Path(path) / LOCK_FILE).unlink(missing_ok=True)
 
 
 def holds_training_run(path: str | Path) -> bool:
@@ -286,15 +182,60 @@ def folder_manifest(folder: Path) -> dict[str, dict]:
     }
 
 
-def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint folder cannot be resumed from (a file missing, truncated or changed since it was
-    written), or None. Checkpoints written before manifests existed are trusted as they are."""
+# ------------------------------------------------------------------------------------------- sealed records
+# A record a run writes and reads back (a checkpoint's state.json, a latent store's manifest) carries a digest of its
+# own fields: a field edited by hand (the processes of a checkpoint, the resolution of a store) is seen, and a record
+# without a digest (edited, or written by a version before records were sealed) is never trusted.
+
+DIGEST = "digest"
+
+
+def record_digest(record: dict) -> str:
+    """sha256 of a record's fields but its digest (JSON, keys sorted), 32 hex digits."""
+    body = {k: v for k, v in record.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def seal(record: dict) -> dict:
+    """The record with its digest."""
+    body = {k: v for k, v in record.items() if k != DIGEST}
+    return {**body, DIGEST: record_digest(body)}
+
+
+def seal_problem(record) -> str | None:
+    """Why a record read back cannot be trusted (not an object, no digest, a digest that does not match), or None."""
+    if not isinstance(record, dict):
+        return f"is not a JSON object (found {type(record).__name__})"
+    if DIGEST not in record:
+        return "carries no digest (edited by hand, or written by a version before records were sealed)"
+    if record[DIGEST] != record_digest(record):
+        return "was changed after it was written (its digest does not match)"
+    return None
+
+
+def read_sealed(path: Path) -> dict:
+    """A sealed JSON record; ValueError (naming the file and why) when it is unreadable, unsealed or changed."""
     try:
-        state = json.loads((folder / CHECKPOINT_STATE).read_text())
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path.name} is unreadable ({type(err).__name__})") from None
+    if problem := seal_problem(record):
+        raise ValueError(f"{path.name} {problem}")
+    return record
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (its state.json unreadable, unsealed or changed; a file
+    missing, truncated or changed since it was written), or None."""
+    try:
+        state = read_sealed(folder / CHECKPOINT_STATE)
         int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{CHECKPOINT_STATE} is unreadable ({type(err).__name__})"
-    for name, expected in (state.get("files") or {}).items():
+        files = dict(state["files"])
+    except ValueError as err:
+        return str(err)
+    except (KeyError, TypeError) as err:
+        return f"{CHECKPOINT_STATE} lacks its step or file list ({type(err).__name__})"
+    for name, expected in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"

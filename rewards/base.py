@@ -12,6 +12,10 @@ Every judge checks its inputs in one place, here: ``Judge.__init_subclass__`` wr
 [0, 1], and prompts a list of strings, one per image (rewards.images.check_images / check_prompts).
 A bad input raises TypeError/ValueError instead of being clamped into a plausible wrong score.
 Calls a judge makes to itself (compare asking score) are not checked again.
+
+Their outputs are checked too (check_answers): a score is finite, or NaN for an abstention from a judge that
+declares ``abstains = True`` ((M)LLM judges: a refusal, an answer without a rating, a failed call); a verdict's
+P(A better) is in [0, 1]. Anything else raises JudgeAnswerError naming the judge: the run stops.
 """
 
 from __future__ import annotations
@@ -29,6 +33,30 @@ from rewards.images import Images, check_images, check_prompts, num_images
 _checking = threading.local()  # depth of judge calls on this thread: only the outermost one checks its inputs
 
 
+class JudgeAnswerError(RuntimeError):
+    """A judge answered with something that is not a valid score (inf; NaN from a judge that never abstains; a
+    rating outside its scale, a logprob that is not one): the run stops in one line naming the judge rather than
+    train on, or rank by, it."""
+
+
+def check_answers(judge, kind: str, result):
+    """A judge's outputs are scores or abstentions: a score is finite, or NaN where the judge abstains
+    (``judge.abstains``: (M)LLM judges); a verdict's probability is in [0, 1]."""
+    if kind == "score":
+        values = torch.as_tensor(result).detach().float()
+        bad = torch.isinf(values) | (torch.isnan(values) & (not judge.abstains))
+        if bool(bad.any()):
+            shown = values[bad][:3].tolist()
+            raise JudgeAnswerError(f"judge {judge.name!r} returned {int(bad.sum())} score(s) that are not valid "
+                                   f"(e.g. {shown}); it is broken or misconfigured, so the run stops")
+    else:
+        for pref in result:
+            if not (0.0 <= float(pref.prob_a) <= 1.0):
+                raise JudgeAnswerError(f"judge {judge.name!r} returned a preference with P(A better) = {pref.prob_a!r}, "
+                                       "not a probability; it is broken or misconfigured, so the run stops")
+    return result
+
+
 def _checked(method, kind: str):
     """``method`` (a judge's score or compare) with its inputs checked first, at the outermost call."""
 
@@ -44,9 +72,10 @@ def _checked(method, kind: str):
             check_prompts(prompts, counts[0] if counts else 0, f"{self.name}.{kind}: prompts")
         _checking.depth = depth + 1
         try:
-            return method(self, prompts, *images, **kwargs)
+            result = method(self, prompts, *images, **kwargs)
         finally:
             _checking.depth = depth
+        return check_answers(self, kind, result)  # at every depth: compare built on score sees bad scores too
 
     wrapper.checks_inputs = True
     return wrapper
@@ -84,6 +113,9 @@ class Judge:
     tie_margin: float = 0.0
     # True for judges whose native question is "which of two images is better".
     pairwise_native: bool = field(default=False, init=False)
+    # True for judges that may give no answer (an (M)LLM judge's refusal or failed call): their NaN scores are
+    # abstentions; for every other judge a NaN score is a fault (check_answers).
+    abstains = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from rewards.base import Judge, Preference, check_pair_counts, preference_from_scores
+from rewards.base import Judge, JudgeAnswerError, Preference, check_pair_counts, preference_from_scores
 from rewards.cache import CachedAnswer, JudgeCache, cache_key, image_hash
 from rewards.concurrency import CallStats
 from rewards.images import Images, to_pil
@@ -84,6 +84,10 @@ class MllmJudge(Judge):
     protocol: str = "project"  # "mjbench": the benchmark's questions (judge_prompts.PROTOCOLS)
     prompt_template: str | None = None  # a template file replacing the question text (e.g. MJ-Bench's own)
     stats: CallStats = field(default_factory=CallStats, repr=False)
+    abstains = True  # a refusal, an answer with no rating, a failed call: NaN scores, abstained verdicts
+    # An answer with a number that is not a valid score stops the run (check_answers); the judge benchmark, which
+    # measures judges, counts it as unparseable instead (MJ-Bench's rule).
+    stop_on_invalid_answers: bool = field(default=True, init=False, repr=False)
     last_answers: list = field(default_factory=list, repr=False)
     _cache: JudgeCache | None = field(default=None, init=False, repr=False)
 
@@ -206,7 +210,20 @@ class MllmJudge(Judge):
         missing = [i for i, a in enumerate(answers) if a is None]
         if missing:  # a backend bug must not silently drop labels
             raise RuntimeError(f"judge {self.name!r} returned no answer for requests {missing[:5]}")
+        if self.stop_on_invalid_answers:
+            self.check_answers(requests, answers)
         return answers  # type: ignore[return-value]
+
+    def check_answers(self, requests: list[JudgeRequest], answers: list[Answer]) -> None:
+        """An answer holding a number that is not a valid score stops the run (JudgeAnswerError naming the judge); it
+        stays in the cache, for audit."""
+        bad = [(req, a) for req, a in zip(requests, answers) if a.parsed.invalid]
+        if bad:
+            req, answer = bad[0]
+            where = f"; its raw answers are in {self.cache_path}" if self.cache_path else ""
+            raise JudgeAnswerError(
+                f"judge {self.name!r} ({self.judge_id}) gave {len(bad)} answer(s) that are not a valid score, e.g. "
+                f"for {req.caption!r}: {answer.parsed.reason}; check the judge's model or server{where}")
 
     def keep_answers_in(self, path: str | Path) -> None:
         """Cache answers at ``path`` (the trainers pass one in the run folder), unless given a cache_path already."""

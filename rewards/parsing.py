@@ -39,6 +39,9 @@ class Parsed:
     status: str
     value: Any = None  # float for single/likert; dict(better, rating_1, rating_2) for pair
     reason: str = ""
+    # The answer holds a number where the rating goes, but not a valid one (outside the scale, NaN, inf): not an
+    # abstention but a judge that answers wrongly; MllmJudge stops the run on it (judge benchmarks count it).
+    invalid: bool = False
 
     @property
     def ok(self) -> bool:
@@ -145,12 +148,18 @@ def _number_from_obj(obj: dict, question: JudgeQuestion) -> Parsed | None:
     key = _rating_key(obj, ("rating", "score", "overall_rating", "image_rating", "image_1_rating"))
     if key is None:
         return None
+    if isinstance(obj[key], float) and not math.isfinite(obj[key]):
+        return _out_of_scale(obj[key], question)
     x = _to_number(obj[key])
     if x is None:
         return None
     if not _in_range(x, question):
-        return Parsed(UNPARSEABLE, reason=f"rating {x} outside the scale {question.scale}")
+        return _out_of_scale(x, question)
     return Parsed(OK, x)
+
+
+def _out_of_scale(x: float, question: JudgeQuestion) -> Parsed:
+    return Parsed(UNPARSEABLE, reason=f"rating {x} outside the scale {question.scale}", invalid=True)
 
 
 def _likert_from_obj(obj: dict, question: JudgeQuestion) -> Parsed | None:
@@ -186,14 +195,12 @@ def _number_from_text(text: str, question: JudgeQuestion) -> Parsed | None:
         if matches:
             x = float(matches[-1])  # the final verdict comes last when the judge revises itself
             if not _in_range(x, question):
-                return Parsed(UNPARSEABLE, reason=f"rating {x} outside the scale {question.scale}")
+                return _out_of_scale(x, question)
             return Parsed(OK, x)
     bare = re.fullmatch(rf"\s*({_NUMBER})\s*\.?\s*", text)
     if bare:
         x = float(bare.group(1))
-        return Parsed(OK, x) if _in_range(x, question) else Parsed(
-            UNPARSEABLE, reason=f"rating {x} outside the scale {question.scale}"
-        )
+        return Parsed(OK, x) if _in_range(x, question) else _out_of_scale(x, question)
     return None
 
 
@@ -263,7 +270,7 @@ def _pair_from_text(text: str, question: JudgeQuestion) -> Parsed | None:
 def _pair_result(better: int | None, r1: float | None, r2: float | None, question: JudgeQuestion) -> Parsed | None:
     for r in (r1, r2):
         if r is not None and not _in_range(r, question):
-            return Parsed(UNPARSEABLE, reason=f"rating {r} outside the scale {question.scale}")
+            return _out_of_scale(r, question)
     if better is None and r1 is not None and r2 is not None:
         better = 0 if r1 == r2 else (1 if r1 > r2 else 2)  # no explicit choice: the ratings decide
     if better is None:

@@ -15,7 +15,7 @@ import sys
 
 import rewards
 from rewards.images import UnreadableImageError, load_image
-from rewards.mllm import JudgeNotReadyError
+from rewards.mllm import JudgeAnswerError, JudgeNotReadyError
 from rewards.secrets import install_log_scrubber, scrub_text
 from rewards.weights import MissingWeightsError
 
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         images = [load_image(path) for path in args.images]
         judge = rewards.load(args.judge, **judge_options(args))
         scores = judge.score([args.prompt] * len(images), images)
-    except (rewards.UnknownJudgeError, UnreadableImageError, MissingWeightsError, JudgeNotReadyError, ValueError, TypeError) as err:
+    except (rewards.UnknownJudgeError, UnreadableImageError, MissingWeightsError, JudgeNotReadyError, JudgeAnswerError,
+            ValueError, TypeError) as err:
         print(f"error: {scrub_text(str(err))}", file=sys.stderr)
         return 2
     for path, value in zip(args.images, scores.tolist()):

@@ -8,6 +8,9 @@ A trained folder holds ``reward_model.json`` (the marker, written last) plus the
 - kind ``mllm-skipca`` (LLaVA-Reward style): the authors' layout (``lora/``, the head file,
   ``reward_config.yaml``), loaded by ``rewards.llava_reward``.
 
+The marker is sealed: it records every other file's size and sha256 and a digest of its own fields, checked when
+the folder is loaded (a file changed or missing, a marker edited or without a digest: one line, never loaded).
+
 Calibration: the trainer fits a temperature T on held-out pairs and stores it in the marker.
 At load, scores are s = r / (tau * T), so P(a > b) = sigmoid(s_a - s_b) is calibrated.
 """
@@ -15,6 +18,7 @@ At load, scores are s = r / (tau * T), so P(a > b) = sigmoid(s_a - s_b) is calib
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import tempfile
@@ -183,6 +187,44 @@ EMBEDDING_MODELS = {cls.kind: cls for cls in (ClipRewardModel, BlipRewardModel)}
 # ----------------------------------------------------------------------------------- load by path
 
 
+# ------------------------------------------------------------------------------------------ the seal
+# (rewards never imports align: this is the same record digest as align.run_folder's, written out once here)
+
+DIGEST = "digest"
+FILES = "files"
+
+
+def _digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def folder_files(folder: Path) -> dict[str, dict]:
+    """{relative path: {size, sha256}} of every file of a trained folder but its marker."""
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder) != Path(MARKER)}
+
+
+def check_files(folder: Path, meta: dict) -> None:
+    """Every file the marker records is there, of its size and hash (weights are read whole to load anyway)."""
+    for name, expected in meta[FILES].items():
+        path = folder / name
+        where = f"trained reward model {str(folder)!r}: {name}"
+        if not path.is_file():
+            raise TrainedRewardError(f"{where} is missing; copy the whole folder again (or retrain it)")
+        if path.stat().st_size != expected["size"] or _sha256(path) != expected["sha256"]:
+            raise TrainedRewardError(f"{where} has changed since it was written (size or hash mismatch); copy the "
+                                     "whole folder again (or retrain it)")
+
+
 def read_marker(path: str | Path) -> dict:
     folder = Path(path).expanduser()
     marker = folder / MARKER
@@ -193,8 +235,16 @@ def read_marker(path: str | Path) -> dict:
         )
     try:
         meta = json.loads(marker.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise TrainedRewardError(f"{marker} is not valid JSON: {err}") from err
+    if not isinstance(meta, dict):
+        raise TrainedRewardError(f"{marker} is not a JSON object")
+    if DIGEST not in meta or not isinstance(meta.get(FILES), dict):
+        raise TrainedRewardError(f"{marker} carries no digest or file list (edited by hand, or written by a version "
+                                 "before trained folders were sealed); retrain it with python -m align.train_reward")
+    if meta[DIGEST] != _digest(meta):
+        raise TrainedRewardError(f"{marker} was changed after it was written (its digest does not match); copy the "
+                                 "folder again or retrain it")
     if meta.get("kind") not in KINDS:
         raise TrainedRewardError(f"{marker}: unknown kind {meta.get('kind')!r}; known kinds: {', '.join(KINDS)}")
     if int(meta.get("format_version", 0)) > FORMAT_VERSION:
@@ -207,6 +257,7 @@ def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float3
     """Load a folder written by ``align.train.reward_model`` as a judge (the registry calls this for a path)."""
     meta = read_marker(path)
     folder = Path(path).expanduser()
+    check_files(folder, meta)
     device = resolve_device(device or "cpu")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
@@ -230,10 +281,12 @@ def load_trained(path: str, device=None, dtype: torch.dtype | str = torch.float3
 
 
 def write_marker(folder: str | Path, meta: dict) -> None:
-    """Write reward_model.json atomically (last, so a folder with it is complete)."""
+    """Write reward_model.json atomically (last, so a folder with it is complete), sealed: it records every other
+    file's size and hash and carries a digest of its own fields."""
     folder = Path(folder)
-
-    text = json.dumps(scrub({"format_version": FORMAT_VERSION, **meta}), indent=2, sort_keys=True)  # no secrets
+    body = scrub({"format_version": FORMAT_VERSION, **{k: v for k, v in meta.items() if k not in (DIGEST, FILES)}})
+    body[FILES] = folder_files(folder)  # no secrets (scrubbed above); the files as they are now, all written
+    text = json.dumps({**body, DIGEST: _digest(body)}, indent=2, sort_keys=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MARKER}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)

@@ -28,6 +28,7 @@ from rewards.vlm import HfVlmJudge
 from rewards.vqascore_rules import (
     ANSWER,
     QUESTION_TEMPLATE,
+    InvalidLogprobError,
     probability_from_raw,
     raw_from_probability,
     softmax_answer_probability,
@@ -54,10 +55,12 @@ def _template_question(template: str, prompt_template: str | None = None) -> Jud
 def _parse_probability(raw: str | None, answer: str) -> Parsed:
     try:
         p = probability_from_raw(raw or "", answer)
+    except InvalidLogprobError as err:  # numbers where the answer goes, but not log-probabilities
+        return Parsed(UNPARSEABLE, reason=str(err), invalid=True)
     except (ValueError, TypeError, KeyError):
         return Parsed(UNPARSEABLE, reason="not a VQAScore answer (probability or top logprobs)")
     if not (0.0 <= p <= 1.0) or math.isnan(p):
-        return Parsed(UNPARSEABLE, reason=f"probability {p!r} outside [0, 1]")
+        return Parsed(UNPARSEABLE, reason=f"probability {p!r} outside [0, 1]", invalid=True)
     return Parsed(OK, p)
 
 

@@ -25,6 +25,17 @@ QUESTION_TEMPLATE = 'Does this figure show "{caption}"? Please answer Yes or No.
 ANSWER = "Yes"
 
 
+class InvalidLogprobError(ValueError):
+    """A server's top logprob that is not a log-probability (NaN, inf, above 0): the authors' rule would turn it
+    into a score that is not a probability, so it is no score at all."""
+
+
+def check_logprobs(top: list[tuple[str, float]]) -> None:
+    for token, logprob in top:
+        if not (math.isfinite(logprob) and logprob <= 0.0):
+            raise InvalidLogprobError(f"the logprob of token {token!r} is {logprob!r}, not a finite number <= 0")
+
+
 def softmax_answer_probability(scores: list[torch.Tensor], answer_ids: list[int]) -> float:
     """P(answer) from generate's per-position scores [vocab]: full-vocab softmax, geometric mean over tokens."""
     if not answer_ids or len(scores) < len(answer_ids):
@@ -34,7 +45,9 @@ def softmax_answer_probability(scores: list[torch.Tensor], answer_ids: list[int]
 
 
 def top_logprobs_probability(top: list[tuple[str, float]], answer: str = ANSWER) -> float:
-    """P(answer) from a server's first-token top logprobs [(token, logprob), ...] (the authors' API rule)."""
+    """P(answer) from a server's first-token top logprobs [(token, logprob), ...] (the authors' API rule); a logprob
+    that is not a finite number <= 0 raises InvalidLogprobError (theirs would give NaN, inf or more than 1)."""
+    check_logprobs(top)
     target = answer.strip().lower()
     opposite = "no" if target == "yes" else "yes"
     target_lp = opposite_lp = None

@@ -4,17 +4,28 @@ rewards.vqascore so that the local judges need no OpenAI SDK."""
 
 from __future__ import annotations
 
+import base64
+import json
 from dataclasses import dataclass
 
 import openai
 from openai.types.chat import ChatCompletion
+from PIL import Image
 
 from rewards.api import ApiJudge
 from rewards.api_openai import OpenAIBackend, map_error
 from rewards.cache import CachedAnswer
-from rewards.concurrency import FatalCallError, RetryableError
+from rewards.concurrency import FatalCallError, RetryableError, run_sync
+from rewards.images import encode_png
+from rewards.mllm import JudgeNotReadyError
 from rewards.vqascore import VqaScoreQuestion
-from rewards.vqascore_rules import ANSWER, QUESTION_TEMPLATE, raw_from_top_logprobs
+from rewards.vqascore_rules import (
+    ANSWER,
+    QUESTION_TEMPLATE,
+    InvalidLogprobError,
+    check_logprobs,
+    raw_from_top_logprobs,
+)
 
 
 class OpenAILogprobsBackend(OpenAIBackend):
@@ -81,6 +92,32 @@ class ApiVqaScore(VqaScoreQuestion, ApiJudge):
 
     def decoding(self) -> dict:
         return {**super().decoding(), "rule": "top-logprobs", "top_logprobs": int(self.top_logprobs)}
+
+    def check_ready(self) -> None:
+        """Key and model id (ApiJudge's check), then one question about a small grey image: the server must answer
+        with token logprobs that are log-probabilities, or VQAScore has nothing to score with. Asked before any image
+        is generated (one short call: one answer token)."""
+        super().check_ready()
+        grey = Image.new("RGB", (16, 16), (128, 128, 128))
+        prompt = self._request("a grey square", [grey]).prompt
+        probe = base64.b64encode(encode_png(grey)).decode("ascii")
+        decoding = self.decoding()
+        backend = self._backend
+
+        async def ask():
+            client = backend.async_client()
+            try:
+                return await backend.complete(client, prompt, [probe],
+                                              self.question, temperature=decoding["temperature"],
+                                              max_tokens=decoding["max_tokens"], structured=self.structured)
+            finally:
+                await backend.aclose(client)
+
+        try:
+            answer = run_sync(ask)
+            check_logprobs([(t, float(lp)) for t, lp in json.loads(answer.raw)["top_logprobs"]])
+        except (FatalCallError, RetryableError, InvalidLogprobError) as err:
+            raise JudgeNotReadyError(f"judge {self.name!r} ({self.judge_id}): {err}") from None
 
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from align.train.advantages import (
     EPS,
+    GROUP_EPS,
     PerPromptStatTracker,
     batch_advantages,
     compute_advantages,
@@ -24,7 +25,8 @@ def test_group_advantages_normalise_within_each_prompt():
     rewards = np.array([1.0, 10.0, 3.0, 10.0, 2.0])
     adv = group_advantages(prompts, rewards)
     std_a = np.std([1.0, 3.0, 2.0])
-    np.testing.assert_allclose(adv[[0, 2, 4]], np.array([-1.0, 1.0, 0.0]) / (std_a + EPS))
+    np.testing.assert_allclose(adv[[0, 2, 4]], np.array([-1.0, 1.0, 0.0]) / (std_a + GROUP_EPS))
+    assert GROUP_EPS == 1e-4  # Flow-GRPO's stat_tracking.py; ddpo-pytorch's per-prompt tracker keeps 1e-6
     np.testing.assert_allclose(adv[[1, 3]], [0.0, 0.0])  # a constant group has no signal
 
 

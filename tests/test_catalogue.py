@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -31,7 +30,8 @@ from align.eval import best_of_n, evaluate
 from align.eval.best_of_n import BestOfNConfig
 from align.eval.evaluate import EvalConfig
 from align.judgebench import benchmark as judgebench
-from align.run_folder import COMPILED, LOCK_FILE, RunFolder, process_start
+from align.run_folder import COMPILED, RunFolder
+from align.testing.locks import hold_run_lock
 from align.train import ddpo, dpo
 from align.train import reward_model as train_reward
 from align.train.dpo_config import DPOConfig
@@ -116,10 +116,7 @@ def make_files(root: Path) -> None:
                              "label_0": [1.0, 0.0, 1.0], "label_1": [0.0, 1.0, 0.0]}), root / FILES["bad_image_pairs"])
     pq.write_table(pa.table({"caption": ["a blue square"] * 2, "jpg_0": [png.getvalue()] * 2, "jpg_1": [png.getvalue()] * 2,
                              "label_0": [1.0, 0.0], "label_1": [0.0, 1.0]}), root / FILES["good_pairs"])
-    locked = root / FILES["locked_run"]  # a run still training: its lock is held by a live process (pid 1)
-    shutil.copytree(run, locked)
-    (locked / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "start": process_start(1),
-                                                "launcher": None, "time": 0}))
+    shutil.copytree(run, root / FILES["locked_run"])  # a run still training: ws() starts a process holding its lock
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +140,10 @@ def ws(tiny_model, tmp_path_factory):
     shutil.copytree(tiny_model, sdxl_labelled)
     index = json.loads((sdxl_labelled / "model_index.json").read_text())
     (sdxl_labelled / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
-    return Workspace(root, tiny_model, str(truncated), str(lora), str(broken), str(list_index), str(sdxl_labelled))
+    holder = hold_run_lock(root / FILES["locked_run"])
+    yield Workspace(root, tiny_model, str(truncated), str(lora), str(broken), str(list_index), str(sdxl_labelled))
+    holder.kill()
+    holder.wait()
 
 
 def snapshot(root: Path) -> dict:
@@ -365,7 +365,7 @@ CASES = [
     Case("eval-output-empty", "evaluate", flags("evaluate", "--output_dir", ""), ("--output_dir is empty",)),
     Case("bench-output-empty", "judgebench", flags("judgebench", "--output_dir", ""), ("--output_dir is empty",)),
     Case("dpo-resume-a-running-run", "dpo", flags("dpo", "--output_dir", path("locked_run"), "--resume", "latest"),
-         ("in use by a run that is still going", "pid 1")),
+         ("in use by a run that is still going", "stop it: kill")),
     Case("dpo-overwrite-a-running-run", "dpo", flags("dpo", "--output_dir", path("locked_run"), "--overwrite", "true"),
          ("in use by a run that is still going",)),
     Case("ddpo-overwrite-a-running-run", "ddpo",

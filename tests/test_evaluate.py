@@ -253,3 +253,20 @@ def test_testbed_reference_at_a_size_it_cannot_render_is_one_line():
     with pytest.raises(ev.ConfigError, match=r"--fid_reference testbed renders scenes of 24 to .* these images are 16 px"):
         ev.load_reference_images("testbed", ["a red circle"], [0], 16)
     assert ev.load_reference_images("testbed", ["a red circle"], [0], 24).shape == (1, 3, 24, 24)
+
+
+def test_inception_fid_without_torch_fidelity_is_refused_before_any_image(two_models, tmp_path, capsys, monkeypatch):
+    """Issue 61 finding 7: --fid_reference with the default Inception features and no torch-fidelity ended in a
+    RuntimeError traceback; now one line before any model loads or image is generated."""
+    real = ev.importlib.util.find_spec
+    monkeypatch.setattr(ev.importlib.util, "find_spec", lambda name: None if name == "torch_fidelity" else real(name))
+    base, tuned = two_models
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as exit_:
+        ev.main(["--models", f"base={base},tuned={tuned}", "--judges", "shapes-oracle", "--prompts", "testbed",
+                 "--num_prompts", "2", "--seeds", "0", "--fid_reference", "testbed", "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "torch-fidelity" in line and "--fid_feature" in line
+    assert not out.exists()

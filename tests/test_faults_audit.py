@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import sqlite3
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +19,15 @@ import yaml
 
 from align.data.latent_store import MANIFEST, read_manifest, shard_name
 from align.judgebench import benchmark as judgebench
-from align.run_folder import LOCK_FILE, RunFolder, RunFolderError, process_start, read_metrics
+from align.run_folder import (
+    LOCK_FILE,
+    RunFolder,
+    RunFolderError,
+    check_not_locked,
+    process_start,
+    read_metrics,
+    release_run_lock,
+)
 from align.train import dpo, dpo_data
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,6 +39,7 @@ from test_precompute import write_pairs
 from align.data import precompute
 from align.data.pair_stream import capped_workers
 from align.testing.fake_judge_servers import FakeJudgeServer, brightness
+from align.testing.locks import hold_run_lock
 
 
 def _main_fails(capsys, argv: list[str], *words: str, code: int = 2) -> str:
@@ -48,11 +55,8 @@ def _main_fails(capsys, argv: list[str], *words: str, code: int = 2) -> str:
     return line
 
 
-def _sleeper() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-
-
 def _lock_for(folder: Path, pid: int) -> None:
+    """A lock file naming ``pid`` (this host, its start time), written as a file only: nobody holds it."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / LOCK_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "start": process_start(pid),
                                                 "launcher": None, "time": time.time()}))
@@ -61,27 +65,36 @@ def _lock_for(folder: Path, pid: int) -> None:
 # ------------------------------------------------------------------ the lock
 
 
-def test_a_live_run_locks_its_folder_and_a_killed_one_does_not(tmp_path):
+def test_a_live_run_locks_its_folder_and_a_killed_one_does_not(tmp_path, capsys):
     run = tmp_path / "run"
-    other = _sleeper()  # another process "training" into the folder
+    other = hold_run_lock(run)  # another process "training" into the folder
     try:
-        _lock_for(run, other.pid)
         (run / "config.yaml").write_text("model: testbed\n")
+        lock = json.loads((run / LOCK_FILE).read_text())
+        assert lock["pid"] == other.pid and "align.run_lock" in lock["command"]  # it names its process and command
         for kwargs in ({}, {"overwrite": True}, {"resume": "latest"}):
-            with pytest.raises(RunFolderError, match=f"in use by a run that is still going \\(pid {other.pid}"):
+            with pytest.raises(RunFolderError, match=f"in use by a run that is still going \\(pid {other.pid}.*"
+                                                     f"kill {other.pid}"):
                 RunFolder(run, **kwargs)
         # two starts into one empty folder: the second finds the first one's lock when it takes its own
         fresh = tmp_path / "fresh"
         first = RunFolder(fresh)
-        _lock_for(fresh, other.pid)
-        with pytest.raises(RunFolderError, match="in use"):
-            first.prepare()
+        second = hold_run_lock(fresh)
+        try:
+            with pytest.raises(RunFolderError, match="in use"):
+                first.prepare()
+        finally:
+            second.kill()
+            second.wait()
         assert not (fresh / "config.yaml").exists()
     finally:
-        other.send_signal(signal.SIGKILL)  # kill -9: the lock stays behind, stale
+        other.kill()  # kill -9: the lock file stays behind, held by nobody
         other.wait()
-    RunFolder(run, resume="latest").prepare()  # taken over, nothing to clean by hand
+    capsys.readouterr()
+    RunFolder(run, resume="latest").prepare()  # taken over, nothing to clean by hand, and said so
     assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"named pid {other.pid}" in capsys.readouterr().out
+    release_run_lock(run)
 
 
 def test_a_lock_of_a_reused_pid_is_stale(tmp_path):
@@ -91,6 +104,68 @@ def test_a_lock_of_a_reused_pid_is_stale(tmp_path):
     lock = json.loads((run / LOCK_FILE).read_text())
     (run / LOCK_FILE).write_text(json.dumps({**lock, "start": "1"}))  # the pid's earlier owner started at tick 1
     RunFolder(run).prepare()
+    release_run_lock(run)
+
+
+@pytest.mark.parametrize("lock", ["pid 1", "unreadable"])
+def test_a_lock_that_names_a_process_not_holding_it_is_taken_over(tmp_path, capsys, lock):
+    """Issue 61 finding 6: a .run.lock of this host naming pid 1 (alive for ever) blocked the folder for ever with no way
+    out; so did a lock that could not be read. Nobody holds either: the next start takes it over and says so."""
+    run = tmp_path / "run"
+    _lock_for(run, 1)
+    if lock == "unreadable":
+        (run / LOCK_FILE).write_bytes(b"\xff{not json")
+    check_not_locked(run)  # the commands that only check (evaluation) go on too
+    RunFolder(run).prepare()
+    said = capsys.readouterr().out
+    assert ("named pid 1" if lock == "pid 1" else "could not be read") in said and "taken over" in said
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    release_run_lock(run)
+    assert not (run / LOCK_FILE).exists()
+
+
+def test_a_held_lock_that_names_another_process_is_refused_with_the_way_out(tmp_path):
+    """A live process holds the lock, but its record names pid 1: not the run it names. Refused (something holds it),
+    with how to find the holder."""
+    run = tmp_path / "run"
+    holder = hold_run_lock(run)
+    try:
+        lock = json.loads((run / LOCK_FILE).read_text())
+        (run / LOCK_FILE).write_text(json.dumps({**lock, "pid": 1, "start": process_start(1)}))  # the same inode
+        with pytest.raises(RunFolderError, match=f"not the run its lock names \\(pid 1\\).*fuser -v {run / LOCK_FILE}"):
+            RunFolder(run)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_only_the_ranks_of_the_runs_own_launch_share_its_folder(tmp_path, monkeypatch):
+    """The processes of one launch share the folder when they are one distributed group of the run (its rendezvous),
+    not because they share a parent: a second launch (another port), or a second rank 0, is refused."""
+    run = tmp_path / "run"
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}
+    holder = hold_run_lock_as(run, {**group, "RANK": "0", "LOCAL_RANK": "0"})
+    try:
+        for name, value in {**group, "RANK": "1", "LOCAL_RANK": "1"}.items():
+            monkeypatch.setenv(name, value)
+        check_not_locked(run)  # rank 1 of the run's own launch
+        monkeypatch.setenv("MASTER_PORT", "29512")
+        with pytest.raises(RunFolderError, match="in use"):
+            check_not_locked(run)  # another launch
+        monkeypatch.setenv("MASTER_PORT", "29511")
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(RunFolderError, match="in use"):
+            check_not_locked(run)  # a second rank 0 is not of this run
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def hold_run_lock_as(folder: Path, env: dict):
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return hold_run_lock(folder)
 
 
 def test_a_run_lets_go_of_its_lock_however_it_ends(tiny_model, pair_parquet, tmp_path):  # noqa: F811
@@ -188,14 +263,20 @@ def store(tiny_model, pair_parquet, tmp_path_factory):  # noqa: F811
     ("num_pairs", "was changed after the store was written"),
     ("truncate", "bytes, "),
     ("flip", "hash mismatch"),
+    ("no digest", "carries no digest"),  # issue 61 finding 3: a 16 px store claiming 32 px, its digest deleted
 ])
 def test_a_damaged_store_is_refused_before_the_run_folder_is_written(tiny_model, store, tmp_path, capsys, damage, says):
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
     manifest = json.loads((copy / MANIFEST).read_text())
     shard = copy / shard_name(1)
+    resolution = 16
     if damage in ("resolution", "num_pairs"):
         manifest[damage] = manifest[damage] * 2 if damage == "resolution" else manifest[damage] - 1
+        (copy / MANIFEST).write_text(json.dumps(manifest))
+    elif damage == "no digest":
+        resolution = manifest["resolution"] = 32
+        del manifest["digest"]
         (copy / MANIFEST).write_text(json.dumps(manifest))
     elif damage == "truncate":
         shard.write_bytes(shard.read_bytes()[:-100])
@@ -205,8 +286,25 @@ def test_a_damaged_store_is_refused_before_the_run_folder_is_written(tiny_model,
         shard.write_bytes(bytes(data))
     out = tmp_path / "run"
     _main_fails(capsys, ["--model", tiny_model, "--latent_store", str(copy), "--output_dir", str(out), "--report_to",
-                         "none", "--max_steps", "1", "--resolution", "16"], "latent store", says)
+                         "none", "--max_steps", "1", "--resolution", str(resolution)], "latent store", says)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_latent_store_path_that_cannot_be_a_folder_is_one_line(tiny_model, pair_parquet, tmp_path, capsys, where):  # noqa: F811
+    """Issue 61 finding 7: --latent_store naming a file ended in a NotADirectoryError traceback (with --dataset, when
+    the store was about to be built), leaving the run folder behind."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a store\n")
+    store = afile if where == "a file" else afile / "store"
+    out = tmp_path / "run"
+    _main_fails(capsys, ["--model", tiny_model, "--dataset", pair_parquet, "--latent_store", str(store), "--output_dir",
+                         str(out), "--report_to", "none", "--max_steps", "1", "--resolution", "16"],
+                "latent store", "file")
+    assert not out.exists()
+    with pytest.raises(SystemExit) as exit_:
+        precompute.main(["--model", tiny_model, "--dataset", pair_parquet, "--output", str(store)])
+    assert exit_.value.code == 2 and "file" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ a key in a variable of any name

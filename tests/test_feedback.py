@@ -5,6 +5,7 @@ import math
 import random
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from diffusers import StableDiffusionPipeline
@@ -21,6 +22,7 @@ from align.data.feedback import (
 )
 from align.data.pair_stream import load_pairs
 from align.data.pairs import DataError
+from align.data.sealed_parquet import DIGEST_KEY
 from align.testing.tiny_sd import build_tiny_pipeline
 from rewards.images import decode_image
 from rewards.rules import jpeg_size_kb
@@ -170,6 +172,8 @@ def test_a_judge_with_only_compare_gets_adjacent_pairs_too(tmp_path):
 
 def test_abstentions_recorded_but_not_training_pairs(tmp_path):
     class Abstains(rewards.Judge):
+        abstains = True  # its NaN scores are abstentions (a judge that does not say so may not return NaN)
+
         def score(self, prompts, images):
             scores = -jpeg_size_kb(images)
             scores[:3] = float("nan")  # prompt 0: no usable score at all -> abstention
@@ -220,6 +224,28 @@ def test_resume_refuses_other_prompts_or_seed(tmp_path):
         generate_feedback(FakeGenerator(), judge, PROMPTS, tmp_path / "junk.parquet", progress=False)
     with pytest.raises(DataError, match="at least 2"):
         generate_feedback(FakeGenerator(), judge, PROMPTS, tmp_path / "x.parquet", images_per_prompt=1)
+
+
+@pytest.mark.parametrize("damage", ["edited", "unsealed"])
+def test_a_feedback_file_edited_or_without_its_seal_is_refused(tmp_path, damage):
+    """Issue 61: the feedback a run trains on is the feedback its judge gave. A label flipped by hand (the file
+    rewritten by pyarrow, its metadata kept), or a file without the digest of its rows, is refused in one line."""
+    out = tmp_path / "fb.parquet"
+    judge = rewards.load("jpeg-compressibility")
+    generate_feedback(FakeGenerator(), judge, PROMPTS[:2], out, seed=0, progress=False)
+    table = pq.read_table(out)
+    if damage == "edited":  # the old seal carried over into the edited file
+        sealed = pq.ParquetFile(out).metadata.metadata[DIGEST_KEY]
+        flipped = pa.array([1.0 - v for v in table.column("label_0").to_pylist()], pa.float64())
+        table = table.set_column(table.schema.get_field_index("label_0"), "label_0", flipped)
+        with pq.ParquetWriter(out, table.schema) as writer:
+            writer.write_table(table)
+            writer.add_key_value_metadata({DIGEST_KEY: sealed})
+    else:
+        pq.write_table(table, out)
+    says = "carries no digest" if damage == "unsealed" else "has changed since it was written"
+    with pytest.raises(DataError, match=f"feedback file .*{says}.*delete"):
+        generate_feedback(FakeGenerator(), judge, PROMPTS[:2], out, seed=0, progress=False)
 
 
 def test_crash_mid_run_keeps_written_batches_and_rerun_completes(tmp_path):

@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from align.run_folder import CHECKPOINT_STATE, RunFolder, RunFolderError
+from align.run_folder import CHECKPOINT_STATE, RunFolder, RunFolderError, seal
 from align.testing.noise_pairs import write_noise_pairs
 from align.testing.two_processes import FSDP2, launch_two_cpu_processes
 from align.testing.weights import assert_weights_close
@@ -35,7 +35,7 @@ def saved_run(tmp_path: Path, processes: int, accumulation: int) -> RunFolder:
     checkpoint.mkdir(parents=True)
     config = DPOConfig(model="m", dataset="d", output_dir=str(folder), gradient_accumulation_steps=accumulation)
     (folder / "config.yaml").write_text(yaml.safe_dump(asdict(config)))
-    (checkpoint / CHECKPOINT_STATE).write_text(json.dumps({"step": 2, "processes": processes, "files": {}}))
+    (checkpoint / CHECKPOINT_STATE).write_text(json.dumps(seal({"step": 2, "processes": processes, "files": {}})))
     return RunFolder(folder, resume="latest")
 
 
@@ -57,6 +57,17 @@ def test_another_number_of_processes_resumes_only_with_the_runs_micro_batches_pe
         check_resume_settings(run, resumed(run, 1), processes=3)
     with pytest.raises(RunFolderError, match="--gradient_accumulation_steps 2 \\(now 3\\)"):
         check_resume_settings(run, resumed(run, 3), processes=2)  # the same processes: the run's own accumulation
+
+
+def test_an_edited_processes_record_is_not_believed(tmp_path):
+    """Issue 61 finding 2: "processes": 1 written into a 2-process run's state.json resumed another run silently.
+    The record's digest no longer matches: the count is not read from it (and resume skips that checkpoint)."""
+    run = saved_run(tmp_path, processes=2, accumulation=1)
+    state = run.checkpoints()[-1] / CHECKPOINT_STATE
+    state.write_text(json.dumps({**json.loads(state.read_text()), "processes": 1}))
+    with pytest.raises(RunFolderError, match="--gradient_accumulation_steps 1 \\(now 2\\)"):
+        check_resume_settings(run, resumed(run, 2), processes=1)  # 1 x 2 is not this run's 2 x 1 as far as it knows
+    assert run.resume_checkpoint() is None  # the only checkpoint is not trusted: resume does not read it
 
 
 def test_a_run_from_before_the_processes_record_resumes_as_before(tmp_path):

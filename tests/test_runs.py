@@ -24,6 +24,7 @@ from align.run_folder import (
     atomic_write_text,
     folder_manifest,
     restores_old_run_on_failure,
+    seal,
 )
 
 
@@ -167,11 +168,11 @@ def _checkpoint(run, step, payload):
     folder = run.checkpoint_dir(step)
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(payload)
-    (folder / "state.json").write_text(json.dumps({"step": step, "files": folder_manifest(folder)}))
+    (folder / "state.json").write_text(json.dumps(seal({"step": step, "files": folder_manifest(folder)})))
     return folder
 
 
-@pytest.mark.parametrize("damage", ["truncated", "changed", "missing", "state"])
+@pytest.mark.parametrize("damage", ["truncated", "changed", "missing", "state", "unsealed", "edited"])
 def test_a_damaged_latest_checkpoint_is_reported_and_the_one_before_used(tmp_path, capsys, damage):
     run = RunFolder(tmp_path / "run")
     run.prepare()
@@ -183,8 +184,15 @@ def test_a_damaged_latest_checkpoint_is_reported_and_the_one_before_used(tmp_pat
         (latest / "model.safetensors").write_bytes(b"c" * 100)
     elif damage == "missing":
         (latest / "model.safetensors").unlink()
-    else:
+    elif damage == "state":
         (latest / "state.json").write_text('{"step": ')
+    else:  # issue 61: a record without its digest, or with a field edited by hand (the processes), is not trusted
+        state = json.loads((latest / "state.json").read_text())
+        if damage == "unsealed":
+            del state["digest"]
+        else:
+            state["processes"] = 1
+        (latest / "state.json").write_text(json.dumps(state))
     resumed = RunFolder(tmp_path / "run", resume="latest")
     assert resumed.resume_checkpoint() == earlier
     lines = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     BertTokenizerFast,
     BlipConfig,
@@ -132,6 +132,32 @@ def test_trained_model_reloads_and_scores_identically(tiny_clip, pairs_file, tmp
     raw = rewards.load(str(folder), calibrated=False)
     assert torch.allclose(raw.score(prompts, images), expected, atol=1e-5)
     assert not torch.allclose(expected, expected.mean().expand_as(expected))
+
+
+@pytest.mark.parametrize("damage", ["head", "marker", "unsealed", "missing"])
+def test_a_trained_folder_changed_or_without_its_seal_is_refused(tiny_clip, pairs_file, tmp_path, damage):
+    """Issue 61: a trained judge's marker records its files' sizes and hashes and carries its own digest; a head
+    swapped, a temperature edited, a marker without the seal or a file gone is refused in one line."""
+    model = build_model(config(tiny_clip, pairs_file, tmp_path / "unused"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_marker(folder, {**model.save(folder), "tau": 0.1, "calibration": {"temperature": 1.5}})
+    rewards.load(str(folder))  # as written: loads
+    marker = folder / "reward_model.json"
+    meta = json.loads(marker.read_text())
+    if damage == "head":
+        state = load_file(str(folder / "head.safetensors"))
+        save_file({k: v + 1 for k, v in state.items()}, str(folder / "head.safetensors"))
+    elif damage == "marker":
+        marker.write_text(json.dumps({**meta, "calibration": {"temperature": 0.01}}))
+    elif damage == "unsealed":
+        marker.write_text(json.dumps({k: v for k, v in meta.items() if k != "digest"}))
+    else:
+        (folder / "head.safetensors").unlink()
+    says = {"head": "has changed", "marker": "was changed after it was written", "unsealed": "carries no digest",
+            "missing": "is missing"}[damage]
+    with pytest.raises(ValueError, match=says):
+        rewards.load(str(folder))
 
 
 def test_calibrate_reports_bins_and_temperature():

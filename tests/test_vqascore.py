@@ -79,7 +79,9 @@ def test_server_scores_from_token_logprobs(tmp_path):
     with FakeJudgeServer("openai", answer=lambda prompt, images: "Yes", logprobs=_logprobs) as server:
         spec = f"vqascore-openai:fake-model[base_url={server.base_url}]"
         judge = rewards.load(spec, cache_path=str(tmp_path / "cache.sqlite"), **FAST)
-        judge.check_ready()
+        judge.check_ready()  # asks one question about a grey square: are there logprobs to score with?
+        assert [call["prompt"] for call in server.calls] == [QUESTION_TEMPLATE.format(caption="a grey square")]
+        server.calls.clear()
         scores = judge.score(["a", "b", "c"], images)
         judge.close()
         body = server.calls[0]["body"]

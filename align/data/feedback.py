@@ -12,6 +12,9 @@ Which images are paired:
 Labels: 1/0 for a win, 0.5/0.5 for a tie; an abstention (no usable answer) is kept for audit with
 NaN labels and ``abstained`` True, and is never a training pair.
 
+Sealed: every file (the shards below and the merged file) carries a digest of its rows in its metadata, checked
+when it is read back; a file without it, or changed, is refused in one line (align.data.sealed_parquet).
+
 Resumable: each batch of prompts is written as an atomic shard in ``<out_path>.parts/``; the shards
 are merged into ``out_path`` (atomically) when the run ends, also when it ends with an error, and
 at the start of the next run if the process was killed. A rerun skips the prompts already labelled
@@ -33,12 +36,14 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from align.data.pairs import DataError, write_pairs_parquet
+from align.data.pairs import DataError
+from align.data.sealed_parquet import SealedParquetWriter, sealed_problem, write_sealed_table
 from align.families import family_of_pipeline
 from align.progress import progress_bar
 from align.run_folder import atomic_path
-from rewards.base import Judge, Preference, preference_from_scores
+from rewards.base import Judge, JudgeAnswerError, Preference, preference_from_scores
 from rewards.images import encode_png, to_pil
+from rewards.mllm import JudgeNotReadyError
 from rewards.secrets import scrub_text
 
 
@@ -186,11 +191,11 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
             for n in range(len(indices))
             for a, b in pairwise_scheme(images_per_prompt)
         ]
-        preferences = judge.compare(
+        preferences = _asked(judge, lambda: judge.compare(
             [batch_prompts[a] for _, a, _ in pairs],
             [images[a] for _, a, _ in pairs],
             [images[b] for _, _, b in pairs],
-        )
+        ))
         if len(preferences) != len(pairs):
             raise RuntimeError(
                 f"judge {judge.name!r} answered {len(preferences)} comparisons for {len(pairs)} pairs"
@@ -199,7 +204,7 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
             raw = {"prob_0": pref.prob_a, "tie": pref.tie, "raw": pref.raw}
             verdicts.append((n, a, b, pref, raw))
     else:
-        scores = judge.score(batch_prompts, images).detach().float().cpu().tolist()
+        scores = _asked(judge, lambda: judge.score(batch_prompts, images)).detach().float().cpu().tolist()
         for n in range(len(indices)):
             offset = n * images_per_prompt
             own = scores[offset : offset + images_per_prompt]
@@ -236,6 +241,15 @@ def _label_batch(generate_images, judge, prompts, indices, images_per_prompt, se
     return rows
 
 
+def _asked(judge: Judge, question):
+    """A judge's answers; one that gave no valid score (JudgeAnswerError) or stopped answering (JudgeNotReadyError)
+    stops the labelling in one line (DataError; the answers it gave are in its cache)."""
+    try:
+        return question()
+    except (JudgeAnswerError, JudgeNotReadyError) as err:
+        raise DataError(str(err)) from None
+
+
 def _best_vs_worst(scores: list[float], tie_margin: float) -> tuple[int, int, Preference]:
     """The (lower, higher) generation indices of the best- and worst-scored images, and the verdict."""
     valid = [k for k, s in enumerate(scores) if not math.isnan(s)]
@@ -257,8 +271,16 @@ def _labels(pref: Preference) -> tuple[float, float]:
 # ------------------------------------------------------------------------------------- resume
 
 
+def check_sealed(path: Path, out_path: Path) -> None:
+    """A feedback file (or one of its parts) read back is the one written: its rows' digest matches (one line
+    otherwise: relabelling costs compute only, since a judge's answers are cached where they were paid for)."""
+    if problem := sealed_problem(path):
+        raise DataError(f"feedback file {path} {problem}; delete {out_path} (and {parts_dir(out_path).name}/ beside "
+                        "it) to label its prompts again")
+
+
 def _labelled_prompts(out_path: Path, prompts, seed: int, images_per_prompt: int) -> set[int]:
-    """Prompt indices already in ``out_path``; refuses a file written for other prompts or seeds."""
+    """Prompt indices already in ``out_path``; refuses a file written for other prompts or seeds, or changed since."""
     if not out_path.exists():
         return set()
     import pyarrow as pa
@@ -270,6 +292,7 @@ def _labelled_prompts(out_path: Path, prompts, seed: int, images_per_prompt: int
         raise DataError(
             f"{out_path} exists but is not a feedback parquet file ({err}); choose another out_path"
         ) from err
+    check_sealed(out_path, out_path)
     done = set()
     for index, caption, seed_0 in zip(
         *(table.column(c).to_pylist() for c in ("prompt_index", "caption", "seed_0"))
@@ -293,7 +316,10 @@ def _write_part(out_path: Path, rows: list[dict]) -> None:
     folder = parts_dir(out_path)
     folder.mkdir(parents=True, exist_ok=True)
     number = 1 + max((int(p.stem.split("-")[1]) for p in folder.glob("part-*.parquet")), default=-1)
-    write_pairs_parquet(rows, folder / f"part-{number:06d}.parquet", schema=feedback_schema())
+    import pyarrow as pa
+
+    with atomic_path(folder / f"part-{number:06d}.parquet") as tmp:
+        write_sealed_table(pa.Table.from_pylist(rows, schema=feedback_schema()), tmp)
 
 
 def _merge_parts(out_path: Path) -> None:
@@ -309,10 +335,12 @@ def _merge_parts(out_path: Path) -> None:
     import pyarrow.parquet as pq
 
     sources = ([out_path] if out_path.exists() else []) + parts
+    for source in sources:
+        check_sealed(source, out_path)
     seen: set[int] = set()
     schema = feedback_schema()
     with atomic_path(out_path) as tmp:
-        with pq.ParquetWriter(tmp, schema) as writer:
+        with SealedParquetWriter(tmp, schema) as writer:
             for source in sources:
                 table = pq.read_table(source).select(schema.names).cast(schema)
                 indices = table.column("prompt_index").to_pylist()

@@ -24,8 +24,8 @@ every shard's size, hash and pair count and its own digest: a store is checked a
 What is stored: the centre crop at the training resolution, un-flipped AND flipped (the flip is drawn
 at train time), and the VAE posterior's mean times the scaling factor, exactly what the trainer
 encodes when it reads images (the family's encode_images / encode_prompts), so training from a store is
-training from the images with the same latents and conditioning. Format 1 stores (SD 1.x/2.x, one
-``text`` tensor) are still read. The official Diffusion-DPO code draws ``latent_dist.sample()``
+training from the images with the same latents and conditioning. A manifest without its digest (stores written
+before it, format 1) is refused: nothing vouches for it. The official Diffusion-DPO code draws ``latent_dist.sample()``
 at every step instead; see docs/scale.md.
 """
 
@@ -43,10 +43,10 @@ from align.data.pairs import DataError
 from align.families import family_of, family_of_pipeline
 from align.families.base import cat_conditioning
 from align.pipeline import resolve_model
-from align.run_folder import atomic_path, atomic_write_text, file_sha256
+from align.run_folder import atomic_path, atomic_write_text, file_sha256, record_digest, seal
 
 STORE_FORMAT = 2
-READABLE_FORMATS = (1, 2)  # 1: the text embeddings alone under "text" (SD 1.x/2.x)
+READABLE_FORMATS = (2,)  # format 1 (before conditioning dicts) had no digest: refused, like every store without one
 COND_PREFIX = "cond."  # a conditioning key's tensor name in the files and in the items read
 MANIFEST = "manifest.json"
 EMPTY_TEXT = "empty_text.safetensors"
@@ -125,16 +125,28 @@ class StoreSpec:
 
 def manifest_digest(manifest: dict) -> str:
     """The digest a manifest carries of its other fields: an edit by hand (resolution, pair count) is seen."""
-    body = {k: v for k, v in manifest.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+    return record_digest(manifest)
 
 
 def write_manifest(store: Path, manifest: dict) -> None:
-    manifest = {k: v for k, v in manifest.items() if k != "digest"}
-    atomic_write_text(store / MANIFEST, json.dumps({**manifest, "digest": manifest_digest(manifest)}, indent=2))
+    atomic_write_text(store / MANIFEST, json.dumps(seal(manifest), indent=2))
+
+
+def check_store_path(store: str | Path) -> None:
+    """A store is a folder (or one to be made): a file, a dangling link or a file on its path is one line."""
+    store = Path(store)
+    if store.is_symlink() and not store.exists():
+        raise DataError(f"latent store {str(store)!r} is a link to nothing ({store.readlink()}); give a store folder")
+    if store.exists() and not store.is_dir():
+        raise DataError(f"latent store {str(store)!r} is a file, not a store folder; give a folder (new, or one built "
+                        "by python -m align.precompute)")
+    blocking = next((p for p in store.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise DataError(f"latent store {str(store)!r} cannot be a folder: {str(blocking)!r} on its path is a file")
 
 
 def read_manifest(store: str | Path) -> dict | None:
+    check_store_path(store)
     path = Path(store) / MANIFEST
     if not path.is_file():
         return None
@@ -145,8 +157,12 @@ def read_manifest(store: str | Path) -> dict | None:
     if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise DataError(f"latent store {str(store)!r} has format {found!r}; this version reads "
-                        f"{', '.join(map(str, READABLE_FORMATS))}")
-    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+                        f"{', '.join(map(str, READABLE_FORMATS))}; rebuild the store (python -m align.precompute)")
+    if "digest" not in manifest:  # nothing vouches for what it says (issue 61: a 16 px store trained as 32 px)
+        raise DataError(f"latent store {str(store)!r}: {MANIFEST} carries no digest (edited by hand, or written by a "
+                        "version before stores were verified), so what it says of its latents cannot be trusted; "
+                        "rebuild the store (python -m align.precompute into a new folder, or delete the run's latents/)")
+    if manifest["digest"] != manifest_digest(manifest):
         raise DataError(f"latent store {str(store)!r}: {MANIFEST} was changed after the store was written (its digest "
                         "does not match); rebuild the store (python -m align.precompute, or delete the run's latents/)")
     return manifest
@@ -158,25 +174,28 @@ def read_manifest(store: str | Path) -> dict | None:
 HASH_AT_OPEN_BYTES = 1 << 30
 
 
+SHARD_RECORD = ("size", "sha256", "pairs")  # what the manifest records of each shard (all of it is checked)
+
+
 def shard_records(store: Path, manifest: dict) -> dict[str, dict]:
-    """{file: {size, sha256, pairs}} of the store's shards; a store written before shards were recorded lists its
-    shard files (shard i: pairs [i*S, (i+1)*S)) with sizes and hashes unknown."""
-    if "shards" in manifest:
-        return manifest["shards"]
-    count = -(-manifest["num_pairs"] // manifest["shard_size"])
-    return {shard_name(i): {} for i in range(count) if (store / shard_name(i)).is_file()}
+    """{file: {size, sha256, pairs}} of the store's shards, each record whole (else one line: nothing to check
+    that shard against)."""
+    records = manifest.get("shards")
+    if not isinstance(records, dict):
+        raise DataError(f"latent store {str(store)!r}: {MANIFEST} lists no shards; rebuild the store")
+    for name, record in records.items():
+        if not isinstance(record, dict) or any(key not in record for key in SHARD_RECORD):
+            raise DataError(f"latent store {str(store)!r}: {MANIFEST} does not record {name}'s "
+                            f"{', '.join(SHARD_RECORD)}; rebuild the store")
+    return records
 
 
 def shard_pairs(store: Path, name: str, manifest: dict) -> torch.Tensor:
-    """The pair indices shard ``name`` holds (its ``pairs`` tensor; older shards: their block of S pairs)."""
+    """The pair indices shard ``name`` holds (its ``pairs`` tensor)."""
     from safetensors import safe_open
 
     with safe_open(str(store / name), framework="pt") as handle:
-        if "pairs" in handle.keys():
-            return handle.get_tensor("pairs")
-        count = handle.get_slice("latents").get_shape()[0]
-    first = int(name.split("_")[1].split(".")[0]) * manifest["shard_size"]
-    return torch.arange(first, first + count)
+        return handle.get_tensor("pairs")
 
 
 def check_shards(store: Path, manifest: dict) -> None:
@@ -185,25 +204,26 @@ def check_shards(store: Path, manifest: dict) -> None:
     from safetensors import safe_open
 
     records = shard_records(store, manifest)
-    total = sum(int(r.get("size", 0)) for r in records.values())
+    total = sum(int(r["size"]) for r in records.values())
     held = 0
     for name, record in records.items():
         path = store / name
         where = f"latent store {str(store)!r}: {name}"
         if not path.is_file():
             raise DataError(f"{where} is missing; rebuild the store (or delete the run's latents/ to re-encode)")
-        if "size" in record and path.stat().st_size != record["size"]:
+        if path.stat().st_size != record["size"]:
             raise DataError(f"{where} is {path.stat().st_size} bytes, {record['size']} were written (truncated or "
                             "changed); rebuild the store (or delete the run's latents/ to re-encode)")
-        if "sha256" in record and total <= HASH_AT_OPEN_BYTES:
+        if total <= HASH_AT_OPEN_BYTES:
             if file_sha256(path) != record["sha256"]:
                 raise DataError(f"{where} has changed since it was written (hash mismatch); rebuild the store")
         try:
             with safe_open(str(path), framework="pt") as handle:
                 count = handle.get_slice("latents").get_shape()[0]
-        except Exception as err:  # safetensors' errors: a damaged header
+                pairs = handle.get_slice("pairs").get_shape()[0]
+        except Exception as err:  # safetensors' errors: a damaged header, a tensor missing
             raise DataError(f"{where} is not a readable shard ({type(err).__name__}); rebuild the store") from None
-        if "pairs" in record and count != record["pairs"]:
+        if count != record["pairs"] or pairs != count:
             raise DataError(f"{where} holds {count} pairs, the manifest says {record['pairs']}; rebuild the store")
         held += count
     if manifest.get("complete") and held != manifest["num_pairs"]:
@@ -370,11 +390,8 @@ def encode_shard(pipe, table, indices, resolution: int, batch_size: int, progres
 
 
 def cond_names(names) -> dict[str, str]:
-    """Tensor name in a store file -> item key (``cond.<key>``); format 1's ``text`` is ``cond.prompt_embeds``."""
-    out = {name: name for name in names if name.startswith(COND_PREFIX)}
-    if "text" in names:
-        out["text"] = COND_PREFIX + "prompt_embeds"
-    return out
+    """Tensor name in a store file -> item key (``cond.<key>``)."""
+    return {name: name for name in names if name.startswith(COND_PREFIX)}
 
 
 def as_float(value: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,12 @@
 pairs (``open_pairs``), the torch Dataset that DataLoader workers read pixels through, and the same pairs
 decoded into memory for small sets (``load_pairs``).
 
-Nothing here holds a dataset in Python lists. The pairs stay in Arrow files that ``datasets``
-memory-maps (a local parquet file or folder is converted once into its cache, as ``load_dataset``
-does; a ``save_to_disk`` folder is mapped as it is); only the kept row numbers and a winner flag
-(9 bytes a pair) are in memory. Images are decoded, centre-cropped and flipped in the DataLoader's
-worker processes, each worker reading only the micro-batches it is handed.
+Nothing here holds a dataset in Python lists, and nothing reads the whole of it before training. Local parquet
+files (a file, or a folder of them in the Hub layout) are read where they lie (align.data.parquet_rows: the label
+and caption columns whole, the images a row group at a time when a pair is used); a ``save_to_disk`` folder is
+memory-mapped as it is; a Hub dataset id is downloaded and memory-mapped by ``datasets``. Only the kept row numbers
+and a winner flag (9 bytes a pair) are in memory. Images are decoded, centre-cropped and flipped in the
+DataLoader's worker processes, each worker reading only the micro-batches it is handed.
 
 Which pair, which flip and whether the caption is dropped are decided by the trainer from
 generators seeded by (seed, step, micro-step, process), and handed to the DataLoader as the keys
@@ -40,45 +41,70 @@ from align.data.pairs import (
     looks_like_path,
     pair_pixels,
 )
+from align.data.parquet_rows import ParquetRows
 from rewards.images import UnreadableImageError, decode_image
+
+
+class ArrowRows:
+    """The rows of a ``datasets.Dataset`` (memory-mapped Arrow: a ``save_to_disk`` folder, a Hub dataset), with the
+    interface of align.data.parquet_rows.ParquetRows."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.column_names = list(dataset.column_names)
+        self.num_rows = len(dataset)
+
+    def column(self, name: str):
+        return self.dataset.data.column(name)  # mapped, not read
+
+    def caption(self, row: int):
+        return self.dataset.data.column("caption")[row].as_py()  # that cell only
+
+    def images(self, row: int) -> tuple:
+        record = self.dataset[row]
+        return record["jpg_0"], record["jpg_1"]
+
+    def reopened(self) -> ArrowRows:
+        """Through a fresh memory map. Pages of a mapped file that were read stay in the process's RSS until the map
+        closes: a pass over every pair (a store build) reads each stretch through its own map."""
+        return ArrowRows(pickle.loads(pickle.dumps(self.dataset)))
 
 
 @dataclass
 class PairTable:
-    """The training pairs of a source: Arrow rows ``rows[k]``, winner = jpg_1 where ``swap[k]``."""
+    """The training pairs of a source: rows ``rows[k]`` of ``dataset``, winner = jpg_1 where ``swap[k]``."""
 
     source: str
-    dataset: object  # datasets.Dataset (memory-mapped Arrow), image columns kept as encoded bytes
+    dataset: ParquetRows | ArrowRows  # the source's rows; image columns kept as encoded bytes
     rows: np.ndarray  # int64 row numbers of the kept pairs
     swap: np.ndarray  # bool: image 1 won, so it is the pair's first image
     stats: PairStats
     fingerprint: str  # the content of the selected pairs (content_fingerprint): no path, no file time
-    legacy_fingerprint: str = ""  # what stores built before content fingerprints recorded (path/mtime based)
+    legacy_fingerprint: str = ""  # what stores built before content fingerprints recorded (Arrow sources only)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def remapped(self) -> PairTable:
-        """The same pairs through a fresh memory map. Pages of a mapped file that were read stay in the
-        process's RSS until the map closes: a pass over every pair (a store build) reads each stretch
-        through its own map, so RSS does not grow with the dataset."""
-        return dataclasses.replace(self, dataset=pickle.loads(pickle.dumps(self.dataset)))
+        """The same pairs through freshly opened files (a fresh memory map; no row group held), so a pass over every
+        pair (a store build) does not keep what it read."""
+        return dataclasses.replace(self, dataset=self.dataset.reopened())
 
     def caption(self, k: int) -> str:
-        value = self.dataset.data.column("caption")[int(self.rows[k])].as_py()  # that cell only
+        value = self.dataset.caption(int(self.rows[k]))
         return value if isinstance(value, str) else ""
 
     def pair(self, k: int) -> PreferencePair:
-        """Pair k, winner first, with its encoded image bytes (read from the memory-mapped table)."""
+        """Pair k, winner first, with its encoded image bytes (read from the source when asked)."""
         row = int(self.rows[k])
-        record = self.dataset[row]
         where = f"{self.source}: row {row}"
         try:
-            jpg_0 = image_bytes(record["jpg_0"], f"{where} jpg_0")
-            jpg_1 = image_bytes(record["jpg_1"], f"{where} jpg_1")
+            first, second = self.dataset.images(row)
+            jpg_0 = image_bytes(first, f"{where} jpg_0")
+            jpg_1 = image_bytes(second, f"{where} jpg_1")
         except UnreadableImageError as err:
             raise DataError(f"{err}; fix or remove that row (valid: PNG/JPEG bytes)") from None
-        caption = record["caption"] if isinstance(record["caption"], str) else ""
+        caption = self.caption(k)
         chosen, rejected = (jpg_1, jpg_0) if self.swap[k] else (jpg_0, jpg_1)
         return PreferencePair(caption, chosen=chosen, rejected=rejected, source_index=row)
 
@@ -104,33 +130,65 @@ def open_pairs(
     max_pairs: int | None = None,
     cache_dir: str | None = None,
 ) -> PairTable:
-    """The training pairs of a Pick-a-Pic-schema source, memory-mapped.
+    """The training pairs of a Pick-a-Pic-schema source, read where it lies.
 
-    source: a .parquet file, a folder of parquet files, a ``save_to_disk`` folder, or a Hugging Face
-    dataset id (downloaded and memory-mapped by ``datasets``). Ties are dropped ("drop", official
-    code) or kept as wins of image 0 ("keep_first"); NaN labels and abstentions are never pairs.
-    Only the label columns are read here; images are read when a pair is used.
+    source: a .parquet file, a folder of parquet files (read in place: align.data.parquet_rows), a
+    ``save_to_disk`` folder (memory-mapped), or a Hugging Face dataset id (downloaded and memory-mapped by
+    ``datasets``). Ties are dropped ("drop", official code) or kept as wins of image 0 ("keep_first"); NaN labels
+    and abstentions are never pairs. Only the label and caption columns are read here (and, for the fingerprint,
+    the images of the pairs of two row groups); images are read when a pair is used.
     """
     if tie_policy not in TIE_POLICIES:
         raise DataError(f"tie_policy {tie_policy!r} is not valid; choose one of {', '.join(TIE_POLICIES)}")
     if max_pairs is not None and max_pairs < 1:
         raise DataError(f"max_pairs must be a positive number of pairs (or None for all), got {max_pairs}")
-    dataset = _open_table(str(source), split, cache_dir)
-    names = list(dataset.column_names)
+    table = _open_table(str(source), split, cache_dir)
+    names = list(table.column_names)
     missing = [c for c in PAIR_COLUMNS if c not in names]
     if missing:
         raise DataError(
             f"preference source {source!r} lacks the Pick-a-Pic columns {', '.join(missing)}; needed: "
             f"{', '.join(PAIR_COLUMNS)} (found: {', '.join(names)})"
         )
-    dataset = _bytes_only(dataset.select_columns(list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else [])))
-    rows, swap, stats = _select_pairs(dataset, str(source), tie_policy, max_pairs)
+    if isinstance(table, ParquetRows):
+        rows, swap, stats = _select_pairs(table, str(source), tie_policy, max_pairs)
+        return PairTable(str(source), table, rows, swap, stats, parquet_fingerprint(table, rows, swap))
+    dataset = _bytes_only(table.select_columns(list(PAIR_COLUMNS) + (["abstained"] if "abstained" in names else [])))
+    rows, swap, stats = _select_pairs(ArrowRows(dataset), str(source), tie_policy, max_pairs)
     key = f"{getattr(dataset, '_fingerprint', source)}|{split}|{tie_policy}|{max_pairs}|{len(rows)}"
-    return PairTable(str(source), dataset, rows, swap, stats, content_fingerprint(dataset, rows, swap),
+    return PairTable(str(source), ArrowRows(dataset), rows, swap, stats, content_fingerprint(dataset, rows, swap),
                      hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 CONTENT_SAMPLES = 16  # pairs whose image bytes enter the fingerprint in full (the rest by their lengths)
+
+
+def parquet_fingerprint(table: ParquetRows, rows: np.ndarray, swap: np.ndarray) -> str:
+    """A digest of the selected pairs of local parquet files, from what a run reads anyway, so that it costs the
+    same for 500 pairs as for a million: the selection (rows and winners), every caption and label, the files'
+    layout as their footers give it (each file's size, each row group's rows and each column chunk's compressed
+    and uncompressed sizes: an image changed changes its chunk's sizes but for a byte-for-byte same-size edit),
+    and the full bytes of the images of up to CONTENT_SAMPLES pairs of the first and the last row group holding a
+    selected pair. Never a path or a file time: a file moved or touched keeps its store. What it cannot see: an
+    image replaced in place by one that compresses to exactly the same number of bytes, outside those two row
+    groups (docs/scale.md)."""
+    digest = table.layout_digest()
+    digest.update(b"pairs-v3")
+    digest.update(rows.astype(np.int64).tobytes())
+    digest.update(swap.astype(bool).tobytes())
+    for name in ("caption", "label_0", "label_1"):
+        digest.update(name.encode())
+        for chunk in table.column(name).chunks:
+            for buffer in chunk.buffers():
+                if buffer is not None:
+                    digest.update(buffer)
+    first, last = table.locate(int(rows[0]))[0], table.locate(int(rows[-1]))[0]
+    sampled = [int(r) for r in rows if table.locate(int(r))[0] in (first, last)]
+    for row in sampled[: CONTENT_SAMPLES // 2] + sampled[-(CONTENT_SAMPLES // 2):]:
+        for value in table.images(row):
+            data = value.get("bytes") if isinstance(value, dict) else value
+            digest.update(data or b"")
+    return digest.hexdigest()[:16]
 
 
 def content_fingerprint(dataset, rows: np.ndarray, swap: np.ndarray) -> str:
@@ -199,26 +257,50 @@ def load_pairs(
 
 
 def _open_table(source: str, split: str, cache_dir: str | None):
-    import datasets
-
+    """Local parquet files as ParquetRows (read in place); anything else as a ``datasets.Dataset``."""
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".parquet":
             raise DataError(f"preference file {source!r} must be a .parquet file (Pick-a-Pic schema)")
-        if _check_parquet(path) == 0:  # datasets cannot build a table of no rows: say what the user needs to know
+        if _check_parquet(path) == 0:  # no rows: say what the user needs to know
             raise DataError(f"no usable preference pairs in {source!r}: the file has the Pick-a-Pic columns and 0 rows")
-        try:
-            return datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir)
-        except Exception as err:  # the library raises many types
-            raise DataError(f"cannot read {source!r} as a parquet dataset: {type(err).__name__}: {err}") from err
+        return ParquetRows([path])
     if path.is_dir():
-        return dataset_from_folder(path, split, cache_dir)
+        files = _parquet_split_files(path, split)
+        if files is None:
+            return dataset_from_folder(path, split, cache_dir)
+        for file in files:
+            _check_parquet(file)
+        table = ParquetRows(files)
+        if table.num_rows == 0:
+            raise DataError(f"no usable preference pairs in {source!r}: its parquet files have 0 rows")
+        return table
     if looks_like_path(source) or source.lower().endswith(".parquet"):
         raise DataError(
             f"preference source {source!r} not found; give a .parquet file, a folder of parquet files, "
             "a datasets save_to_disk folder, or a Hugging Face dataset id"
         )
     return load_hf_dataset(source, split, "preference dataset", cache_dir)
+
+
+def _parquet_split_files(folder: Path, split: str) -> list[Path] | None:
+    """The parquet files of ``split`` in a folder of them, resolved as ``load_dataset(folder)`` resolves them (the
+    Hub layout: data/train-*.parquet, ...) without reading any; None for a ``save_to_disk`` folder or a folder of
+    other files."""
+    if (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file():
+        return None
+    if not any(folder.rglob("*.parquet")):
+        return None
+    import datasets
+
+    try:
+        resolved = datasets.load_dataset_builder(str(folder)).config.data_files or {}
+    except Exception:  # the library raises many types: let load_dataset say what is wrong
+        return None
+    if split not in resolved:
+        raise DataError(f"dataset folder {str(folder)!r} has no split {split!r}; its splits: {', '.join(resolved)}")
+    files = [Path(str(f)) for f in resolved[split]]
+    return files if files and all(f.suffix.lower() == ".parquet" for f in files) else None
 
 
 def _check_parquet(path: Path) -> int:
@@ -251,13 +333,12 @@ def _bytes_only(dataset):
     return dataset
 
 
-def _select_pairs(dataset, source: str, tie_policy: str, max_pairs: int | None):
+def _select_pairs(table: ParquetRows | ArrowRows, source: str, tie_policy: str, max_pairs: int | None):
     """Kept row numbers and winner flags from the label columns alone (vectorised)."""
-    table = dataset.data  # Arrow table, memory-mapped
     label_0 = _float_column(table.column("label_0"))
     label_1 = _float_column(table.column("label_1"))
     unlabelled = np.isnan(label_0) | np.isnan(label_1)
-    if "abstained" in dataset.column_names:
+    if "abstained" in table.column_names:
         unlabelled |= np.asarray(table.column("abstained").fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
     tie = ~unlabelled & (label_0 == label_1)
     keep = ~unlabelled & (~tie | (tie_policy == "keep_first"))

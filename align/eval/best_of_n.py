@@ -60,6 +60,8 @@ from align.validation import (
     check_weight_files,
     check_writable_dir,
 )
+from rewards.base import JudgeAnswerError
+from rewards.mllm import JudgeNotReadyError
 
 SEARCHES = ("random", "zero-order")
 
@@ -453,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
         results = best_of_n(config)  # its judges load first: an unusable one stops it before any generation
     except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
+    except (JudgeAnswerError, JudgeNotReadyError) as err:  # a judge that answered no valid score, or stopped answering
+        die(str(err), code=3)
     except OSError as err:  # a full disk: one line
         die_if_disk_full(err, "rerun with --resume latest")
     print(f"[best_of_n] wrote {Path(config.output_dir) / 'results.json'} and report.html")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.util
 import io
 import json
 from dataclasses import asdict, dataclass
@@ -59,7 +60,9 @@ from align.quiet import quiet_output
 from align.run_folder import atomic_write_text, clean_interrupted_writes
 from align.testbed.scene import MAX_SIZE, MIN_SIZE, render
 from align.validation import check_common_inputs, check_not_a_training_run, check_weight_files
+from rewards.base import JudgeAnswerError
 from rewards.images import load_image, to_tensor
+from rewards.mllm import JudgeNotReadyError
 
 FID_FEATURES_BUILTIN = ("inception", "pixels")
 
@@ -244,6 +247,17 @@ def _per_prompt_mean(values: np.ndarray, num_prompts: int) -> np.ndarray:
 # ------------------------------------------------------------------------------ FID and friends
 
 
+def check_inception_fid(inception_weights: str | None) -> None:
+    """FID's default Inception network needs torch-fidelity (and its weights file, when given): checked before any
+    model loads or image is generated (issue 61: a RuntimeError after every image was made)."""
+    if importlib.util.find_spec("torch_fidelity") is None:
+        raise ConfigError("--fid_reference with --fid_feature inception needs torch-fidelity (pip install torch-fidelity) "
+                          "and its InceptionV3 weights (--inception_weights <file> offline); or choose another "
+                          "--fid_feature (pixels, or an embedding judge such as shapes-clip for the testbed)")
+    if inception_weights and not Path(inception_weights).expanduser().is_file():
+        raise ConfigError(f"--inception_weights {inception_weights!r}: no such file")
+
+
 def feature_network(name: str, inception_weights: str | None = None):
     """'inception' (torchmetrics' default), 'pixels' (8x8 pooled RGB, no weights), or an embedding judge."""
     if name == "inception":
@@ -309,6 +323,8 @@ def check_inputs(config: EvalConfig) -> tuple[list[ModelEntry], list]:
     check_judge_names([f for f, used in features if used and f not in FID_FEATURES_BUILTIN], "feature network")
     if config.fid_reference and config.fid_reference != "testbed" and not Path(config.fid_reference).expanduser().is_dir():
         raise ConfigError(f"--fid_reference {config.fid_reference!r} must be 'testbed' or a folder of images")
+    if config.fid_reference and config.fid_feature == "inception":
+        check_inception_fid(config.inception_weights)
     try:
         prompt_set = load_prompt_set(config.prompts, config.num_prompts, seed=config.prompt_seed)
     except PromptSetError as err:
@@ -339,8 +355,11 @@ def evaluate(config: EvalConfig) -> dict:
     sample_prompts = [p for p, _ in items]
 
     stats = None
-    if config.fid_reference:
-        stats = metrics.FeatureStats(feature_network(config.fid_feature), inception_weights=config.inception_weights)
+    if config.fid_reference:  # before any image is generated: a feature network that cannot load stops here
+        try:
+            stats = metrics.FeatureStats(feature_network(config.fid_feature), inception_weights=config.inception_weights)
+        except RuntimeError as err:
+            raise ConfigError(f"--fid_reference: {err}") from None
     embed = embedding_function(config.cmmd_feature) if config.cmmd else None
     images, paths, generated = {}, {}, {}
     for model in models:
@@ -557,6 +576,8 @@ def main(argv: list[str] | None = None) -> None:
         results = evaluate(config)  # its judges load first: an unusable one stops it before any generation
     except (ConfigError, ModelLoadError) as err:  # ModelLoadError: a missing, truncated or corrupt weights file
         die(str(err))
+    except (JudgeAnswerError, JudgeNotReadyError) as err:  # a judge that answered no valid score, or stopped answering
+        die(str(err), code=3)
     except OSError as err:  # a full disk: one line
         die_if_disk_full(err)
     out = Path(config.output_dir)

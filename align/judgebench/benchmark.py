@@ -338,6 +338,8 @@ def load_benchmark_judge(spec: str, config: JudgeBenchConfig):
     judge = load_judge(spec)
     if hasattr(judge, "use_protocol"):
         judge.use_protocol(config.protocol, config.prompt_template)
+    if hasattr(judge, "stop_on_invalid_answers"):  # measured, not used: a rating off the scale counts as unparseable
+        judge.stop_on_invalid_answers = False
     return judge
 
 

@@ -3,8 +3,8 @@
 - ``per-prompt`` (DDPO / ddpo-pytorch): each prompt keeps a buffer of its recent rewards; a reward
   is normalised by that buffer's mean and std once it holds ``min_count`` values, and by the
   statistics of the whole batch before that.
-- ``group`` (GRPO / Flow-GRPO): normalised by the mean and std of the rewards of the same prompt
-  in this batch only (the group of samples drawn for one prompt).
+- ``group`` (GRPO / Flow-GRPO): normalised by the mean and std (+ 1e-4, as Flow-GRPO) of the rewards of the same
+  prompt in this batch only (the group of samples drawn for one prompt).
 - ``group-mean`` (Dr. GRPO): the reward minus its group's mean, not divided by the group's std, so a
   group whose rewards differ by a little does not weigh as much as one whose rewards differ by a lot.
 - ``global-std`` (Flow-GRPO as its authors run it): the reward minus its group's mean, divided by the std of
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 MODES = ("per-prompt", "group", "group-mean", "global-std", "batch")
-EPS = 1e-6  # guards the division when a reference set's std is tiny
-GLOBAL_STD_EPS = 1e-4  # Flow-GRPO's stat_tracking.py adds 1e-4 to its std
+EPS = 1e-6  # ddpo-pytorch's stat_tracking.py adds 1e-6 to its std (per-prompt mode and its batch fallback)
+GROUP_EPS = 1e-4  # Flow-GRPO's stat_tracking.py adds 1e-4 to its std, the group's and the global one
 
 
 def centre(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -38,9 +38,9 @@ def centre(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return values - reference.mean()
 
 
-def standardise(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
+def standardise(values: np.ndarray, reference: np.ndarray, eps: float = EPS) -> np.ndarray:
     """(values - mean) / (std + eps) of the reference set; exactly 0 for a constant one (see centre)."""
-    return centre(values, reference) / (np.std(reference) + EPS)
+    return centre(values, reference) / (np.std(reference) + eps)
 
 
 def batch_advantages(rewards: np.ndarray) -> np.ndarray:
@@ -49,19 +49,22 @@ def batch_advantages(rewards: np.ndarray) -> np.ndarray:
 
 
 def group_advantages(prompts: list[str], rewards: np.ndarray, divide_by_std: bool = True) -> np.ndarray:
-    """(r - mean of its prompt's group) / (std of the group + eps), within this batch.
+    """(r - mean of its prompt's group) / (std of the group + 1e-4), within this batch.
 
     divide_by_std=False: r - mean of the group only (Dr. GRPO).
-    Flow-GRPO's own per-group mode (``global_std=False``) divides by the group's std + 1e-4 (not + 1e-6), and a
-    tied group is not special-cased there (its r - mean is 0 for float32 rewards, float dust / 1e-4 at worst).
+    The epsilon is Flow-GRPO's (``PerPromptStatTracker(global_std=False)``, yifan123/flow_grpo
+    flow_grpo/stat_tracking.py: ``np.std(...) + 1e-4``). A tied group is exactly 0 here; the authors do not
+    special-case it (its r - mean is 0 for float32 rewards, float dust / 1e-4 at worst).
     """
     rewards = np.asarray(rewards, dtype=np.float64)
     prompts_arr = np.asarray(prompts, dtype=object)
     advantages = np.zeros_like(rewards)
-    normalise = standardise if divide_by_std else centre
     for prompt in dict.fromkeys(prompts):
         mask = prompts_arr == prompt
-        advantages[mask] = normalise(rewards[mask], rewards[mask])
+        if divide_by_std:
+            advantages[mask] = standardise(rewards[mask], rewards[mask], GROUP_EPS)
+        else:
+            advantages[mask] = centre(rewards[mask], rewards[mask])
     return advantages
 
 
@@ -80,7 +83,7 @@ def global_std_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray
     rewards = np.asarray(rewards, dtype=np.float64)
     if len(prompts) != len(rewards):
         raise ValueError(f"got {len(prompts)} prompts for {len(rewards)} rewards")
-    return group_advantages(prompts, rewards, divide_by_std=False) / (np.std(rewards) + GLOBAL_STD_EPS)
+    return group_advantages(prompts, rewards, divide_by_std=False) / (np.std(rewards) + GROUP_EPS)
 
 
 def kept_sample_mask(advantages, num_batches: int, generator: torch.Generator | None = None) -> np.ndarray:

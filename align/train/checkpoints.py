@@ -23,7 +23,9 @@ from align.run_folder import (
     atomic_write_text,
     folder_manifest,
     publish_folder,
+    read_sealed,
     scrub_secrets,
+    seal,
 )
 from align.train.accelerator import launched_processes
 from align.train.command import TrainingStopped
@@ -72,8 +74,8 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int, extra_fil
         for name, text in (extra_files or {}).items():
             atomic_write_text(staged / name, text)
         try:
-            atomic_write_text(staged / CHECKPOINT_STATE, json.dumps({"step": step, "processes": accelerator.num_processes,
-                                                                      "files": folder_manifest(staged)}))
+            atomic_write_text(staged / CHECKPOINT_STATE, json.dumps(seal({
+                "step": step, "processes": accelerator.num_processes, "files": folder_manifest(staged)})))
             publish_folder(staged, folder)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)  # e.g. a full disk: the checkpoints before stay as they were
@@ -113,13 +115,18 @@ def rescale_schedules(accelerator, processes_before: int) -> None:
 
 
 def recorded_processes(run: RunFolder) -> int | None:
-    """The number of processes that wrote the run's newest checkpoint (its state.json; None without a checkpoint, or
-    for checkpoints from before it was recorded)."""
-    checkpoints = run.checkpoints()
-    try:
-        return int(json.loads((checkpoints[-1] / CHECKPOINT_STATE).read_text())["processes"])
-    except (IndexError, OSError, ValueError, KeyError, TypeError):
-        return None
+    """The number of processes that wrote the run's newest checkpoint whose state.json is sealed (an edited record is
+    not believed: resume skips that checkpoint too); None without one, or for checkpoints from before it was recorded."""
+    for checkpoint in reversed(run.checkpoints()):
+        try:
+            state = read_sealed(checkpoint / CHECKPOINT_STATE)
+        except ValueError:
+            continue
+        try:
+            return int(state["processes"])
+        except (KeyError, TypeError, ValueError):
+            return None
+    return None
 
 
 def same_micro_batches_per_step(run: RunFolder, saved: dict, now: dict, processes: int) -> bool:
