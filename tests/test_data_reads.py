@@ -17,6 +17,7 @@ from align.data import parquet_rows
 from align.data.pair_stream import open_pairs
 from align.train import dpo
 from align.train.dpo_config import DPOConfig
+from align.train.dpo_data import PairOrder
 
 GROUP_ROWS = 5  # rows per row group (files written by datasets hold ~100)
 
@@ -87,7 +88,7 @@ def test_a_short_run_reads_the_row_groups_of_its_pairs_only(tmp_path, groups_rea
                        train_batch_size=2, gradient_accumulation_steps=1, max_steps=1, learning_rate=1e-3,
                        scale_lr=False, lr_warmup_steps=0, checkpointing_steps=10, report_to="none", resolution=16)
     dpo.train(config)
-    order = dpo.PairOrder(200, config.seed)
+    order = PairOrder(200, config.seed)
     table = open_pairs(data)
     trained = {int(table.rows[order.index(i)]) // GROUP_ROWS for i in range(2)}  # the row groups of its two pairs
     assert set(groups_read) <= trained | {0, 39} and len(set(groups_read)) <= 4
