@@ -41,7 +41,7 @@ from align.run_folder import (
 from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
 from align.testbed.pairs import rendered_pairs, write_parquet
 from align.testbed.tokenizer import testbed_tokenizer
-from align.train.command import TrainingStopped, run_trainer
+from align.train.command import TrainingStopped, run_trainer, way_on
 from align.train.lifecycle import TrainingRun
 from align.train.options import RunOptions
 from align.train.report import Curve
@@ -446,7 +446,8 @@ def train_step(run: TrainingRun, model, optimizer, scheduler, data: RewardData, 
                 loss = loss + config.bce_weight * bce
                 totals["bce_loss"] += float(bce.detach()) / accumulation
             if not torch.isfinite(loss):
-                raise TrainingStopped(f"loss became {float(loss)} at step {step}; last good checkpoint: {run.latest_checkpoint()}")
+                raise TrainingStopped(f"loss became {float(loss)} at step {step} (a --learning_rate too high?); "
+                                      f"{way_on(run.latest_checkpoint())}")
             accelerator.backward(loss)
             if accelerator.sync_gradients and config.max_grad_norm > 0:
                 accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
