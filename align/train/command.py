@@ -75,15 +75,11 @@ def check_config_and_model(config) -> None:
         raise ConfigError(str(err)) from None
 
 
-def check_lr_schedule(name: str, warmup_steps: int) -> None:
-    """--lr_scheduler names one of diffusers' get_scheduler schedules; --lr_warmup_steps is >= 0."""
+def lr_schedules() -> tuple[str, ...]:
+    """The schedules diffusers' get_scheduler knows (--lr_scheduler's choices)."""
     from diffusers.optimization import SchedulerType
 
-    schedules = [t.value for t in SchedulerType]
-    if name not in schedules:
-        raise ConfigError(f"--lr_scheduler must be one of {', '.join(schedules)}, got {name!r}")
-    if warmup_steps < 0:
-        raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
+    return tuple(t.value for t in SchedulerType)
 
 
 def keep_judge_answers(judges, run_path: Path, process: int) -> None:

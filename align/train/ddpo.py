@@ -32,7 +32,7 @@ from align.data.prompt_sets import load_prompt_list
 from align.judges import check_judge_names, check_judges_take_prompts, load_judge
 from align.run_folder import RunFolder, restores_old_run_on_failure
 from align.sampling.registry import sampler_entry
-from align.train.accelerator import adamw_class
+from align.train.accelerator import adamw_class, launched_processes
 from align.train.advantages import PerPromptStatTracker
 from align.train.checkpoints import stop_unless_weights_finite, write_diffusion_model_card
 from align.train.command import TrainingStopped, check_config_and_model, run_trainer, way_on
@@ -83,6 +83,7 @@ def check_run(config: DDPOConfig):
     check_inputs(config)
     family = detect_family(config.model)
     config.resolve_for_family(family.is_flow)
+    check_batch_sizes(config, launched_processes())  # the launch's processes, as the run checks them
     return family
 
 
