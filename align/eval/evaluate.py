@@ -112,9 +112,9 @@ class EvalConfig:
     fid_reference: str | None = option(None, "FID reference: a folder of images, or 'testbed' (the true scenes "
                                        "of the prompts); None: no FID", "evaluation", path="folder", or_name=True)
     fid_feature: str = option("inception", "FID features: inception, pixels, or an embedding judge (clip, "
-                              "shapes-clip)", "evaluation", applies="--fid_reference")
+                              "shapes-clip)", "evaluation")
     inception_weights: str | None = option(None, "local InceptionV3 weights for offline FID", "evaluation",
-                                           path="file", applies="--fid_reference")
+                                           path="file")
     cmmd: bool = option(False, "also CMMD (needs --fid_reference)", "evaluation")
     cmmd_feature: str = option("clip", "CLIP-like judge whose image embeddings CMMD uses", "evaluation",
                                applies="--cmmd")

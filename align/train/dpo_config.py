@@ -55,15 +55,13 @@ class DPOConfig(RunOptions, ModelOptions, HeldOutOptions):
     dataset: str | None = option(None, "offline preference pairs: a Pick-a-Pic-schema parquet/folder or an HF "
                                  "dataset id; give this or --reward", "data", path="any", or_name=True,
                                  formats=(".parquet",), reads=check_pair_file)
-    dataset_split: str = option("train", "split of --dataset", "data", applies="--dataset")
+    dataset_split: str = option("train", "split of --dataset", "data")
     max_pairs: int | None = option(None, "cap on the pairs used (None: all)", "data", within=COUNT)
     # --- AI feedback (used with --reward)
-    images_per_prompt: int = option(2, "K generations per prompt for the judge to label", "judge", within="[2, 1024]",
-                                    applies="--reward")
+    images_per_prompt: int = option(2, "K generations per prompt for the judge to label", "judge", within="[2, 1024]")
     feedback_rounds: int = option(
         1, "> 1: online DPO: the prompts split into this many rounds of max_steps / rounds steps, each round "
-        "labelled from the model trained so far (the reference stays the base model)", "judge", within=COUNT,
-        applies="--reward")
+        "labelled from the model trained so far (the reference stays the base model)", "judge", within=COUNT)
     # --- output
     output_dir: str = option("runs/dpo", "the run folder (config, metrics, feedback pairs, checkpoints, final "
                              "weights, report)", "output", path="output")
@@ -71,7 +69,7 @@ class DPOConfig(RunOptions, ModelOptions, HeldOutOptions):
     # --- model and adapter
     finetune: str = option("full", "'full' (the paper: a frozen copy is the reference) or 'lora' (the adapter "
                            "off is the reference)", "model", choices=FINETUNES)
-    lora_rank: int = option(8, LORA_RANK_HELP, "model", within=LORA_RANKS, applies="--finetune lora")
+    lora_rank: int = option(8, LORA_RANK_HELP, "model", within=LORA_RANKS)
     # --- objective (Diffusion-DPO's loss)
     beta: float = option(5000.0, "DPO's β: how tightly the model stays at the reference (the official "
                          "normalisation; diffusers' LoRA script's 2500 is this / 2)", "optimisation", within=POSITIVE)
@@ -131,4 +129,6 @@ class DPOConfig(RunOptions, ModelOptions, HeldOutOptions):
             raise ConfigError(
                 f"--max_steps ({self.max_steps}) must be a multiple of --feedback_rounds ({self.feedback_rounds})"
             )
+        if self.feedback_rounds > 1 and not self.reward:
+            raise ConfigError("--feedback_rounds > 1 needs --reward: online rounds label the model's own generations")
         check_periodic_evaluation("eval_every_steps", self.eval_every_steps, self.eval_prompts, self.eval_judge or self.reward)

@@ -59,10 +59,10 @@ class ModelOptions:
                         path="folder", or_name=True)
     finetune: str = option("lora", "'lora' (the adapter off is the reference) or 'full' (every denoiser weight)", "model",
                            choices=FINETUNES)
-    lora_rank: int = option(4, LORA_RANK_HELP, "model", within=LORA_RANKS, applies="--finetune lora")
+    lora_rank: int = option(4, LORA_RANK_HELP, "model", within=LORA_RANKS)
     lora_alpha: float | None = option(None, "LoRA alpha: the update is scaled by alpha / rank (None: alpha = rank, as "
                                       "diffusers' training scripts; Flow-GRPO and DiffusionNFT use 2 x rank)", "model",
-                                      within=LORA_ALPHAS, applies="--finetune lora")
+                                      within=LORA_ALPHAS)
     mixed_precision: str | None = option(
         None, "no, fp16 (the papers) or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its "
         "config file), else no", "optimisation", choices=PRECISIONS[1:])

@@ -118,9 +118,9 @@ class RewardTrainConfig(RunOptions):
     head_dropout: float = option(0.1, "dropout of the MLP head", "model", within=SHARE, applies="--backbone clip,blip")
     finetune: str = option("lora", "lora (the paper), full, or head (the backbone frozen)", "model", choices=FINETUNE)
     lora_rank: int = option(128, "LoRA rank (LLaVA-Reward: r 128, alpha 256, dropout 0.05)", "model",
-                            within=LORA_RANKS, applies="--finetune lora")
-    lora_alpha: float = option(256.0, "LoRA alpha", "model", within=LORA_ALPHAS, applies="--finetune lora")
-    lora_dropout: float = option(0.05, "LoRA dropout", "model", within=SHARE, applies="--finetune lora")
+                            within=LORA_RANKS)
+    lora_alpha: float = option(256.0, "LoRA alpha", "model", within=LORA_ALPHAS)
+    lora_dropout: float = option(0.05, "LoRA dropout", "model", within=SHARE)
     # --- objective
     tau: float = option(0.1, "Bradley-Terry temperature: P(a > b) = sigmoid((r_a - r_b) / tau)", "optimisation",
                         within=POSITIVE)
