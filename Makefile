@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint bench clean
+.PHONY: setup demo test test-all fuzz lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check align rewards scripts experiments tests
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# Every case of the fuzzer (tests/test_fuzz.py); the default suite runs a fixed sample of them.
+fuzz: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/test_fuzz.py -m "slow or not slow"
 
 test-all: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "slow or not slow"

@@ -26,8 +26,10 @@ from typing import NoReturn, TypeVar
 
 import yaml
 
+from align.declared import PATH_KINDS, Interval
 from align.errors import ConfigError
 from align.validation import check_config_values, read_text_file
+from rewards.inputs import escaped
 from rewards.secrets import install_log_scrubber, scrub_text
 
 T = TypeVar("T")
@@ -48,16 +50,45 @@ def section_title(group: str) -> str:
     return f"options of {group}" if is_choice_group(group) else group
 
 
-def option(default=dataclasses.MISSING, help: str = "", group: str = "", *, default_factory=dataclasses.MISSING):
-    """A config field with its one-line help text and its --help group (one of GROUPS, or "--<flag> <value>" for the
-    options of one choice of a flag, such as an algorithm's).
+def option(default=dataclasses.MISSING, help: str = "", group: str = "", *, default_factory=dataclasses.MISSING,
+           within: str | None = None, choices=None, pattern: tuple[str, str] | None = None,
+           path: str | None = None, or_name: bool = False,
+           formats: tuple[str, ...] = (), reads=None, applies: str | None = None):
+    """A config field with its one-line help text, its --help group (one of GROUPS, or "--<flag> <value>" for the
+    options of one choice of a flag, such as an algorithm's), and what its values may be (align/declared.py), checked
+    for every command before anything is written (align.validation.check_config_values):
+
+    - ``within``: a number's range, "[0, 1)", "(0, inf)" (every number is finite, declared or not);
+    - ``choices``: the values a string takes (a tuple, or a function returning them: a registry's names); ``pattern``:
+      (a regular expression the whole value matches, how a message says it), for forms such as cuda:<n>;
+    - ``path``: what a path names: "file", "folder", "any" (either) or "output" (a folder the command writes); with
+      ``or_name`` a value that does not look like a local path is a name (a hub id, a prompt set); ``formats``: the
+      file types it reads (".json", ".parquet", ...); ``reads``: a function that reads a local file's content and raises
+      a ValueError for a wrong shape (JSON that is not a list of prompts, a parquet file without the columns), named
+      with the option;
+    - ``applies``: "--<flag> <value>[,<value>]" (or "--<flag>": when set): the option applies only then, and is
+      refused otherwise; a choice group's options apply to that choice.
 
     Mutable defaults go through ``default_factory`` as with ``dataclasses.field``."""
     if group not in GROUPS and not is_choice_group(group):
         raise ValueError(f"unknown option group {group!r}; one of {', '.join(GROUPS)} or '--<flag> <value>'")
     if not help.strip():
         raise ValueError("an option needs a help text")
+    if path is not None and path not in PATH_KINDS:
+        raise ValueError(f"unknown path kind {path!r}; one of {', '.join(PATH_KINDS)}")
     metadata = {"help": help, "group": group}
+    if within is not None:
+        metadata["within"] = Interval.parse(within)
+    if choices is not None:
+        metadata["choices"] = choices
+    if pattern is not None:
+        metadata["pattern"] = pattern
+    if path is not None:
+        metadata.update(path=path, or_name=or_name, formats=tuple(formats))
+        if reads is not None:
+            metadata["reads"] = reads
+    if applies or is_choice_group(group):
+        metadata["applies"] = applies or group
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -65,7 +96,9 @@ def option(default=dataclasses.MISSING, help: str = "", group: str = "", *, defa
 
 def die(message: str, code: int = 2) -> NoReturn:
 
-    print(f"error: {scrub_text(message)}", file=sys.stderr, flush=True)  # a key echoed in a message stays hidden
+    # A key echoed in a message stays hidden; control characters and bidirectional overrides in an echoed value are
+    # escaped, so the message is one line that cannot restyle or reorder the terminal.
+    print(f"error: {escaped(scrub_text(message))}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
@@ -127,7 +160,7 @@ def _trl_parser_class():
                 if group and is_choice_group(group) and group not in sections:
                     sections[group] = self.add_argument_group(section_title(group))
                 plain = copy.copy(fld)  # HfArgumentParser passes every metadata key on to add_argument
-                meta = {k: v for k, v in fld.metadata.items() if k != "group"}
+                meta = {k: v for k, v in fld.metadata.items() if k == "help"}
                 if "help" in meta:  # argparse %-formats help texts ("18%" would break --help)
                     meta["help"] = meta["help"].replace("%", "%%")
                 plain.type = hints[fld.name]

@@ -51,6 +51,8 @@ RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, CONFIG_FILE, "final", "samples", "feed
                "eval_before.json", "eval_before.png", "eval_after.json", "eval_after.png", EVALS, JUDGE_ANSWERS, COMPILED,
                "latents")  # --latent_store run's store of the run's pairs (align/dpo.py run_store_path)
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+_UNCHOSEN = object()
+CONFIG_SEAL = "# digest: "  # config.yaml's last line: a digest of the settings above it
 # Run folders whose old run this process set aside and has not yet let go (see restores_old_run_on_failure).
 _SET_ASIDE_HERE: set[Path] = set()
 # Run folders this process prepared (their RunFolder), so the trainer's wrapper can undo a start that failed.
@@ -247,6 +249,29 @@ def checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
+def read_config_copy(run_dir: str | Path, needed_for: str) -> dict | None:
+    """The settings in a run folder's config.yaml (None without one) when a resume must keep to them (``needed_for``
+    says why: the run has no checkpoint recording them). A copy that does not parse, or was edited after the run
+    wrote it (its digest line no longer matches), is refused in one line; one without a digest line was written
+    before copies were sealed, and is read as it is."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+        settings = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        settings = None
+    if not isinstance(settings, dict):
+        raise RunFolderError(f"--resume: {path} is not a readable config, and {needed_for}: the run's settings are "
+                             "unknown, so it cannot be continued (start afresh with --overwrite true)")
+    seals = [line for line in text.splitlines() if line.startswith(CONFIG_SEAL)]
+    if seals and seals[-1][len(CONFIG_SEAL):].split()[0] != record_digest(settings):
+        raise RunFolderError(f"--resume: {path} was edited after the run wrote it, and {needed_for}: what the run was "
+                             "started with is unknown. Put the file back as it was, or start afresh with --overwrite true")
+    return settings
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The records of a run folder's metrics.jsonl (none if it has no such file). A last line cut short
     (the process was killed while appending it) is left out; damage anywhere else is an error."""
@@ -276,6 +301,7 @@ class RunFolder:
         self.path = Path(output_dir)
         self.resume = resume
         self.damaged: dict[Path, str] = {}  # checkpoints found damaged (skipped by latest_checkpoint)
+        self._chosen: Path | None | object = _UNCHOSEN  # the checkpoint a resume starts from, once looked for
         if not str(output_dir).strip():
             raise RunFolderError("--output_dir is empty; give a folder path (. for the current folder)")
         holds_run = any((self.path / name).exists() for name in (CONFIG_FILE, CHECKPOINTS, SET_ASIDE))
@@ -330,7 +356,10 @@ class RunFolder:
         _SET_ASIDE_HERE.discard(self.path.resolve())
 
     def save_config(self, config: dict) -> None:
-        atomic_write_text(self.path / CONFIG_FILE, yaml.safe_dump(scrub_secrets(config), sort_keys=False))
+        """config.yaml: the run's settings for people to read, sealed by a digest line (an edited copy is seen)."""
+        text = scrub_text(yaml.safe_dump(scrub_secrets(config), sort_keys=False))
+        atomic_write_text(self.path / CONFIG_FILE, f"{text}{CONFIG_SEAL}{record_digest(yaml.safe_load(text))}  "
+                                                   "(a copy for people: the run's checkpoints hold its settings)\n")
 
     def log(self, step: int, metrics: dict) -> None:
         """Append one record (one write of one line, flushed to disk; a torn last line is skipped on read)."""
@@ -343,14 +372,14 @@ class RunFolder:
     def read_metrics(self) -> list[dict]:
         return read_metrics(self.path)
 
-    def truncate_metrics(self, after_step: int) -> None:
+    def truncate_metrics(self, after_step: int, keep_eval: int | None = None) -> None:
         """On resume, drop metric lines and held-out evaluations (evals/) logged after the checkpoint
-        (they will be redone)."""
+        (they will be redone), but the evaluation of step ``keep_eval`` (the resumed run's own, just written)."""
         kept = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
         atomic_write_text(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
         evals = self.path / EVALS
         for scored in evals.glob("step_*.*") if evals.is_dir() else []:
-            if eval_step(scored) > after_step:
+            if eval_step(scored) > after_step and eval_step(scored) != keep_eval:
                 scored.unlink()
 
     def checkpoint_dir(self, step: int) -> Path:
@@ -375,20 +404,34 @@ class RunFolder:
 
     def resume_checkpoint(self) -> Path | None:
         """The checkpoint to resume from: the one named, or the newest intact one (a damaged newer one is
-        reported in one line and skipped, not deleted)."""
+        reported in one line and skipped, not deleted); None when the run has none yet. A run whose checkpoints are
+        all damaged is refused in one line (starting it again from step 0 would replace what it trained)."""
         if not self.resume:
             return None
+        if self._chosen is not _UNCHOSEN:
+            return self._chosen
         if self.resume != "latest":
             named = Path(self.resume)
             if problem := checkpoint_problem(named):
-                raise RunFolderError(f"--resume {self.resume}: checkpoint is damaged: {problem}")
+                raise RunFolderError(f"--resume {self.resume}: checkpoint is damaged: {problem}; resume from another "
+                                     "checkpoint of the run (--resume latest takes the newest intact one)")
+            self._chosen = named
             return named
-        for candidate in reversed(self.checkpoints()):
+        found = self.checkpoints()
+        for candidate in reversed(found):
             problem = checkpoint_problem(candidate)
             if problem is None:
+                self._chosen = candidate
                 return candidate
             self.damaged[candidate] = problem
             print(f"[run] checkpoint {candidate} is damaged ({problem}); trying the one before it", flush=True)
+        if found:
+            raise RunFolderError(
+                f"--resume latest: every checkpoint in {self.path / CHECKPOINTS} is damaged (the newest, {found[-1].name}: "
+                f"{self.damaged[found[-1]]}); nothing was changed. Put a checkpoint's files back (its state.json lists "
+                "their sizes and hashes) and run the command again, or start the run afresh with --overwrite true "
+                "(the damaged checkpoints are set aside and deleted once the new run writes its first)")
+        self._chosen = None
         return None
 
     def prune_checkpoints(self, keep: int) -> None:
@@ -464,6 +507,11 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+class RunStopped(RuntimeError):
+    """A run stopped on a bad value (a NaN loss, a failed judge): the trainers' TrainingStopped. Before the run's first
+    checkpoint, what the start wrote is removed as for a bad input, so the command runs again as typed."""
+
+
 # What a run that never reached its first checkpoint leaves behind when it stops on a bad input: the judge's
 # answers (paid for; a cache keyed by the question, so a corrected command asks nothing twice).
 _KEPT_AFTER_BAD_START = (JUDGE_ANSWERS,)
@@ -488,7 +536,8 @@ def restores_old_run_on_failure(train, bad_input: tuple[type[BaseException], ...
     """Decorate a trainer's ``train(config)``: if it fails after --overwrite set the old run aside and before
     the new run's first checkpoint, the old run is put back byte for byte before the error goes on; if it fails on
     a bad input (``bad_input``: ConfigError, DataError, ... are ValueErrors) before that checkpoint, what it wrote
-    is removed (undo_failed_start). The folder's lock is let go however it ends."""
+    is removed (undo_failed_start); so is what a run stopped on a bad value (RunStopped) wrote before that checkpoint.
+    The folder's lock is let go however it ends."""
 
     @functools.wraps(train)
     def guarded(config, *args, **kwargs):
@@ -500,7 +549,7 @@ def restores_old_run_on_failure(train, bad_input: tuple[type[BaseException], ...
             if path.resolve() in _SET_ASIDE_HERE and (path / SET_ASIDE).is_dir():
                 restore_set_aside_run(path)
                 print(f"[run] the run did not start; the old run in {path} is back in place", flush=True)
-            elif run is not None and isinstance(err, bad_input):
+            elif run is not None and isinstance(err, (*bad_input, RunStopped)):
                 undo_failed_start(run)
             raise
         finally:

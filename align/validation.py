@@ -25,17 +25,23 @@ import types
 import typing
 from pathlib import Path
 
+from align.declared import (
+    check_applies,
+    check_choice,
+    check_path,
+    check_pattern,
+    check_text,
+    check_within,
+    flag,
+    looks_local,
+    shown,
+)
 from align.errors import ConfigError
 from align.run_folder import check_not_locked, holds_training_run
 
 
 class ConfigTypeError(ConfigError, TypeError):
     """A config value of the wrong type (a string where a number goes); a ValueError and a TypeError."""
-
-
-def flag(name: str) -> str:
-    """How an input is named in a message: a field as its flag (--learning_rate), anything else as given."""
-    return name if name.startswith("-") or " " in name else f"--{name}"
 
 
 def _allowed_types(annotation) -> tuple[type, ...] | None:
@@ -72,17 +78,70 @@ def _type_name(allowed: tuple[type, ...]) -> str:
 
 
 def check_config_values(config) -> None:
-    """Every field of the dataclass ``config`` has its declared type, and every float is finite."""
+    """Every field of the dataclass ``config`` checked from its declaration (align.cli.option, align/declared.py):
+    its type, and what the type implies whether declared or not (a finite float, an integer of a sane size, text
+    without control characters or bidirectional overrides); its range, choices and path kind where declared; then an
+    option given where it does not apply (``applies``) is refused. The same checks run at parse time and in every
+    config's validate(), so ``train(config)`` checks what the command line does."""
     hints = typing.get_type_hints(type(config))
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        allowed = _allowed_types(hints.get(field.name))
-        if allowed is not None and not _type_ok(value, allowed):
-            raise ConfigTypeError(f"{flag(field.name)} must be {_type_name(allowed)}, got {value!r}")
-        if isinstance(value, float) and not math.isfinite(value) and not field.metadata.get("allow_nonfinite"):
-            raise ConfigError(f"{flag(field.name)} must be a finite number, got {value}")
-        if isinstance(value, int) and not isinstance(value, bool):
-            check_int_size(field.name, value)
+    fields = dataclasses.fields(config)
+    for field in fields:
+        check_declared_value(field, getattr(config, field.name), hints.get(field.name))
+    describe = getattr(config, "choice_title", None)
+    for field in fields:
+        if "applies" in field.metadata and field.default is not dataclasses.MISSING:
+            check_applies(config, field.name, getattr(config, field.name), field.default, field.metadata["applies"],
+                          describe)
+
+
+def check_declared_value(field: dataclasses.Field, value, annotation) -> None:
+    """One field's value against its type and declaration."""
+    name, meta = field.name, field.metadata
+    allowed = _allowed_types(annotation)
+    if allowed is not None and not _type_ok(value, allowed):
+        raise ConfigTypeError(f"{flag(name)} must be {_type_name(allowed)}, got {shown(value) if isinstance(value, str) else repr(value)}")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if isinstance(item, float) and not math.isfinite(item) and not meta.get("allow_nonfinite"):
+            raise ConfigError(f"{flag(name)} must be a finite number, got {item}")
+        if isinstance(item, int) and not isinstance(item, bool):
+            check_int_size(name, item)
+        if isinstance(item, str):
+            check_text(name, item)
+        if item is None or isinstance(item, bool):
+            continue
+        if "within" in meta and isinstance(item, (int, float)):
+            check_within(name, item, meta["within"])
+        if "choices" in meta and isinstance(item, str):
+            check_choice(name, item, meta["choices"])
+        if "pattern" in meta and isinstance(item, str):
+            check_pattern(name, item, meta["pattern"])
+        if "path" in meta and isinstance(item, (str, os.PathLike)):
+            if str(item) == "" and allowed is not None and type(None) in allowed:
+                continue  # an optional path given as "" is unset (how a flag undoes a --config file's value)
+            check_path_option(name, str(item), meta["path"], meta.get("or_name", False))
+            if "reads" in meta and looks_local(str(item)):
+                check_content(name, str(item), meta["reads"])
+
+
+def check_content(name: str, value: str, reads) -> None:
+    """A local file's content read as its option declares (``reads``): a wrong shape is one line naming the option."""
+    try:
+        reads(value)
+    except (ValueError, OSError) as err:  # ConfigError, DataError and the readers' own are ValueErrors
+        message = " ".join(str(err).split())
+        raise ConfigError(message if flag(name) in message else f"{flag(name)}: {message}") from None
+
+
+def check_path_option(name: str, value: str, kind: str, or_name: bool) -> None:
+    """A declared path: not empty, no dangling or looping link, the kind it declares (an output folder: one this user
+    can write where it would be made)."""
+    if not value.strip():
+        what = "folder path (. for the current folder)" if kind in ("folder", "output") else f"{kind} path"
+        raise ConfigError(f"{flag(name)} is empty; give a {what.replace('any path', 'file or folder path')}")
+    check_path(name, value, kind, or_name)
+    if kind == "output":
+        check_writable_dir(name, value)
 
 
 # Seeds go to numpy and torch generators (numpy takes [0, 2^32)); every other count or size of a config is far below
@@ -179,13 +238,10 @@ def read_text_file(name: str, path: str | Path, what: str = "text file") -> str:
 
 
 def check_common_inputs(config) -> None:
-    """What every command's config shares: typed, finite values and, where it has one, a writable --output_dir.
-    The first lines of each config's validate(), so ``train(config)`` checks exactly what the command line does."""
+    """What every command's config shares: every value checked from its declaration (check_config_values; a
+    --output_dir declared as an output folder is one this user can write). The first line of each config's
+    validate(), so ``train(config)`` checks exactly what the command line does."""
     check_config_values(config)
-    if hasattr(config, "output_dir") and not str(config.output_dir).strip():
-        raise ConfigError("--output_dir is empty; give a folder path (. for the current folder)")
-    if getattr(config, "output_dir", None):
-        check_writable_dir("output_dir", config.output_dir)
 
 
 def check_not_a_training_run(config, command: str) -> None:
@@ -244,17 +300,3 @@ def check_weight_files(name: str, folder: str | Path) -> None:
                 f"{flag(name)}: the weights file {str(weights)!r} is truncated or corrupt ({' '.join(str(err).split())}); "
                 "save or download it again"
             ) from None
-
-
-def check_optimiser_ranges(config) -> None:
-    """AdamW's settings, under whichever of the usual names a config has: betas in [0, 1), epsilon > 0, weight
-    decay and gradient-norm clip >= 0 (0: no clipping), dropouts in [0, 1), a warmup ratio in [0, 1]."""
-    bounds = {
-        "adam_beta1": dict(low=0, high=1, high_open=True), "adam_beta2": dict(low=0, high=1, high_open=True),
-        "adam_epsilon": dict(low=0, low_open=True), "adam_weight_decay": dict(low=0), "weight_decay": dict(low=0),
-        "max_grad_norm": dict(low=0), "head_dropout": dict(low=0, high=1, high_open=True),
-        "lora_dropout": dict(low=0, high=1, high_open=True), "lr_warmup_ratio": dict(low=0, high=1),
-    }
-    for name, bound in bounds.items():
-        if hasattr(config, name):
-            check_range(name, getattr(config, name), **bound)

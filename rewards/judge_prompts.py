@@ -24,6 +24,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from rewards.inputs import text_problem
+
 TEMPLATE_VERSION = "mjb-v1"
 
 MODES = ("single", "likert", "pair")
@@ -96,7 +98,13 @@ def load_template(path: str) -> str:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"prompt_template {path!r} is not a file; give a text file with a {{caption}} field")
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"prompt_template {path!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x}); save it "
+                         "as UTF-8") from None
+    if problem := text_problem(text.replace("\n", " ").replace("\r", " ").replace("\t", " ")):
+        raise ValueError(f"prompt_template {path!r} {problem}")  # the judge would be asked something unseen
     try:
         filled = text.format(caption="\0")
     except (KeyError, IndexError, ValueError) as err:

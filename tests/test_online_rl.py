@@ -126,7 +126,7 @@ def test_flow_cps_rounds_start_on_policy(family_models, prompt_file, tmp_path):
     (["--algorithm", "awm", "--awm_weighting", "t**2"], "--awm_weighting must be one of uniform, t, t2, huber, ghuber"),
     (["--algorithm", "ppo", "--nft_beta", "5"], "--nft_beta is an option of --algorithm nft (DiffusionNFT)"),
     (["--algorithm", "nft", "--awm_weighting", "t2"], "--awm_weighting is an option of --algorithm awm (AWM)"),
-    (["--lora_alpha", "0"], "--lora_alpha must be > 0"),
+    (["--lora_alpha", "0"], "--lora_alpha must be in (0, 65536]"),
 ])
 def test_combinations_that_cannot_run_are_refused_in_one_line(tiny_model, prompt_file, tmp_path, capsys, flags, message):
     out = tmp_path / "refused"

@@ -176,7 +176,7 @@ def test_refusals_are_one_line_and_lose_nothing(tiny_model, pairs_file, tmp_path
     # A dataset without the Pick-a-Pic columns: nothing written.
     pq.write_table(pa.table({"caption": ["x"], "image": [b"y"]}), tmp_path / "cols.parquet")
     _fails(capsys, lambda: precompute.main(["--model", tiny_model, "--dataset", str(tmp_path / "cols.parquet"),
-                                            "--output", str(tmp_path / "s2")]), "lacks the Pick-a-Pic columns")
+                                            "--output", str(tmp_path / "s2")]), "lacks the column(s)")
     assert not (tmp_path / "s2").exists()
     # An unreadable image in shard 1 (row 3): one line naming the row; shard 0 is kept.
     broken = write_pairs(tmp_path / "broken.parquet", corrupt_row=3)

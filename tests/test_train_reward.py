@@ -173,7 +173,7 @@ def test_calibrate_reports_bins_and_temperature():
     "argv, message",
     [
         (["--backbone", "bogus"], "--backbone must be one of clip, blip, mllm"),
-        (["--tau", "0"], "--tau must be a positive number"),
+        (["--tau", "0"], "--tau must be in (0, 1000000]"),
         (["--dataset", "testbed-oracle:x"], "testbed-oracle:<pairs>"),
         (["--backbone", "mllm", "--model", "google-bert/bert-base-uncased"], "supported: Phi-3.5-vision"),
     ],

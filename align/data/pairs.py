@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from align.run_folder import atomic_path
+from align.validation import check_parquet_columns
 from rewards.images import UnreadableImageError, decode_image, encode_png
 
 if TYPE_CHECKING:
@@ -341,3 +342,11 @@ __all__ = [
     "pair_pixels",
     "write_pairs_parquet",
 ]
+
+
+def check_pair_file(source: str) -> None:
+    """A local file of preference pairs is a readable parquet file with the Pick-a-Pic columns (its footer is read,
+    not its rows); folders and hub ids are opened by align.data.pair_stream.open_pairs. The declared reader of the
+    options that name pairs (``option(..., reads=check_pair_file)``)."""
+    if Path(source).expanduser().is_file():
+        check_parquet_columns("preference pairs", source, PAIR_COLUMNS)

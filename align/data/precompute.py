@@ -11,10 +11,10 @@ and nothing already written is touched.
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
-from align.cli import die, die_if_disk_full
+from align.cli import die, die_if_disk_full, option, parse_config
 from align.data.latent_store import (
     DTYPES,
     StoreSpec,
@@ -24,35 +24,37 @@ from align.data.latent_store import (
     prepare_store,
 )
 from align.data.pair_stream import open_pairs
-from align.data.pairs import DataError
+from align.data.pairs import DataError, check_pair_file
+from align.declared import BATCH, COUNT, DEVICE, RESOLUTION
 from align.pipeline import ModelLoadError, check_model, load_pipeline
-from align.validation import SIZE_LIMITS
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m align.precompute", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="hub id, local pipeline folder, or 'testbed'")
-    parser.add_argument("--dataset", required=True, help="Pick-a-Pic-schema parquet file/folder, save_to_disk folder or hub id")
-    parser.add_argument("--output", required=True, help="the store folder (new, empty, or an interrupted build of the same arguments)")
-    parser.add_argument("--resolution", type=int, default=None, help="training resolution in pixels (default: the model's own)")
-    parser.add_argument("--dataset_split", default="train")
-    parser.add_argument("--max_pairs", type=int, default=None)
-    parser.add_argument("--shard_size", type=int, default=1024, help="pairs per shard file")
-    parser.add_argument("--batch_size", type=int, default=8, help="pairs per VAE call")
-    parser.add_argument("--dtype", default="float16", choices=tuple(DTYPES), help="stored precision (float32: bitwise the trainer's own)")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    args = parser.parse_args(argv)
-    for name in ("shard_size", "batch_size"):
-        if getattr(args, name) < 1:
-            die(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.resolution is not None and not 8 <= args.resolution <= SIZE_LIMITS["resolution"]:
-        die(f"--resolution must be in [8, {SIZE_LIMITS['resolution']}] pixels, got {args.resolution}")
-    if not args.output.strip():
-        die("--output is empty; give the store's folder")
-    return args
+@dataclass
+class PrecomputeConfig:
+    model: str = option(help="hub id, local pipeline folder, or 'testbed' (required)", group="model", path="folder",
+                        or_name=True)
+    dataset: str = option(help="Pick-a-Pic-schema parquet file/folder, save_to_disk folder or hub id (required)",
+                          group="data", path="any", or_name=True, formats=(".parquet",), reads=check_pair_file)
+    output: str = option(help="the store folder (new, empty, or an interrupted build of the same arguments; required)",
+                         group="output", path="output")
+    resolution: int | None = option(None, "training resolution in pixels (default: the model's own)", "data",
+                                    within=RESOLUTION)
+    dataset_split: str = option("train", "split of --dataset", "data")
+    max_pairs: int | None = option(None, "cap on the pairs stored (None: all)", "data", within=COUNT)
+    shard_size: int = option(1024, "pairs per shard file", "output", within="[1, 1048576]")
+    batch_size: int = option(8, "pairs per VAE call", "model", within=BATCH)
+    dtype: str = option("float16", "stored precision (float32: bitwise the trainer's own)", "output",
+                        choices=tuple(DTYPES))
+    device: str | None = option(None, "default: cuda if available, else cpu", "model", pattern=DEVICE)
 
 
-def precompute(args: argparse.Namespace, after_shard=None) -> Path:
+def parse_args(argv: list[str] | None = None) -> PrecomputeConfig:
+    """The command's flags (align.cli.parse_config: one line and exit 2 for a bad one, checked from the
+    declarations above)."""
+    return parse_config(PrecomputeConfig, argv, description=__doc__)
+
+
+def precompute(args: PrecomputeConfig, after_shard=None) -> Path:
     """Check everything cheap first (model folder, dataset columns, the output folder), then encode."""
     import torch  # noqa: PLC0415 - --help stays torch-free
 

@@ -30,12 +30,25 @@ import torch
 from align.api_cost import best_of_n_api_plan, guard_api_cost
 from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.data.feedback import derive_seed
-from align.data.prompt_sets import PromptSetError, load_prompt_set
+from align.data.prompt_sets import PromptSetError, load_prompt_list, load_prompt_set
+from align.declared import (
+    BATCH,
+    COEFFICIENT,
+    COUNT,
+    COUNT_OR_ZERO,
+    DEVICE,
+    GUIDANCE,
+    POSITIVE,
+    PROMPT_FILES,
+    RESOLUTION,
+    SAMPLING_STEPS,
+    SEED,
+)
 from align.eval import report
 from align.eval.generation import (
+    GENERATION_DTYPES,
     GenerationCache,
     ModelEntry,
-    check_generation_dtype,
     generation_dtype,
     resolve_device,
     sampling_settings,
@@ -58,7 +71,6 @@ from align.validation import (
     check_common_inputs,
     check_not_a_training_run,
     check_weight_files,
-    check_writable_dir,
 )
 from rewards.base import JudgeAnswerError
 from rewards.mllm import JudgeNotReadyError
@@ -69,53 +81,49 @@ SEARCHES = ("random", "zero-order")
 @dataclass
 class BestOfNConfig:
     model: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "the generator: a hub id, pipeline folder, "
-                        "run or LoRA folder, 'testbed' or 'testbed-flow' (any family: SD, SDXL, SD3, FLUX)", "model")
-    base_model: str | None = option(None, "base pipeline for a bare LoRA / unet/ / transformer/ folder", "model")
+                        "run or LoRA folder, 'testbed' or 'testbed-flow' (any family: SD, SDXL, SD3, FLUX)", "model",
+                        path="folder", or_name=True)
+    base_model: str | None = option(None, "base pipeline for a bare LoRA / unet/ / transformer/ folder", "model",
+                                    path="folder", or_name=True)
     reward: str = option("pickscore", "the selector judge that picks the best of the candidates", "judge")
     eval_judges: str | None = option(None, "comma list of other judges that score the chosen images", "judge")
-    prompts: str = option("drawbench", "a prompt set (align.data.prompt_sets) or a file", "data")
-    num_prompts: int | None = option(16, "the first N prompts (None: all)", "data")
-    prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data")
-    n: int = option(16, "candidates per prompt (the curve is at 1, 2, 4, ..., n)", "sampling")
-    batch_size: int = option(8, "images per pipeline call", "sampling")
-    seed: int = option(0, "seed of the candidates' starting noises", "sampling")
+    prompts: str = option("drawbench", "a prompt set (align.data.prompt_sets) or a file", "data", path="file",
+                          or_name=True, formats=PROMPT_FILES, reads=load_prompt_list)
+    num_prompts: int | None = option(16, "the first N prompts (None: all)", "data", within=COUNT)
+    prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data", within=SEED)
+    n: int = option(16, "candidates per prompt (the curve is at 1, 2, 4, ..., n)", "sampling", within=BATCH)
+    batch_size: int = option(8, "images per pipeline call", "sampling", within=BATCH)
+    seed: int = option(0, "seed of the candidates' starting noises", "sampling", within=SEED)
     num_inference_steps: int | None = option(None, "sampling steps (None: the model's testbed.json if any, else its "
-                                             "pipeline's default: 50 SD/SDXL, 28 SD3/FLUX)", "sampling")
+                                             "pipeline's default: 50 SD/SDXL, 28 SD3/FLUX)", "sampling",
+                                             within=SAMPLING_STEPS)
     guidance_scale: float | None = option(None, "classifier-free guidance (FLUX: its guidance embedding; None: the "
-                                          "model's testbed.json if any, else its pipeline's default)", "sampling")
-    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
+                                          "model's testbed.json if any, else its pipeline's default)", "sampling",
+                                          within=GUIDANCE)
+    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling",
+                                    within=RESOLUTION)
     search: str = option("random", "random, or zero-order (which also runs random search for comparison)",
-                         "sampling")
-    zo_neighbors: int = option(4, "zero-order search: candidates per step (and initial random noises)", "sampling")
+                         "sampling", choices=SEARCHES)
+    zo_neighbors: int = option(4, "zero-order search: candidates per step (and initial random noises)", "sampling",
+                               within=BATCH, applies="--search zero-order")
     zo_radius: float = option(0.5, "zero-order search: a neighbour is (pivot + radius x noise) / sqrt(1 + "
-                              "radius²)", "sampling")
-    grid_prompts: int = option(8, "prompts shown in the report's image grid", "output")
-    device: str = option("auto", "auto, cpu, cuda or mps", "model")
+                              "radius²)", "sampling", within=POSITIVE, applies="--search zero-order")
+    grid_prompts: int = option(8, "prompts shown in the report's image grid", "output", within=COUNT_OR_ZERO)
+    device: str = option("auto", "auto, cpu, cuda or mps", "model", pattern=DEVICE)
     dtype: str = option("float32", "weights and compute dtype of the generators: float32, bfloat16 or float16 "
-                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model")
-    output_dir: str = option("runs/best_of_n", "folder of the results, curve and report", "output")
+                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model", choices=tuple(GENERATION_DTYPES))
+    output_dir: str = option("runs/best_of_n", "folder of the results, curve and report", "output", path="output")
     cache_dir: str | None = option(None, "folder of generated candidates (PNG); share it between runs with other "
-                                   "judges", "output")
+                                   "judges", "output", path="output")
     quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD",
-                                 "judge")
+                                 "judge", within=COEFFICIENT)
 
     def validate(self) -> None:
         check_common_inputs(self)
         check_not_a_training_run(self, "python -m align.best_of_n")
-        check_generation_dtype(self.dtype)
-        if self.cache_dir:
-            check_writable_dir("cache_dir", self.cache_dir)
-        if self.n < 1:
-            raise ConfigError(f"--n must be >= 1, got {self.n}")
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch_size must be >= 1, got {self.batch_size}")
-        if self.search not in SEARCHES:
-            raise ConfigError(f"--search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
-        if self.search == "zero-order" and (self.zo_neighbors < 1 or self.zo_neighbors > self.n):
+        if self.search == "zero-order" and self.zo_neighbors > self.n:
             raise ConfigError(f"--zo_neighbors must be between 1 and --n ({self.n}), got {self.zo_neighbors}")
-        if self.zo_radius <= 0:
-            raise ConfigError(f"--zo_radius must be > 0, got {self.zo_radius}")
 
 
 # ------------------------------------------------------------------------------------ the maths

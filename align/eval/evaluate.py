@@ -32,12 +32,24 @@ import rewards
 from align import metrics
 from align.api_cost import evaluate_api_plan, guard_api_cost
 from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
-from align.data.prompt_sets import PromptSetError, load_prompt_set
+from align.data.prompt_sets import PromptSetError, load_prompt_list, load_prompt_set
+from align.declared import (
+    BATCH,
+    COEFFICIENT,
+    COUNT,
+    COUNT_OR_ZERO,
+    DEVICE,
+    GUIDANCE,
+    PROMPT_FILES,
+    RESOLUTION,
+    SAMPLING_STEPS,
+    SEED,
+)
 from align.eval import report
 from align.eval.generation import (
+    GENERATION_DTYPES,
     GenerationCache,
     ModelEntry,
-    check_generation_dtype,
     generate_missing,
     resolve_device,
     sample_seed,
@@ -72,59 +84,59 @@ class EvalConfig:
     # --- what to compare
     models: str = option("stable-diffusion-v1-5/stable-diffusion-v1-5", "comma list of models, the base first; "
                          "'name=path' names a model (a hub id, pipeline, run or LoRA folder, 'testbed' or 'testbed-flow')", "model")
-    base_model: str | None = option(None, "pipeline under bare LoRA / unet/ / transformer/ folders (None: the first model)", "model")
+    base_model: str | None = option(None, "pipeline under bare LoRA / unet/ / transformer/ folders (None: the first model)", "model",
+                                    path="folder", or_name=True)
     judges: str = option("clip,pickscore", "comma list of judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2]",
                          "judge")
     # --- prompts and seeds
     prompts: str = option("parti", "a prompt set (align.data.prompt_sets: testbed, mjbench, parti, drawbench, ...) or a "
-                          "file", "data")
-    num_prompts: int | None = option(64, "the first N prompts (None: all)", "data")
-    prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data")
+                          "file", "data", path="file", or_name=True, formats=PROMPT_FILES, reads=load_prompt_list)
+    num_prompts: int | None = option(64, "the first N prompts (None: all)", "data", within=COUNT)
+    prompt_seed: int = option(0, "seed of sampled prompt sets (testbed)", "data", within=SEED)
     seeds: str = option("0", "comma list of seeds; each prompt is generated once per seed, identically for every "
                         "model", "sampling")
     # --- sampling (None = the model's testbed.json / flow_testbed.json setting, else its pipeline's own default)
     num_inference_steps: int | None = option(None, "sampling steps (None: the model's testbed.json if any, else its "
-                                             "pipeline's default: 50 SD/SDXL, 28 SD3/FLUX)", "sampling")
+                                             "pipeline's default: 50 SD/SDXL, 28 SD3/FLUX)", "sampling",
+                                             within=SAMPLING_STEPS)
     guidance_scale: float | None = option(None, "classifier-free guidance (FLUX: its guidance embedding; None: the "
-                                          "model's testbed.json if any, else its pipeline's default)", "sampling")
-    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
-    batch_size: int = option(8, "images per pipeline call", "sampling")
-    device: str = option("auto", "auto, cpu, cuda or mps", "model")
+                                          "model's testbed.json if any, else its pipeline's default)", "sampling",
+                                          within=GUIDANCE)
+    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling",
+                                    within=RESOLUTION)
+    batch_size: int = option(8, "images per pipeline call", "sampling", within=BATCH)
+    device: str = option("auto", "auto, cpu, cuda or mps", "model", pattern=DEVICE)
     dtype: str = option("float32", "weights and compute dtype of the generators: float32, bfloat16 or float16 "
-                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model")
+                        "(bfloat16 on a GPU for SDXL, SD3.5 and FLUX.1)", "model", choices=tuple(GENERATION_DTYPES))
     # --- distribution metrics
     fid_reference: str | None = option(None, "FID reference: a folder of images, or 'testbed' (the true scenes "
-                                       "of the prompts); None: no FID", "evaluation")
+                                       "of the prompts); None: no FID", "evaluation", path="folder", or_name=True)
     fid_feature: str = option("inception", "FID features: inception, pixels, or an embedding judge (clip, "
                               "shapes-clip)", "evaluation")
-    inception_weights: str | None = option(None, "local InceptionV3 weights for offline FID", "evaluation")
+    inception_weights: str | None = option(None, "local InceptionV3 weights for offline FID", "evaluation",
+                                           path="file")
     cmmd: bool = option(False, "also CMMD (needs --fid_reference)", "evaluation")
-    cmmd_feature: str = option("clip", "CLIP-like judge whose image embeddings CMMD uses", "evaluation")
+    cmmd_feature: str = option("clip", "CLIP-like judge whose image embeddings CMMD uses", "evaluation",
+                               applies="--cmmd")
     # --- statistics and report
-    ci: str = option("wilson", "95% confidence intervals of win rates: wilson or bootstrap", "evaluation")
-    grid_prompts: int = option(8, "prompts shown in the report's image grid", "output")
+    ci: str = option("wilson", "95% confidence intervals of win rates: wilson or bootstrap", "evaluation",
+                     choices=CI_METHODS)
+    grid_prompts: int = option(8, "prompts shown in the report's image grid", "output", within=COUNT_OR_ZERO)
     output_dir: str = option("runs/eval", "folder of results.json, results.csv, report.html and the image and "
-                             "score caches", "output")
+                             "score caches", "output", path="output")
     quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD",
-                                 "judge")
+                                 "judge", within=COEFFICIENT)
 
     def validate(self) -> None:
         check_common_inputs(self)
         check_not_a_training_run(self, "python -m align.evaluate")
-        check_generation_dtype(self.dtype)
 
         if not split_list(self.models):
             raise ConfigError("--models needs at least one model (the base first)")
         if not split_list(self.judges) and not self.fid_reference:
             raise ConfigError("nothing to measure: give --judges and/or --fid_reference")
         parse_seeds(self.seeds)
-        if self.ci not in CI_METHODS:
-            raise ConfigError(f"--ci must be one of {', '.join(CI_METHODS)}, got {self.ci!r}")
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch_size must be >= 1, got {self.batch_size}")
-        if self.num_prompts is not None and self.num_prompts < 1:
-            raise ConfigError(f"--num_prompts must be >= 1, got {self.num_prompts}")
         if self.cmmd and not self.fid_reference:
             raise ConfigError("--cmmd needs --fid_reference (the images to compare against)")
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from align import pipeline  # load_trained and generate_images looked up at call time: tests replace them
-from align.cli import ConfigError
 from align.eval.report import png_bytes
 from align.families import family_of, pipeline_class_name
 from align.pipeline import base_of, resolve_model, testbed_settings
@@ -149,12 +148,6 @@ def settings_per_model(config, models: list[ModelEntry], base: str) -> dict[str,
 # Weights and compute dtype of a generator (--dtype). float32 is the default and leaves the cache key as it was;
 # bfloat16 is what SDXL / SD3.5 / FLUX.1 are run in on one GPU (FLUX.1's 12 B transformer in float32 alone is 48 GB).
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_generation_dtype(name: str) -> None:
-    if name not in GENERATION_DTYPES:
-
-        raise ConfigError(f"--dtype must be one of {', '.join(GENERATION_DTYPES)}, got {name!r}")
 
 
 def generation_dtype(settings: dict) -> torch.dtype:

@@ -319,13 +319,15 @@ def _side_verdict(side: dict | None, question: JudgeQuestion, a_is_image0: bool,
 def rescore_verdicts_file(path: Path, tie_threshold: float, into: dict[str, Rescored]) -> None:
     """verdicts.jsonl from align.judgebench.benchmark: pair records, and bias records (kind = "bias")."""
     file = str(path)
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError as err:
             raise AnswersError(f"--answers {path}: line {number} is not JSON ({err})") from None
+        if not isinstance(record, dict):
+            raise AnswersError(f"--answers {path}: line {number} is not a verdict record (a JSON object)")
         judge = str(record.get("judge", "?"))
         result = into.setdefault(judge, Rescored(judge=judge, source="project"))
         if file not in result.files:
@@ -419,22 +421,32 @@ def rescore(paths: list[str], tie_threshold: float = 0.0) -> tuple[list[Rescored
     judges: dict[str, Rescored] = {}
     caches: list[dict] = []
     for path in answer_files(paths):
-        if path.suffix in (".sqlite", ".db", ".sqlite3"):
-            caches.extend({"file": str(path), **row} for row in cache_parse_summary(path))
-        elif path.suffix == ".jsonl":
-            rescore_verdicts_file(path, tie_threshold, judges)
-        elif path.suffix == ".json":
-            try:
-                rows = json.loads(path.read_text())
-            except ValueError as err:
-                raise AnswersError(f"--answers {path}: not JSON ({err})") from None
-            rescore_mjbench_file(path, rows, tie_threshold, judges)
-        else:
-            raise AnswersError(
-                f"--answers {path}: unknown kind; valid: verdicts.jsonl, a judge cache (.sqlite/.db) or an "
-                "MJ-Bench output .json"
-            )
+        try:
+            rescore_file(path, tie_threshold, judges, caches)
+        except AnswersError as err:
+            raise AnswersError(str(err) if str(err).startswith("--answers") else f"--answers {path}: {err}") from None
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:  # a record of another shape
+            raise AnswersError(f"--answers {path} is not a file of recorded answers of a known shape "
+                               f"({type(err).__name__}: {err})") from None
     return list(judges.values()), caches
+
+
+def rescore_file(path: Path, tie_threshold: float, judges: dict[str, Rescored], caches: list[dict]) -> None:
+    if path.suffix in (".sqlite", ".db", ".sqlite3"):
+        caches.extend({"file": str(path), **row} for row in cache_parse_summary(path))
+    elif path.suffix == ".jsonl":
+        rescore_verdicts_file(path, tie_threshold, judges)
+    elif path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise AnswersError(f"--answers {path}: not JSON ({err})") from None
+        rescore_mjbench_file(path, rows, tie_threshold, judges)
+    else:
+        raise AnswersError(
+            f"--answers {path}: unknown kind; valid: verdicts.jsonl, a judge cache (.sqlite/.db) or an "
+            "MJ-Bench output .json"
+        )
 
 
 def summarise(result: Rescored) -> dict:

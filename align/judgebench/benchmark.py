@@ -37,16 +37,18 @@ import yaml
 import rewards
 from align.api_cost import JudgeCalls, guard_api_cost, is_paid
 from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
+from align.declared import BATCH, COEFFICIENT, COUNT, SEED
 from align.eval import report
 from align.eval.report import write_report
 from align.judgebench import answers as A
 from align.judgebench import metrics as M
-from align.judgebench.data import SUBSETS, BenchDataError, BenchSample, load_bench
+from align.judgebench.data import LOCAL_SUFFIXES, SUBSETS, BenchDataError, BenchSample, load_bench
 from align.judges import load_judge
 from align.progress import progress_bar
 from align.quiet import quiet_output
 from align.run_folder import atomic_write_bytes, atomic_write_text, scrub_secrets
 from align.testbed.mjbench import write_benchmark
+from align.testbed.scene import MAX_SIZE, MIN_SIZE
 from align.validation import check_common_inputs, check_not_a_training_run
 from rewards.judge_prompts import PROTOCOLS, load_template
 from rewards.secrets import scrub_text
@@ -59,28 +61,35 @@ class JudgeBenchConfig:
         "comma-separated judge specs, e.g. shapes-oracle,shapes-oracle[noise=0.2],random,first-image", "judge",
     )
     data: str = option("testbed", "'testbed', a local .parquet/.json/.jsonl, or a hub dataset id "
-                       "owner/name@revision", "data")
+                       "owner/name@revision", "data", path="file", or_name=True, formats=LOCAL_SUFFIXES)
     subsets: str = option("alignment,safety,quality,bias", "comma-separated subsets; rows of others are skipped",
                           "data")
-    output_dir: str = option("outputs/judgebench", "folder for the leaderboard, plot, report and verdicts", "output")
+    output_dir: str = option("outputs/judgebench", "folder for the leaderboard, plot, report and verdicts", "output",
+                             path="output")
     tie_threshold: float = option(0.0, "a pointwise judge predicts a tie when |s1 - s0| <= this (MJ-Bench: 0)",
-                                  "judge")
-    limit: int | None = option(None, "keep only the first N rows of each subset", "data")
-    batch_size: int = option(32, "images per judge call", "judge")
-    testbed_pairs: int = option(50, "testbed: pairs per alignment subcategory and per quality degradation", "data")
-    testbed_bias_groups: int = option(24, "testbed: colourless captions, each scored in all 6 colours", "data")
-    testbed_image_size: int = option(32, "testbed: image side in pixels", "data")
-    seed: int = option(0, "testbed benchmark seed", "data")
+                                  "judge", within=COEFFICIENT)
+    limit: int | None = option(None, "keep only the first N rows of each subset", "data", within=COUNT)
+    batch_size: int = option(32, "images per judge call", "judge", within=BATCH)
+    testbed_pairs: int = option(50, "testbed: pairs per alignment subcategory and per quality degradation", "data",
+                                within="[1, 100000]", applies="--data testbed")
+    testbed_bias_groups: int = option(24, "testbed: colourless captions, each scored in all 6 colours", "data",
+                                      within="[0, 100000]", applies="--data testbed")
+    testbed_image_size: int = option(32, "testbed: image side in pixels", "data", within=f"[{MIN_SIZE}, {MAX_SIZE}]",
+                                     applies="--data testbed")
+    seed: int = option(0, "testbed benchmark seed", "data", within=SEED, applies="--data testbed")
     overwrite: bool = option(False, "replace the outputs of an earlier benchmark in --output_dir", "output")
     protocol: str = option("mjbench", "what question-asking judges are asked: 'mjbench' (MJ-Bench's questions; bias "
-                           "asks the plain alignment question) or 'project' (the training-time questions)", "judge")
+                           "asks the plain alignment question) or 'project' (the training-time questions)", "judge",
+                           choices=tuple(PROTOCOLS))
     prompt_template: str | None = option(None, "a template file replacing the judges' question text, e.g. one of "
-                                         "MJ-Bench's eval/eval_prompts/*.txt ({caption} is filled in)", "judge")
+                                         "MJ-Bench's eval/eval_prompts/*.txt ({caption} is filled in)", "judge",
+                                         path="file", formats=(".txt",))
     answers: list[str] | None = option(None, "re-score recorded answers instead of asking judges: verdicts.jsonl "
-                                       "(or its folder), judge caches, MJ-Bench's released output .json files", "data")
+                                       "(or its folder), judge caches, MJ-Bench's released output .json files", "data",
+                                       path="any", formats=(".jsonl", ".json", ".sqlite"))
     quiet: bool = option(False, "no progress bars (they are also off when stderr is not a terminal)", "output")
     max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many USD "
-                                      "(answers already cached count as free)", "judge")
+                                      "(answers already cached count as free)", "judge", within=COEFFICIENT)
 
 
 @dataclass
@@ -133,16 +142,6 @@ def check_config(config: JudgeBenchConfig) -> tuple[list[str], tuple[str, ...]]:
     bad = [s for s in subsets if s not in SUBSETS]
     if bad or not subsets:
         raise ConfigError(f"--subsets {config.subsets!r}: unknown {', '.join(bad) or '(empty)'}; valid: {', '.join(SUBSETS)}")
-    if config.tie_threshold < 0 or math.isnan(config.tie_threshold):
-        raise ConfigError(f"--tie-threshold must be >= 0, got {config.tie_threshold}")
-    if config.limit is not None and config.limit <= 0:
-        raise ConfigError(f"--limit must be a positive number of rows per subset, got {config.limit}")
-    if config.batch_size <= 0:
-        raise ConfigError(f"--batch-size must be positive, got {config.batch_size}")
-    if config.testbed_pairs <= 0 or config.testbed_bias_groups < 0:
-        raise ConfigError("--testbed-pairs must be positive and --testbed-bias-groups >= 0")
-    if config.protocol not in PROTOCOLS:
-        raise ConfigError(f"--protocol {config.protocol!r}: valid: {', '.join(PROTOCOLS)}")
     if config.prompt_template:
         try:
             load_template(config.prompt_template)
@@ -727,8 +726,6 @@ def rescore_answers(config: JudgeBenchConfig) -> list[dict]:
     out = Path(config.output_dir)
     if (out / "answers.md").exists() and not config.overwrite:
         die(f"--output-dir {out} already holds re-scored answers (answers.md); pass --overwrite or choose another folder")
-    if config.tie_threshold < 0 or math.isnan(config.tie_threshold):
-        die(f"--tie-threshold must be >= 0, got {config.tie_threshold}")
     try:
         results, caches = A.rescore(config.answers, config.tie_threshold)
     except A.AnswersError as err:

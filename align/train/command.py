@@ -13,6 +13,7 @@ from align.quiet import quiet_output
 from align.run_folder import (
     JUDGE_ANSWERS,
     RunFolderError,
+    RunStopped,
 )
 from align.train.accelerator import adamw_class
 from align.train.dry_run import print_memory_plan
@@ -24,8 +25,19 @@ from align.validation import check_weight_files
 BAD_INPUT_ERRORS = (ConfigError, RunFolderError, ModelLoadError, DataError)
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(RunStopped):
     """Training stopped on a bad value (a NaN loss or reward); the last good checkpoint is kept."""
+
+
+def way_on(last_good) -> str:
+    """What a stopped run's line ends with: how to go on from its last good checkpoint, or, before its first one, that
+    the start left nothing (align.run_folder.restores_old_run_on_failure removes what it wrote) and the command runs
+    again as it is typed."""
+    if last_good:
+        return (f"the last good checkpoint is {last_good}: --resume latest continues from it with the run's own settings; "
+                "to train with other settings, start a new run (another --output_dir, or --overwrite true)")
+    return ("no checkpoint was written, so this start's files are removed (the judges' answers are kept): mend the cause "
+            "and run the command again")
 
 
 def run_trainer(config_class: type, train: Callable, argv: list[str] | None, description: str | None,
@@ -63,15 +75,11 @@ def check_config_and_model(config) -> None:
         raise ConfigError(str(err)) from None
 
 
-def check_lr_schedule(name: str, warmup_steps: int) -> None:
-    """--lr_scheduler names one of diffusers' get_scheduler schedules; --lr_warmup_steps is >= 0."""
+def lr_schedules() -> tuple[str, ...]:
+    """The schedules diffusers' get_scheduler knows (--lr_scheduler's choices)."""
     from diffusers.optimization import SchedulerType
 
-    schedules = [t.value for t in SchedulerType]
-    if name not in schedules:
-        raise ConfigError(f"--lr_scheduler must be one of {', '.join(schedules)}, got {name!r}")
-    if warmup_steps < 0:
-        raise ConfigError(f"--lr_warmup_steps must be >= 0, got {warmup_steps}")
+    return tuple(t.value for t in SchedulerType)
 
 
 def keep_judge_answers(judges, run_path: Path, process: int) -> None:

@@ -32,10 +32,10 @@ from align.data.prompt_sets import load_prompt_list
 from align.judges import check_judge_names, check_judges_take_prompts, load_judge
 from align.run_folder import RunFolder, restores_old_run_on_failure
 from align.sampling.registry import sampler_entry
-from align.train.accelerator import adamw_class
+from align.train.accelerator import adamw_class, launched_processes
 from align.train.advantages import PerPromptStatTracker
 from align.train.checkpoints import stop_unless_weights_finite, write_diffusion_model_card
-from align.train.command import TrainingStopped, check_config_and_model, run_trainer
+from align.train.command import TrainingStopped, check_config_and_model, run_trainer, way_on
 from align.train.ddpo_config import DDPOConfig
 from align.train.ddpo_rewards import BackgroundRewards, MixedReward, RewardError
 from align.train.heldout import HeldOutCheck, require_pointwise_eval_judge
@@ -83,6 +83,7 @@ def check_run(config: DDPOConfig):
     check_inputs(config)
     family = detect_family(config.model)
     config.resolve_for_family(family.is_flow)
+    check_batch_sizes(config, launched_processes())  # the launch's processes, as the run checks them
     return family
 
 
@@ -195,7 +196,7 @@ def train(config: DDPOConfig) -> Path:
     held_out.before(start_epoch)
 
     background = BackgroundRewards(reward_fn)
-    last_good = run.latest_checkpoint()
+    last_good = update.last_good = run.latest_checkpoint()
     progress = run.progress(start_epoch, config.num_epochs)
     try:
         for epoch in progress:
@@ -237,7 +238,7 @@ def train(config: DDPOConfig) -> Path:
                 if checkpoint_due or epoch == start_epoch:
                     log_samples(accelerator, run.path, rollout, local_rewards, LOGGED_IMAGES, done)
             if checkpoint_due:
-                last_good = save_ddpo_checkpoint(run, done, global_step, tracker)
+                last_good = update.last_good = save_ddpo_checkpoint(run, done, global_step, tracker)
     finally:
         background.shutdown()
 
@@ -279,9 +280,7 @@ def sample_and_reward(sampling: Sampling, models: PolicyModels, epoch: int, back
     local_rewards, reward_parts, error = gather_rewards(accelerator, futures)
     stop_on_nonfinite_images(accelerator, batches, epoch, last_good)
     if error:
-        raise TrainingStopped(f"reward failed at epoch {epoch}: {error}. Stopped before the update; the last good "
-                              f"checkpoint is {last_good or 'none (no checkpoint was written yet)'} (continue with "
-                              "--resume latest)")
+        raise TrainingStopped(f"reward failed at epoch {epoch}: {error}. Stopped before the update; {way_on(last_good)}")
     return cat_rollouts(batches), local_rewards, reward_parts
 
 

@@ -10,17 +10,29 @@ configs/testbed_ddpo.yaml holds the settings measured best on the shapes testbed
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 
 from align.cli import ConfigError, option
+from align.data.prompt_sets import load_prompt_list
+from align.declared import (
+    BATCH,
+    COEFFICIENT,
+    COUNT,
+    COUNT_OR_ZERO,
+    LEARNING_RATE,
+    POSITIVE,
+    PROMPT_FILES,
+    RESOLUTION,
+    SAMPLING_STEPS,
+    SEED,
+    WEIGHT_DECAY,
+)
 from align.sampling.registry import SAMPLERS, sampler_entry, sampler_names
 from align.train.advantages import MODES
 from align.train.heldout import check_periodic_evaluation
 from align.train.objectives import ALGORITHMS, OPTIONS, algorithm, algorithm_help
-from align.train.options import HeldOutOptions, ModelOptions, RunOptions
-from align.validation import check_common_inputs, check_optimiser_ranges
+from align.train.options import FINETUNES, HeldOutOptions, ModelOptions, RunOptions
+from align.validation import check_common_inputs
 
 TIMESTEP_SELECTIONS = ("random", "high_noise", "stratified")
 # Sampler defaults per kind of family. DDIM: the DDPO paper (50 steps, η 1), evaluated with the same sampler.
@@ -41,131 +53,105 @@ def sampler_help() -> str:
 @dataclass
 class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
     # --- what to train and with which reward
-    algorithm: str = option("ppo", algorithm_help(), "optimisation")
+    algorithm: str = option("ppo", algorithm_help(), "optimisation", choices=lambda: [a.name for a in ALGORITHMS])
     reward: str = option("aesthetic", "the reward: a judge name, name[opt=value], or a weighted mix such as "
                          "pickscore:0.7,aesthetic:0.3", "judge")
     prompts: str | None = option(None, "training prompts (required): a text file, a dataset column, or "
-                                 "testbed:<n>[:<seed>]", "data")
+                                 "testbed:<n>[:<seed>]", "data", path="file", or_name=True, formats=PROMPT_FILES,
+                                 reads=load_prompt_list)
     # --- output
-    output_dir: str = option("runs/ddpo", "the run folder (config, metrics, checkpoints, final weights, report)", "output")
-    seed: int = option(0, "seed of the sampling noise, prompt draws and timestep order", "optimisation")
+    output_dir: str = option("runs/ddpo", "the run folder (config, metrics, checkpoints, final weights, report)", "output",
+                             path="output")
+    seed: int = option(0, "seed of the sampling noise, prompt draws and timestep order", "optimisation", within=SEED)
     # --- model and adapter
-    finetune: str = option("lora", "'lora' (the paper) or 'full' (every UNet weight)", "model")
+    finetune: str = option("lora", "'lora' (the paper) or 'full' (every UNet weight)", "model", choices=FINETUNES)
     # --- sampling (DDPO paper: 50 DDIM steps, η = 1, guidance 5; Flow-GRPO: 10 SDE steps, a = 0.7, 40 to evaluate)
     num_inference_steps: int | None = option(
         None, "denoising steps of the training sampler (None: 50 for DDIM families, the DDPO paper; 10 for "
-        "flow families, Flow-GRPO)", "sampling")
+        "flow families, Flow-GRPO)", "sampling", within=SAMPLING_STEPS)
     eval_inference_steps: int | None = option(
         None, "steps of the held-out evaluation sampler, the pipeline's own (None: --num_inference_steps for "
-        "DDIM families; 40 for flow families, as Flow-GRPO evaluates)", "evaluation")
+        "DDIM families; 40 for flow families, as Flow-GRPO evaluates)", "evaluation", within=SAMPLING_STEPS)
     guidance_scale: float = option(5.0, "classifier-free guidance of sampling, training and the held-out "
                                    "evaluation (the DDPO paper: 5; Flow-GRPO on SD3.5: 4.5; FLUX.1-dev: the "
-                                   "guidance embedding's value)", "sampling")
+                                   "guidance embedding's value)", "sampling", within="[1, 100]")
     eta: float | None = option(
         None, "noise of the training sampler, > 0 (a deterministic step has no log-probability): DDIM's η for "
         "DDIM families (None: 1, the paper; testbed: 0.7); for flow families the SDE noise level a of Flow-GRPO, "
-        "step std a·√(σ/(1-σ))·√Δσ (None: 0.7, the authors')", "sampling")
-    sampler: str | None = option(None, sampler_help(), "sampling")
-    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
-    samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling")
-    sample_batch_size: int = option(8, "images per process per sampling batch", "sampling")
+        "step std a·√(σ/(1-σ))·√Δσ (None: 0.7, the authors')", "sampling", within="(0, 10]")
+    sampler: str | None = option(None, sampler_help(), "sampling", choices=sampler_names)
+    resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling",
+                                    within=RESOLUTION)
+    samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling",
+                                    within=COUNT)
+    sample_batch_size: int = option(8, "images per process per sampling batch", "sampling", within=BATCH)
     images_per_prompt: int = option(1, "images drawn per prompt in a batch (>= 2 for group advantages or "
-                                    "pairwise judges)", "sampling")
+                                    "pairwise judges)", "sampling", within=BATCH)
     # --- advantages
     advantage: str = option("per-prompt", "per-prompt (DDPO's stat tracking), group (GRPO), global-std (the group's "
                             "mean, the std of the whole batch: Flow-GRPO's and DiffusionNFT's global_std), group-mean "
-                            "(Dr. GRPO: no std division) or batch", "optimisation")
+                            "(Dr. GRPO: no std division) or batch", "optimisation", choices=MODES)
     drop_zero_advantage: bool | None = option(
         None, "leave samples whose advantage is exactly 0 (tied groups) out of the update and average it over the rest, "
         "as Flow-GRPO's train_sd3.py (None: on for flow families with ppo, off otherwise: DDPO keeps them)", "optimisation")
     # --- objective (paper: PPO-clip, no KL)
-    clip_range: float = option(1e-4, "PPO clip range of the probability ratio (the paper: 1e-4)", "optimisation")
-    adv_clip_max: float = option(5.0, "advantages are clipped to [-this, this]", "optimisation")
+    clip_range: float = option(1e-4, "PPO clip range of the probability ratio (the paper: 1e-4)", "optimisation",
+                               within="(0, 10]")
+    adv_clip_max: float = option(5.0, "advantages are clipped to [-this, this]", "optimisation", within=POSITIVE)
     kl_coef: float = option(0.0, "> 0 adds kl_coef x KL(step ‖ reference step) (Flow-GRPO's beta: 0.04 / 0.01; "
                             "flow families use the authors' form, mean((μ-μ_ref)²)/(2s²)); the reference is the "
-                            "adapter off (LoRA) or a frozen copy", "optimisation")
+                            "adapter off (LoRA) or a frozen copy", "optimisation", within=COEFFICIENT)
     timestep_fraction: float = option(1.0, "share of the denoising steps trained per sample, in (0, 1] (Flow-GRPO: "
                                       "0.99, 9 of 10 steps); with --deterministic_tail also the size of the "
-                                      "stochastic window", "optimisation")
+                                      "stochastic window", "optimisation", within="(0, 1]")
     timestep_selection: str = option(
         "random", "which steps are trained: random (the paper: a random subset per sample), high_noise (the "
         "first, noisiest steps, where layout and counts are decided; Flow-GRPO trains the first steps) or stratified "
         "(one step in each of k equal strata of the first 90% of the steps, AWM's draw). With "
         "--deterministic_tail on a flow family: where the window sits, high_noise at the start, random drawn per "
-        "sampling batch within the first half of the steps (Flow-GRPO-Fast)", "optimisation")
+        "sampling batch within the first half of the steps (Flow-GRPO-Fast)", "optimisation",
+        choices=TIMESTEP_SELECTIONS)
     deterministic_tail: bool = option(
         False, "stochastic steps only where trained, deterministic (η = 0 / the ODE) elsewhere, as the evaluation "
         "sampler: DDIM families with high_noise (MixGRPO's tail); flow families: Flow-GRPO-Fast's window of "
         "--timestep_fraction of the steps, only the window trained", "sampling")
     timestep_batch: int = option(1, "trained timesteps per UNet call: more is faster and takes more memory, "
-                                 "the same gradient", "optimisation")
+                                 "the same gradient", "optimisation", within=BATCH)
     # --- optimisation (paper: AdamW, lr 3e-4, LoRA)
-    num_epochs: int = option(100, "epochs of sampling then one PPO pass over the samples", "optimisation")
-    train_batch_size: int = option(4, "samples per process per micro-batch", "optimisation")
+    num_epochs: int = option(100, "epochs of sampling then one PPO pass over the samples", "optimisation", within=COUNT)
+    train_batch_size: int = option(4, "samples per process per micro-batch", "optimisation", within=BATCH)
     gradient_accumulation_steps: int = option(2, "micro-batches per optimiser step (each spans the trained "
-                                              "timesteps)", "optimisation")
+                                              "timesteps)", "optimisation", within=BATCH)
     learning_rate: float = option(3e-4, "AdamW learning rate (the paper: 3e-4; β 0.9 / 0.999, ε 1e-8, PyTorch's "
-                                  "and every recipe's)", "optimisation")
-    adam_weight_decay: float = option(1e-4, "AdamW weight decay", "optimisation")
+                                  "and every recipe's)", "optimisation", within=LEARNING_RATE)
+    adam_weight_decay: float = option(1e-4, "AdamW weight decay", "optimisation", within=WEIGHT_DECAY)
     # --- checkpoints, samples, evaluation
-    checkpointing_epochs: int = option(10, "save a resumable checkpoint every N epochs", "output")
-    eval_seed: int = option(1234, "first seed of the held-out images (the same before and after)", "evaluation")
+    checkpointing_epochs: int = option(10, "save a resumable checkpoint every N epochs", "output", within=COUNT)
+    eval_seed: int = option(1234, "first seed of the held-out images (the same before and after)", "evaluation",
+                            within=SEED)
     eval_every_epochs: int = option(0, "> 0: also score the held-out prompts every N epochs (evals/, the "
-                                    "report's held-out curve)", "evaluation")
+                                    "report's held-out curve)", "evaluation", within=COUNT_OR_ZERO)
 
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
-        check_common_inputs(self)
-        check_optimiser_ranges(self)
-        self.check_run_options()
-        self.check_model_options()
-        self.check_held_out_options()
+        check_common_inputs(self)  # every value against its declaration: types, ranges, choices, paths, what applies
         if not self.prompts:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
-        if self.eta is not None and not (self.eta > 0 and math.isfinite(self.eta)):
-            raise ConfigError(f"--eta must be > 0 (DDPO samples stochastically; the paper uses 1.0), got {self.eta}")
-        if not 0.0 < self.timestep_fraction <= 1.0:
-            raise ConfigError(f"--timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
-        if self.timestep_selection not in TIMESTEP_SELECTIONS:
-            raise ConfigError(
-                f"--timestep_selection must be one of {', '.join(TIMESTEP_SELECTIONS)}, got {self.timestep_selection!r}"
-            )
         check_periodic_evaluation("eval_every_epochs", self.eval_every_epochs, self.eval_prompts, self.eval_judge or self.reward)
-        if self.advantage not in MODES:
-            raise ConfigError(f"--advantage must be one of {', '.join(MODES)}, got {self.advantage!r}")
-        for name in ("num_inference_steps", "eval_inference_steps", "samples_per_epoch", "sample_batch_size",
-                     "images_per_prompt", "num_epochs", "train_batch_size", "gradient_accumulation_steps",
-                     "checkpointing_epochs", "timestep_batch"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("learning_rate", "clip_range", "adv_clip_max"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
-        if not self.kl_coef >= 0:
-            raise ConfigError(f"--kl_coef must be >= 0, got {self.kl_coef}")
-        if self.guidance_scale < 1:
-            raise ConfigError(f"--guidance_scale must be >= 1, got {self.guidance_scale}")
         if self.sample_batch_size % self.images_per_prompt:
             raise ConfigError(
                 f"--sample_batch_size ({self.sample_batch_size}) must be a multiple of --images_per_prompt ({self.images_per_prompt})"
             )
         chosen = algorithm(self.algorithm)
-        if self.sampler is not None and self.sampler not in sampler_names():
-            raise ConfigError(f"--sampler must be one of {', '.join(sampler_names())}, got {self.sampler!r}")
         if chosen.options is not None:
             chosen.options.check(self)
-        self.refuse_other_algorithms_options(chosen)
         if self.advantage in ("group", "group-mean", "global-std") and self.images_per_prompt < 2:
             raise ConfigError(f"--advantage {self.advantage} needs --images_per_prompt >= 2 (a group per prompt)")
 
-    def refuse_other_algorithms_options(self, chosen) -> None:
-        """An option of another algorithm, given a value of its own, would be ignored: refused in one line."""
-        own = {f.name for f in dataclasses.fields(chosen.options)} if chosen.options is not None else set()
-        for entry in ALGORITHMS:
-            for field in dataclasses.fields(entry.options) if entry.options is not None else ():
-                if field.name not in own and getattr(self, field.name) != field.default:
-                    raise ConfigError(f"--{field.name} is an option of --algorithm {entry.name} ({entry.method.title}); "
-                                      f"this run trains --algorithm {chosen.name}: leave it out")
+    def choice_title(self, flag: str, value: str) -> str | None:
+        """The title of a choice whose options another choice refuses (align.declared.check_applies): an algorithm's
+        method. Options of another algorithm are refused from their declaration (their group, "--algorithm nft")."""
+        return algorithm(value).method.title if flag == "algorithm" else None
 
     def resolve_for_family(self, is_flow: bool) -> None:
         """Fill the sampler options left unset with the family's defaults (DDIM or flow) and the algorithm's, and check

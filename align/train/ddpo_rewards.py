@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 import rewards
+from align.run_folder import RunStopped
 from rewards.base import Judge
 
 
-class RewardError(RuntimeError):
+class RewardError(RunStopped):
     """A judge failed or returned a non-finite reward."""
 
 

@@ -34,7 +34,7 @@ from align.pipeline import disabled_adapter, testbed_settings
 from align.run_folder import RunFolder, restores_old_run_on_failure
 from align.train.accelerator import adamw_class, apply_matmul_switches
 from align.train.checkpoints import stop_unless_weights_finite, write_diffusion_model_card
-from align.train.command import TrainingStopped, check_config_and_model, run_trainer
+from align.train.command import TrainingStopped, check_config_and_model, run_trainer, way_on
 from align.train.dpo_config import DPOConfig
 from align.train.dpo_data import RoundPairs, check_latent_store, check_pairs_readable
 from align.train.heldout import HeldOutCheck, require_pointwise_eval_judge
@@ -234,10 +234,8 @@ def stop_unless_loss_finite(accelerator, loss: torch.Tensor, step: int, last_goo
     """A NaN/inf loss on any process stops every process before the update."""
     finite = accelerator.gather(torch.isfinite(loss.detach()).float().reshape(1)).min()
     if finite < 1:
-        raise TrainingStopped(
-            f"non-finite loss at step {step}; stopped before the update. The last good checkpoint is "
-            f"{last_good or 'none (no checkpoint was written yet)'}; lower --learning_rate or --beta"
-        )
+        raise TrainingStopped(f"non-finite loss at step {step} (a --learning_rate or --beta too high for the model?); "
+                              f"stopped before the update. {way_on(last_good)}")
 
 
 def write_model_card(folder: Path, config: DPOConfig, run: RunFolder) -> None:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 
 from align.progress import progress_bar
 from align.run_folder import CHECKPOINT_STATE, RunFolder
 from align.train.accelerator import end_training, make_accelerator, tracker_config
 from align.train.checkpoints import (
-    check_resume_settings,
     register_trainable_checkpoint_hooks,
     rescale_schedules,
     save_checkpoint,
@@ -36,6 +36,7 @@ from align.train.checkpoints import (
 )
 from align.train.command import keep_judge_answers
 from align.train.report import write_training_report
+from align.train.resume import check_resume_settings, run_settings
 
 
 class TrainingRun:
@@ -55,6 +56,9 @@ class TrainingRun:
             config.mixed_precision, label, shardable=shardable, log_with=self.log_with,
             project_dir=str(self.folder.path), **accumulation)
         self.main = self.accelerator.is_main_process
+        # A resumed run rewrites nothing of its record (config.yaml, metrics.jsonl) until it has taken its first step:
+        # a resume that fails before that leaves the run as it was. None: nothing pending (a fresh start writes at once).
+        self.resumed_at: int | None = None
 
     @property
     def path(self) -> Path:
@@ -70,7 +74,7 @@ class TrainingRun:
         it (a resumed run asks nothing twice), and the seed of everything random set."""
         from accelerate.utils import set_seed
 
-        start_run(self.accelerator, self.folder, self.config)
+        start_run(self.accelerator, self.folder, self.config, write_config=not self.config.resume)
         keep_judge_answers([judge for judge in judges if judge is not None], self.path, self.accelerator.process_index)
         set_seed(self.config.seed)
 
@@ -87,18 +91,27 @@ class TrainingRun:
         (0, {}) when there is none."""
         checkpoint = self.folder.resume_checkpoint()
         if checkpoint is None:
-            if self.config.resume and self.main:
-                self.folder.truncate_metrics(0)
+            if self.config.resume:
+                self.resumed_at = 0
                 self.say(f"--resume latest: no checkpoint yet, starting from {self.step_name} 0")
             return 0, {}
         self.accelerator.load_state(str(checkpoint))
         sealed = json.loads((checkpoint / CHECKPOINT_STATE).read_text())
         rescale_schedules(self.accelerator, sealed.get("processes", self.accelerator.num_processes))
         state = json.loads((checkpoint / state_file).read_text()) if state_file else {}
-        if self.main:
-            self.folder.truncate_metrics(sealed["step"])
+        self.resumed_at = sealed["step"]
         self.say(f"resumed from {checkpoint} at {self.step_name} {sealed['step']}")
         return sealed["step"], state
+
+    def _record_resumed_run(self, step: int | None = None) -> None:
+        """Once a resumed run has taken a step (``step``, just done) or reached its final save: the metrics logged after
+        its checkpoint dropped (they are redone) and config.yaml rewritten with what the resume applied."""
+        if self.resumed_at is None:
+            return
+        if self.main:
+            self.folder.truncate_metrics(self.resumed_at, keep_eval=step)
+            self.folder.save_config(asdict(self.config))
+        self.resumed_at = None
 
     def init_trackers(self, project: str) -> None:
         if self.log_with:
@@ -110,19 +123,23 @@ class TrainingRun:
 
     def log(self, step: int, logs: dict) -> None:
         """metrics.jsonl (main process) and the trackers."""
+        self._record_resumed_run(step)
         if self.main:
             self.folder.log(step, logs)
         self.accelerator.log(logs, step=step)
 
     def checkpoint(self, step: int, extra_files: dict[str, str] | None = None) -> Path:
         """A sealed checkpoint of every state (plus the trainer's ``extra_files``), older ones pruned."""
-        return save_checkpoint(self.accelerator, self.folder, step, self.config.checkpoints_total_limit, extra_files)
+        self._record_resumed_run(step)
+        return save_checkpoint(self.accelerator, self.folder, step, self.config.checkpoints_total_limit, extra_files,
+                               settings=run_settings(self.config))
 
     def latest_checkpoint(self) -> Path | None:
         return self.folder.latest_checkpoint()
 
     def save_final(self, trained, family, write_card: Callable[[Path], None]) -> None:
         """final/ (main process): the LoRA or the whole denoiser in diffusers' format, with its model card."""
+        self._record_resumed_run()
         if self.main:
             save_final_weights(trained, self.path, self.config.finetune, write_card, family=family)
 

@@ -14,7 +14,7 @@ from align.pipeline import decode_latents
 from align.run_folder import atomic_write_text
 from align.sampling.base import Sampler
 from align.train.advantages import compute_advantages
-from align.train.command import TrainingStopped
+from align.train.command import TrainingStopped, way_on
 from align.train.ddpo_order import SAMPLE, epoch_generator, gathered_slots, global_batch, in_global_order
 from align.train.ddpo_rewards import RewardError
 from align.train.heldout import save_image_row
@@ -96,10 +96,10 @@ def stop_on_nonfinite_images(accelerator, batches, epoch: int, last_good) -> Non
     failed reward does."""
     bad = 0.0 if all(images_finite(b.images) for b in batches) else 1.0
     if accelerator.gather(torch.tensor([bad], device=accelerator.device)).max() > 0:
-        raise TrainingStopped(
-            f"non-finite generated images at epoch {epoch}; stopped before the update. The last good checkpoint is "
-            f"{last_good or 'none (no checkpoint was written yet)'} (lower --learning_rate, continue with --resume latest)"
-        )
+        cause = ("sampling settings the model cannot take: --guidance_scale, --eta, --mixed_precision?" if last_good is None
+                 else "a diverged model (a --learning_rate too high?) or sampling settings it cannot take")
+        raise TrainingStopped(f"non-finite generated images at epoch {epoch} ({cause}); stopped before the update. "
+                              f"{way_on(last_good)}")
 
 
 def epoch_advantages(sampling: Sampling, rollout: Rollout, all_rewards, tracker) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from align.families.base import Conditioning, expand_conditioning, repeat_conditioning, select_conditioning
-from align.train.command import TrainingStopped
+from align.train.command import TrainingStopped, way_on
 from align.train.ddpo_order import NOISE, TRAIN, epoch_generator, global_batch, stratified_order
 from align.train.objectives.awm import awm_timestep_indices
 from align.train.objectives.base import Objective
@@ -35,6 +35,7 @@ class Update:
     optimizer: torch.optim.Optimizer
     params: list[torch.nn.Parameter]
     negative: Conditioning  # one row: the unconditional side of guidance
+    last_good: object = None  # the run's last good checkpoint, named when a loss stops the run
 
 
 @dataclass
@@ -171,7 +172,8 @@ def train_micro_batch(update: Update, epoch: Epoch, idx, divisor: float, stats, 
         with contextlib.nullcontext() if sync else accelerator.no_sync(update.models.trained):
             loss, metrics = update.objective.loss(update.models, batch)
             if not torch.isfinite(loss):
-                raise TrainingStopped(f"non-finite {config.algorithm} loss; stopped before the update (lower --learning_rate)")
+                raise TrainingStopped(f"non-finite {config.algorithm} loss (a --learning_rate too high?); stopped before "
+                                      f"the update. {way_on(update.last_good)}")
             accelerator.backward(loss * (weight_total * c))
         for key, value in ({"loss": loss.detach(), **metrics} if recorded else {}).items():
             stats.setdefault(key, []).append(float(value))

@@ -29,7 +29,18 @@ import torch
 import rewards
 from align.cli import ConfigError, option
 from align.data.pair_stream import load_pairs
-from align.data.pairs import PAIR_COLUMNS, DataError
+from align.data.pairs import PAIR_COLUMNS, TIE_POLICIES, DataError, check_pair_file
+from align.declared import (
+    ADAM_BETA,
+    BATCH,
+    COEFFICIENT,
+    COUNT,
+    LEARNING_RATE,
+    POSITIVE,
+    SEED,
+    SHARE,
+    WEIGHT_DECAY,
+)
 from align.eval.report import Section, img_tag, table_html
 from align.run_folder import (
     RunFolder,
@@ -41,9 +52,9 @@ from align.run_folder import (
 from align.testbed.models import build_shapes_clip, shapes_clip_image_processor
 from align.testbed.pairs import rendered_pairs, write_parquet
 from align.testbed.tokenizer import testbed_tokenizer
-from align.train.command import TrainingStopped, run_trainer
+from align.train.command import TrainingStopped, lr_schedules, run_trainer, way_on
 from align.train.lifecycle import TrainingRun
-from align.train.options import RunOptions
+from align.train.options import LORA_ALPHAS, LORA_RANKS, TRACKERS, RunOptions
 from align.train.report import Curve
 from align.train.reward_losses import (
     binary_cross_entropy_loss,
@@ -54,7 +65,7 @@ from align.train.reward_losses import (
     pairwise_accuracy,
     reliability_bins,
 )
-from align.validation import check_common_inputs, check_optimiser_ranges, check_parquet_columns
+from align.validation import check_common_inputs, check_parquet_columns
 from rewards.clip import SHAPES_CLIP_FOLDER
 from rewards.images import decode_image
 from rewards.llava_reward import LlavaRewardModel, check_backbone
@@ -68,90 +79,87 @@ CURVES = (Curve("Bradley-Terry loss", ("loss",)), Curve("training pairwise accur
           Curve("held-out pairwise accuracy", ("eval_acc",)), Curve("held-out Bradley-Terry loss", ("eval_bt_loss",)))
 
 
+UNPAIRED_COLUMNS = ("caption", "jpg", "label")
+
+
+def check_unpaired_file(path: str) -> None:
+    """--unpaired's declared reader: a parquet file of labelled images (its footer)."""
+    check_parquet_columns("unpaired images", path, UNPAIRED_COLUMNS)
+
+
 @dataclass
 class RewardTrainConfig(RunOptions):
     # --- data (Pick-a-Pic schema: caption, jpg_0, jpg_1, label_0, label_1)
     dataset: str | None = option(
         None, "preference pairs (required): a parquet/folder/HF id (e.g. a dpo run's feedback/pairs.parquet), or "
-        "testbed-oracle:<n>[:<seed>]: n shapes-world pairs (render vs near miss) labelled by shapes-oracle", "data")
+        "testbed-oracle:<n>[:<seed>]: n shapes-world pairs (render vs near miss) labelled by shapes-oracle", "data",
+        path="any", or_name=True, formats=(".parquet",), reads=check_pair_file)
     dataset_split: str = option("train", "split of --dataset", "data")
     eval_dataset: str | None = option(None, "held-out pairs (the same forms as --dataset); None: --eval_fraction "
-                                      "of --dataset", "data")
-    eval_fraction: float = option(0.1, "share of --dataset held out when no --eval_dataset is given", "data")
-    max_pairs: int | None = option(None, "cap on the pairs used (None: all)", "data")
-    tie_policy: str = option("drop", "tied pairs: drop or keep_first", "data")
-    unpaired: str | None = option(None, "parquet with caption, jpg, label (1 good / 0 bad) for a BCE term", "data")
-    bce_weight: float = option(1.0, "weight of the BCE term on --unpaired labels", "optimisation")
+                                      "of --dataset", "data", path="any", or_name=True, formats=(".parquet",),
+                                      reads=check_pair_file)
+    eval_fraction: float = option(0.1, "share of --dataset held out when no --eval_dataset is given", "data",
+                                  within=SHARE)
+    max_pairs: int | None = option(None, "cap on the pairs used (None: all)", "data", within=COUNT)
+    tie_policy: str = option("drop", "tied pairs: drop or keep_first", "data", choices=TIE_POLICIES)
+    unpaired: str | None = option(None, "parquet with caption, jpg, label (1 good / 0 bad) for a BCE term", "data",
+                                  path="file", formats=(".parquet",), reads=check_unpaired_file)
+    bce_weight: float = option(1.0, "weight of the BCE term on --unpaired labels", "optimisation", within=COEFFICIENT)
     # --- model
     backbone: str = option("clip", "clip or blip (an MLP head, VP-Score / ImageReward style) or mllm "
-                           "(LLaVA-Reward)", "model")
+                           "(LLaVA-Reward)", "model", choices=BACKBONES)
     model: str = option("openai/clip-vit-large-patch14", "the backbone: a hub id, a folder, 'testbed' (shapes-clip) "
-                        "or testbed:scratch", "model")
+                        "or testbed:scratch", "model", path="folder", or_name=True)
     trust_remote_code: bool = option(False, "run the model repository's own code (mllm backbones transformers lacks; Phi-3.5-vision is native); off unless "
                                      "asked", "model")
-    skip_cross_attention: bool = option(True, "mllm: SkipCA before the value head (LLaVA-Reward)", "model")
-    head_hidden: str = option("256,64", "clip/blip: the MLP head's hidden sizes", "model")
-    head_dropout: float = option(0.1, "dropout of the MLP head", "model")
-    finetune: str = option("lora", "lora (the paper), full, or head (the backbone frozen)", "model")
-    lora_rank: int = option(128, "LoRA rank (LLaVA-Reward: r 128, alpha 256, dropout 0.05)", "model")
-    lora_alpha: float = option(256.0, "LoRA alpha", "model")
-    lora_dropout: float = option(0.05, "LoRA dropout", "model")
+    skip_cross_attention: bool = option(True, "mllm: SkipCA before the value head (LLaVA-Reward)", "model",
+                                        applies="--backbone mllm")
+    head_hidden: str = option("256,64", "clip/blip: the MLP head's hidden sizes", "model", applies="--backbone clip,blip")
+    head_dropout: float = option(0.1, "dropout of the MLP head", "model", within=SHARE, applies="--backbone clip,blip")
+    finetune: str = option("lora", "lora (the paper), full, or head (the backbone frozen)", "model", choices=FINETUNE)
+    lora_rank: int = option(128, "LoRA rank (LLaVA-Reward: r 128, alpha 256, dropout 0.05)", "model",
+                            within=LORA_RANKS)
+    lora_alpha: float = option(256.0, "LoRA alpha", "model", within=LORA_ALPHAS)
+    lora_dropout: float = option(0.05, "LoRA dropout", "model", within=SHARE)
     # --- objective
-    tau: float = option(0.1, "Bradley-Terry temperature: P(a > b) = sigmoid((r_a - r_b) / tau)", "optimisation")
+    tau: float = option(0.1, "Bradley-Terry temperature: P(a > b) = sigmoid((r_a - r_b) / tau)", "optimisation",
+                        within=POSITIVE)
     # --- optimisation
-    learning_rate: float = option(2e-4, "AdamW learning rate (LLaVA-Reward's LoRA recipe)", "optimisation")
-    weight_decay: float = option(0.0, "AdamW weight decay", "optimisation")
-    adam_beta1: float = option(0.9, "AdamW β1", "optimisation")
-    adam_beta2: float = option(0.95, "AdamW β2", "optimisation")
-    lr_scheduler: str = option("cosine", "diffusers' get_scheduler: cosine, constant, linear, ...", "optimisation")
-    lr_warmup_ratio: float = option(0.03, "share of the steps spent warming the learning rate up", "optimisation")
-    max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation")
-    train_batch_size: int = option(8, "pairs per process per micro-step", "optimisation")
-    gradient_accumulation_steps: int = option(1, "micro-steps per optimiser step", "optimisation")
-    num_epochs: float = option(3.0, "passes over the training pairs (fractions allowed)", "optimisation")
-    max_steps: int | None = option(None, "optimiser steps in all; overrides --num_epochs", "optimisation")
+    learning_rate: float = option(2e-4, "AdamW learning rate (LLaVA-Reward's LoRA recipe)", "optimisation",
+                                  within=LEARNING_RATE)
+    weight_decay: float = option(0.0, "AdamW weight decay", "optimisation", within=WEIGHT_DECAY)
+    adam_beta1: float = option(0.9, "AdamW β1", "optimisation", within=ADAM_BETA)
+    adam_beta2: float = option(0.95, "AdamW β2", "optimisation", within=ADAM_BETA)
+    lr_scheduler: str = option("cosine", "diffusers' get_scheduler: cosine, constant, linear, ...", "optimisation",
+                               choices=lr_schedules)
+    lr_warmup_ratio: float = option(0.03, "share of the steps spent warming the learning rate up", "optimisation",
+                                    within="[0, 1]")
+    max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation", within=COEFFICIENT)
+    train_batch_size: int = option(8, "pairs per process per micro-step", "optimisation", within=BATCH)
+    gradient_accumulation_steps: int = option(1, "micro-steps per optimiser step", "optimisation", within=BATCH)
+    num_epochs: float = option(3.0, "passes over the training pairs (fractions allowed)", "optimisation",
+                               within=POSITIVE)
+    max_steps: int | None = option(None, "optimiser steps in all; overrides --num_epochs", "optimisation", within=COUNT)
     mixed_precision: str | None = option(
         None, "no, fp16 or bf16; unset: accelerate's setting (accelerate launch --mixed_precision, its config file), "
-        "else no", "optimisation")
+        "else no", "optimisation", choices=("no", "fp16", "bf16"))
     # --- output
-    output_dir: str = option("runs/reward", "the run folder; final/ loads with rewards.load(folder)", "output")
-    seed: int = option(0, "seed of the split, pair order and initialisation", "optimisation")
-    report_to: str = option("none", "tracker: tensorboard, wandb, all, or none", "output")
-    checkpointing_steps: int = option(200, "save a resumable checkpoint every N optimiser steps", "output")
-    checkpoints_total_limit: int = option(2, "checkpoints kept (older ones are deleted)", "output")
+    output_dir: str = option("runs/reward", "the run folder; final/ loads with rewards.load(folder)", "output",
+                             path="output")
+    seed: int = option(0, "seed of the split, pair order and initialisation", "optimisation", within=SEED)
+    report_to: str = option("none", "tracker: tensorboard, wandb, all, or none", "output", choices=TRACKERS)
+    checkpointing_steps: int = option(200, "save a resumable checkpoint every N optimiser steps", "output", within=COUNT)
+    checkpoints_total_limit: int = option(2, "checkpoints kept (older ones are deleted)", "output", within=COUNT)
     calibrate: bool = option(True, "fit a temperature on the held-out pairs at the end so that P(a > b) is "
                              "calibrated", "evaluation")
     name: str | None = option(None, "the judge's name (None: the output folder's name)", "output")
 
     def validate(self) -> None:
-        check_common_inputs(self)
-        check_optimiser_ranges(self)
-        self.check_run_options()
+        check_common_inputs(self)  # every value against its declaration: types, ranges, choices, paths, what applies
         if not self.dataset:
             raise ConfigError("--dataset is required: a Pick-a-Pic-schema parquet/folder/HF dataset of preference pairs")
-        if self.backbone not in BACKBONES:
-            raise ConfigError(f"--backbone must be one of {', '.join(BACKBONES)}, got {self.backbone!r}")
-        if self.finetune not in FINETUNE:
-            raise ConfigError(f"--finetune must be one of {', '.join(FINETUNE)}, got {self.finetune!r}")
-        if not (self.tau > 0 and math.isfinite(self.tau)):
-            raise ConfigError(f"--tau must be a positive number, got {self.tau}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_fraction == 0 and not self.eval_dataset:
             raise ConfigError("held-out pairs are needed (accuracy, calibration): set --eval_fraction > 0 or --eval_dataset")
-        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
-            raise ConfigError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
-        for name in ("train_batch_size", "gradient_accumulation_steps", "lora_rank", "checkpointing_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max_steps must be >= 1, got {self.max_steps}")
-        if self.num_epochs <= 0:
-            raise ConfigError(f"--num_epochs must be > 0, got {self.num_epochs}")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
-        if self.bce_weight < 0:
-            raise ConfigError(f"--bce_weight must be >= 0, got {self.bce_weight}")
         try:
             hidden = [int(h) for h in self.head_hidden.split(",") if h.strip()]
         except ValueError:
@@ -446,7 +454,8 @@ def train_step(run: TrainingRun, model, optimizer, scheduler, data: RewardData, 
                 loss = loss + config.bce_weight * bce
                 totals["bce_loss"] += float(bce.detach()) / accumulation
             if not torch.isfinite(loss):
-                raise TrainingStopped(f"loss became {float(loss)} at step {step}; last good checkpoint: {run.latest_checkpoint()}")
+                raise TrainingStopped(f"loss became {float(loss)} at step {step} (a --learning_rate too high?); "
+                                      f"{way_on(run.latest_checkpoint())}")
             accelerator.backward(loss)
             if accelerator.sync_gradients and config.max_grad_norm > 0:
                 accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)

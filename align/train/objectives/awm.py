@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from align.cli import ConfigError, option
+from align.cli import option
+from align.declared import COEFFICIENT
 from align.train.objectives.base import Algorithm, Method, Objective
 from align.train.report import Curve
 from align.train.rollout import TrainBatch
@@ -240,18 +241,15 @@ class AWMOptions:
     """AWM's own flags."""
 
     awm_weighting: str = option("ghuber", "AWM's weighting of the flow-matching error: uniform, t, t2, huber or ghuber "
-                                "(generalised Huber, the authors' recipes)", "--algorithm awm")
-    awm_ghuber_power: float = option(0.25, "the generalised Huber's power p (the authors: 0.25)", "--algorithm awm")
+                                "(generalised Huber, the authors' recipes)", "--algorithm awm",
+                                choices=WEIGHTINGS)
+    awm_ghuber_power: float = option(0.25, "the generalised Huber's power p (the authors: 0.25)", "--algorithm awm",
+                                     within="(0, 10]")
     ema_kl_coef: float = option(1.0, "AWM: weight of the KL to the old (EMA) policy (the authors' ema_beta: 1)",
-                                "--algorithm awm")
+                                "--algorithm awm", within=COEFFICIENT)
 
     def check(self) -> None:
-        if self.awm_weighting not in WEIGHTINGS:
-            raise ConfigError(f"--awm_weighting must be one of {', '.join(WEIGHTINGS)}, got {self.awm_weighting!r}")
-        if not self.awm_ghuber_power > 0:
-            raise ConfigError(f"--awm_ghuber_power must be > 0, got {self.awm_ghuber_power}")
-        if not self.ema_kl_coef >= 0:
-            raise ConfigError(f"--ema_kl_coef must be >= 0, got {self.ema_kl_coef}")
+        """Its values are declared (range, choices) and checked with every option; nothing across them to check."""
 
 
 class AdvantageWeightedMatching(Objective):

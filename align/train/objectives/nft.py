@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from align.cli import ConfigError, option
+from align.cli import option
+from align.declared import POSITIVE
 from align.train.objectives.base import Algorithm, Method, Objective
 from align.train.report import Curve
 from align.train.rollout import TrainBatch
@@ -184,18 +185,15 @@ class NFTOptions:
     """DiffusionNFT's own flags."""
 
     nft_beta: float = option(1.0, "DiffusionNFT's beta: how far the implicit positive/negative policies sit from the old "
-                             "policy (the authors: 1.0; 0.1 for OCR)", "--algorithm nft")
+                             "policy (the authors: 1.0; 0.1 for OCR)", "--algorithm nft", within=POSITIVE)
     old_policy_decay: str = option("linear-0.5", "DiffusionNFT's old (sampling) policy, an average of the trained "
                                    "weights updated each epoch with decay: none (0: the trained weights), linear-0.5 "
                                    "(min(0.001 x step, 0.5), the authors' default), delayed-linear-0.999 (0 for 75 steps, "
-                                   "then +0.0075 a step up to 0.999, their OCR recipe)", "--algorithm nft")
+                                   "then +0.0075 a step up to 0.999, their OCR recipe)", "--algorithm nft",
+                                   choices=tuple(OLD_POLICY_SCHEDULES))
 
     def check(self) -> None:
-        if not self.nft_beta > 0:
-            raise ConfigError(f"--nft_beta must be > 0, got {self.nft_beta}")
-        if self.old_policy_decay not in OLD_POLICY_SCHEDULES:
-            raise ConfigError(f"--old_policy_decay must be one of {', '.join(OLD_POLICY_SCHEDULES)}, got "
-                              f"{self.old_policy_decay!r}")
+        """Its values are declared (range, choices) and checked with every option; nothing across them to check."""
 
 
 class DiffusionNFT(Objective):
