@@ -26,6 +26,8 @@ CONFIG_CLASSES = {
     "sdxl_dpo_lora_1gpu.yaml": DPOConfig,
     "sd35_grpo_lora_1gpu.yaml": DDPOConfig,
     "flux_grpo_lora_1gpu.yaml": DDPOConfig,
+    "flux_dancegrpo_lora_1gpu.yaml": DDPOConfig,
+    "sd35_dancegrpo_lora_1gpu.yaml": DDPOConfig,
     "testbed_dpo.yaml": DPOConfig,
     "testbed_flow_dpo.yaml": DPOConfig,
     "ddpo_sd15.yaml": DDPOConfig,

