@@ -55,8 +55,22 @@ def test_dance_sde_trains_a_flow_model_on_policy_from_group_shared_noise(family_
     assert "Dance-SDE" in (run / "final" / "README.md").read_text()
 
 
+@pytest.mark.parametrize("sampler", ["sde", "dance"])
+def test_grpo_guard_trains_on_the_recorded_means_on_policy_first(family_models, prompt_file, tmp_path, sampler):
+    run = ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / f"guard-{sampler}", algorithm="grpo-guard",
+                            sampler=sampler, clip_range=2e-6, kl_coef=0.01, timestep_selection="high_noise",
+                            gradient_accumulation_steps=2))
+    records = epochs(run)
+    assert records[0]["ratio_mean"] == 1.0 and records[0]["clipfrac"] == 0.0  # the first minibatch is on-policy
+    assert records[-1]["kl_to_reference"] > 0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert "GRPO-Guard: ratio normalisation, 1/Δσ reweighting" in (run / "final" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--sampler", "dance"], "--sampler dance is not a sampler of DDIM models"),
+    (["--algorithm", "grpo-guard"], "--algorithm grpo-guard (GRPO-Guard) trains flow-matching models"),
+    (["--algorithm", "grpo-guard", "--sampler", "cps"], "--algorithm grpo-guard normalises Gaussian steps"),
+    (["--algorithm", "ppo", "--guard_reweight", "false"], "--guard_reweight is an option of --algorithm grpo-guard"),
     (["--algorithm", "nft", "--group_shared_noise", "true"], "--group_shared_noise with the deterministic --sampler ode"),
 ])
 def test_combinations_that_cannot_run_are_refused_in_one_line(tiny_model, prompt_file, tmp_path, capsys, flags, message):
