@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import subprocess
+import sys
 import textwrap
+import types
 from pathlib import Path
 
 import torch
@@ -51,10 +53,13 @@ def lines_between(source: str, first: str, last: str, after: str | None = None) 
 
 
 def execute(source: str, name: str, namespace: dict | None = None) -> dict:
-    """Run ``source`` in a fresh namespace (seeded with ``namespace``) and return that namespace."""
-    namespace = {"__name__": f"authors_{name}", **(namespace or {})}
-    exec(compile(source, name, "exec"), namespace)
-    return namespace
+    """Run ``source`` as a fresh module (its namespace seeded with ``namespace``; registered in sys.modules, which
+    dataclasses need) and return that module's namespace."""
+    module = types.ModuleType(f"authors_{name}")
+    module.__dict__.update(namespace or {})
+    sys.modules[module.__name__] = module
+    exec(compile(source, name, "exec"), module.__dict__)
+    return module.__dict__
 
 
 def floats(t) -> list:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.sampling import dance_sampler
+from align.sampling import dance_sampler, mix_sampler
 from align.train import ddpo
 from align.train.ddpo_config import DDPOConfig
 
@@ -66,8 +66,27 @@ def test_grpo_guard_trains_on_the_recorded_means_on_policy_first(family_models, 
     assert "GRPO-Guard: ratio normalisation, 1/Δσ reweighting" in (run / "final" / "README.md").read_text()
 
 
+def test_mixgrpo_moves_its_window_with_the_epochs(family_models, prompt_file, tmp_path, monkeypatch):
+    windows = []
+    run_chain = mix_sampler.MixSampler.run
+
+    def recording(self, predict, noise, generator):
+        steps = run_chain(self, predict, noise, generator)
+        windows.append(steps["step_indices"][0].tolist())
+        return steps
+
+    monkeypatch.setattr(mix_sampler.MixSampler, "run", recording)
+    run = ddpo.train(config(family_models("sd3"), prompt_file, tmp_path / "mix", sampler="mix", num_inference_steps=5,
+                            timestep_fraction=0.4, mix_window_epochs=1, num_epochs=3, gradient_accumulation_steps=2))
+    assert windows == [[0, 1], [1, 2], [2]]  # windows end before step N - 2 = 3 (the last one cut short)
+    records = epochs(run)
+    assert records[0]["approx_kl"] == 0.0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert "MixGRPO: Flow-GRPO SDE on a window of 2 of 5 steps" in (run / "final" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--sampler", "dance"], "--sampler dance is not a sampler of DDIM models"),
+    (["--mix_window_epochs", "3"], "--mix_window_epochs is an option of --sampler mix"),
     (["--algorithm", "grpo-guard"], "--algorithm grpo-guard (GRPO-Guard) trains flow-matching models"),
     (["--algorithm", "grpo-guard", "--sampler", "cps"], "--algorithm grpo-guard normalises Gaussian steps"),
     (["--algorithm", "ppo", "--guard_reweight", "false"], "--guard_reweight is an option of --algorithm grpo-guard"),
@@ -81,3 +100,16 @@ def test_combinations_that_cannot_run_are_refused_in_one_line(tiny_model, prompt
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(deterministic_tail=True, timestep_selection="high_noise"), "--deterministic_tail is --sampler sde's fixed window"),
+    (dict(timestep_fraction=0.9), "--sampler mix's window (--timestep_fraction x --num_inference_steps = 9 steps)"),
+    (dict(mix_dynamics="cps"), "--mix_dynamics must be one of sde, dance"),
+])
+def test_mix_options_are_checked_before_anything_loads(overrides, message):
+    config = DDPOConfig(prompts="x", sampler="mix", **overrides)
+    config.validate()
+    with pytest.raises(Exception, match=None) as error:
+        config.resolve_for_family(True)
+    assert message in str(error.value)

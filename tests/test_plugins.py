@@ -54,7 +54,7 @@ def test_every_algorithm_entry_is_complete_and_its_options_are_the_trainers_flag
 def test_every_sampler_entry_names_a_sampler_of_one_kind_of_family():
     assert len({(e.name, e.flow) for e in SAMPLERS}) == len(SAMPLERS)
     assert set(sampler_names(False)) == {"ddim", "ode"}
-    assert set(sampler_names(True)) == {"sde", "cps", "ode", "dpm2", "dance"}
+    assert set(sampler_names(True)) == {"sde", "cps", "ode", "dpm2", "dance", "mix"}
     for entry in SAMPLERS:
         assert entry.title and callable(entry.build)
 

@@ -31,6 +31,8 @@ CONFIG_CLASSES = {
     "sd35_grpo_guard_lora_1gpu.yaml": DDPOConfig,
     "flux_grpo_guard_lora_1gpu.yaml": DDPOConfig,
     "testbed_flow_grpo_guard.yaml": DDPOConfig,
+    "testbed_flow_dancegrpo.yaml": DDPOConfig,
+    "testbed_flow_mixgrpo.yaml": DDPOConfig,
     "testbed_dpo.yaml": DPOConfig,
     "testbed_flow_dpo.yaml": DPOConfig,
     "ddpo_sd15.yaml": DDPOConfig,

@@ -3,7 +3,7 @@ checks and the trainer read. A new sampler is a file of align/sampling/ with its
 
 from __future__ import annotations
 
-from align.sampling import dance_sampler, ddim_sampler, flow_ode_sampler, flow_sde_sampler
+from align.sampling import dance_sampler, ddim_sampler, flow_ode_sampler, flow_sde_sampler, mix_sampler
 from align.sampling.base import SamplerEntry
 
 SAMPLERS: tuple[SamplerEntry, ...] = (
@@ -11,6 +11,7 @@ SAMPLERS: tuple[SamplerEntry, ...] = (
     *flow_sde_sampler.ENTRIES,
     *flow_ode_sampler.ENTRIES,
     *dance_sampler.ENTRIES,
+    *mix_sampler.ENTRIES,
 )
 
 
