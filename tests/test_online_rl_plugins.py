@@ -84,8 +84,26 @@ def test_mixgrpo_moves_its_window_with_the_epochs(family_models, prompt_file, tm
     assert "MixGRPO: Flow-GRPO SDE on a window of 2 of 5 steps" in (run / "final" / "README.md").read_text()
 
 
+@pytest.mark.parametrize("kind", ["sd", "sd3"])
+def test_dgpo_trains_whole_groups_from_deterministic_samples(family_models, tiny_model, prompt_file, tmp_path, kind):
+    model = tiny_model if kind == "sd" else family_models(kind)
+    run = ddpo.train(config(model, prompt_file, tmp_path / f"dgpo-{kind}", algorithm="dgpo", train_batch_size=2,
+                            gradient_accumulation_steps=2, clip_range=1e-2, kl_coef=0.02, advantage="group"))
+    records = epochs(run)
+    # the policy starts as the reference and the old policy: every group weighs sigma(0), nothing is clipped
+    assert records[0]["group_weight"] == 0.5 and records[0]["clipfrac"] == 0.0
+    assert records[-1]["global_step"] == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    recorded = (run / "config.yaml").read_text()
+    assert ("sampler: dpm2" if kind == "sd3" else "sampler: ode") in recorded
+    assert "DGPO: beta 100.0, groups of 2" in (run / "final" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--sampler", "dance"], "--sampler dance is not a sampler of DDIM models"),
+    (["--algorithm", "dgpo", "--images_per_prompt", "2", "--sample_batch_size", "6", "--train_batch_size", "3"],
+     "--images_per_prompt must be >= 2 and divide --train_batch_size"),
+    (["--algorithm", "dgpo", "--images_per_prompt", "2", "--drop_zero_advantage", "true"],
+     "--algorithm dgpo trains whole groups"),
     (["--mix_window_epochs", "3"], "--mix_window_epochs is an option of --sampler mix"),
     (["--algorithm", "grpo-guard"], "--algorithm grpo-guard (GRPO-Guard) trains flow-matching models"),
     (["--algorithm", "grpo-guard", "--sampler", "cps"], "--algorithm grpo-guard normalises Gaussian steps"),

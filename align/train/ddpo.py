@@ -214,7 +214,7 @@ def train(config: DDPOConfig) -> Path:
             denoiser.train()
             stats: dict[str, list[float]] = {}
             plan = plan_epoch(config, rollout, epoch, process, accelerator.num_processes, num_batches,
-                              objective.needs_forward_noise)
+                              objective.needs_forward_noise, objective.trains_whole_groups)
             global_step += train_epoch(update, Epoch(rollout, advantages.to(accelerator.device), plan), stats)
             if old_policy is not None:
                 old_policy.update(objective.old_policy_decay(global_step))

@@ -5,7 +5,7 @@ checks, the trainer, the memory planner and the model card read. A new algorithm
 from __future__ import annotations
 
 from align.cli import ConfigError
-from align.train.objectives import awm, grpo_guard, nft, ppo
+from align.train.objectives import awm, dgpo, grpo_guard, nft, ppo
 from align.train.objectives.base import Algorithm
 
 ALGORITHMS: tuple[Algorithm, ...] = (
@@ -13,6 +13,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     nft.ALGORITHM,
     awm.ALGORITHM,
     grpo_guard.ALGORITHM,
+    dgpo.ALGORITHM,
 )
 
 # The algorithms' own option dataclasses, which the online-RL trainer's config inherits.
