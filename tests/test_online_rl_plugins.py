@@ -98,8 +98,20 @@ def test_dgpo_trains_whole_groups_from_deterministic_samples(family_models, tiny
     assert "DGPO: beta 100.0, groups of 2" in (run / "final" / "README.md").read_text()
 
 
+def test_gdpo_normalises_each_judge_of_the_mix(tiny_model, prompt_file, tmp_path):
+    run = ddpo.train(config(tiny_model, prompt_file, tmp_path / "gdpo", reward="jpeg-compressibility:1,random:1",
+                            advantage="gdpo"))
+    records = epochs(run)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert abs(records[0]["reward_mean"]) < 1e-5  # each judge centred in its groups, the weighted sum too
+    assert "reward_jpeg-compressibility" in records[0] and "reward_random" in records[0]  # the raw judges, logged
+    assert "advantage: gdpo" in (run / "config.yaml").read_text() or "advantage: gdpo" in (run / "final" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--sampler", "dance"], "--sampler dance is not a sampler of DDIM models"),
+    (["--advantage", "gdpo", "--images_per_prompt", "2"], "--advantage gdpo normalises each judge of a mix of several"),
+    (["--advantage", "gdpo", "--reward", "jpeg-compressibility:1,random:1"], "--advantage gdpo needs --images_per_prompt >= 2"),
     (["--algorithm", "dgpo", "--images_per_prompt", "2", "--sample_batch_size", "6", "--train_batch_size", "3"],
      "--images_per_prompt must be >= 2 and divide --train_batch_size"),
     (["--algorithm", "dgpo", "--images_per_prompt", "2", "--drop_zero_advantage", "true"],

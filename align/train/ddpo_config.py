@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from align.cli import ConfigError, option
 from align.sampling.registry import SAMPLER_OPTIONS, SAMPLERS, sampler_entry, sampler_names
-from align.train.advantages import MODES
+from align.train.advantages import GROUP_MODES, MODES
 from align.train.heldout import check_periodic_evaluation
 from align.train.objectives import ALGORITHMS, OPTIONS, algorithm, algorithm_help
 from align.train.options import HeldOutOptions, ModelOptions, RunOptions
@@ -77,7 +77,8 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS, *SAMPLER_OP
     # --- advantages
     advantage: str = option("per-prompt", "per-prompt (DDPO's stat tracking), group (GRPO), global-std (the group's "
                             "mean, the std of the whole batch: Flow-GRPO's and DiffusionNFT's global_std), group-mean "
-                            "(Dr. GRPO: no std division) or batch", "optimisation")
+                            "(Dr. GRPO: no std division), batch, or gdpo (several judges: each normalised within the "
+                            "prompt's group before the weighted sum, then the batch; GDPO)", "optimisation")
     drop_zero_advantage: bool | None = option(
         None, "leave samples whose advantage is exactly 0 (tied groups) out of the update and average it over the rest, "
         "as Flow-GRPO's train_sd3.py (None: on for flow families with ppo, off otherwise: DDPO keeps them)", "optimisation")
@@ -158,7 +159,7 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS, *SAMPLER_OP
         if chosen.options is not None:
             chosen.options.check(self)
         self.refuse_other_algorithms_options(chosen)
-        if self.advantage in ("group", "group-mean", "global-std") and self.images_per_prompt < 2:
+        if self.advantage in GROUP_MODES and self.images_per_prompt < 2:
             raise ConfigError(f"--advantage {self.advantage} needs --images_per_prompt >= 2 (a group per prompt)")
 
     def refuse_other_algorithms_options(self, chosen) -> None:
