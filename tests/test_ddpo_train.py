@@ -334,7 +334,7 @@ def test_failing_judge_stops_cleanly_and_keeps_the_last_checkpoint(tiny_model, p
                 raise TimeoutError("judge timed out")
             return torch.full((len(prompts),), float("nan"))
 
-    monkeypatch.setattr(ddpo, "MixedReward", lambda spec, loader: MixedReward(spec, loader=lambda n, **kw: FailsAtEpochTwo()))
+    monkeypatch.setattr(ddpo, "MixedReward", lambda spec, loader, **options: MixedReward(spec, loader=lambda n, **kw: FailsAtEpochTwo()))
     config = small_config(tiny_model, prompt_file, tmp_path / "flaky", reward="random", num_epochs=2)
     with pytest.raises(SystemExit) as exit_:
         _main_with(config)
