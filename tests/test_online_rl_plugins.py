@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from align.cli import build_parser
 from align.sampling import dance_sampler, mix_sampler
 from align.train import ddpo
 from align.train.ddpo_config import DDPOConfig
@@ -143,3 +144,11 @@ def test_mix_options_are_checked_before_anything_loads(overrides, message):
     with pytest.raises(Exception, match=None) as error:
         config.resolve_for_family(True)
     assert message in str(error.value)
+
+
+def test_help_shows_the_samplers_options_in_a_section_of_their_own():
+    text = build_parser(DDPOConfig, prog="align-ddpo").format_help()
+    section = text[text.index("options of --sampler mix:"):].split("\n\n")[0]
+    assert all(f"--{name}" in section for name in ("mix_window_epochs", "mix_window_stride", "mix_dynamics"))
+    assert "--guard_reweight" in text[text.index("options of --algorithm grpo-guard:"):].split("\n\n")[0]
+    assert "--dgpo_beta" in text[text.index("options of --algorithm dgpo:"):].split("\n\n")[0]
