@@ -253,7 +253,7 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(eta=0.0), "--eta must be > 0"),
+        (dict(eta=0.0), "--eta must be in (0, 10]"),
         (dict(timestep_fraction=0.0), "--timestep_fraction must be in (0, 1]"),
         (dict(timestep_fraction=1.5), "--timestep_fraction must be in (0, 1]"),
         (dict(reward="no-such-judge"), "unknown judge 'no-such-judge'"),
@@ -268,13 +268,13 @@ def test_pairwise_only_reward_trains(tiny_model, prompt_file, tmp_path):
         (dict(reward="first-image"), "pairwise-only"),
         (dict(reward="shapes-oracle[position_bias=0.5]"), "pairwise-only"),  # pairwise-native, has a score() too
         (dict(reward="gpt4o"), "OPENAI_API_KEY"),
-        (dict(clip_range=0.0), "--clip_range must be > 0"),
+        (dict(clip_range=0.0), "--clip_range must be in (0, 10]"),
         (dict(finetune="half"), "--finetune must be full or lora"),
         (dict(timestep_selection="late"), "--timestep_selection must be one of random, high_noise"),
         (dict(deterministic_tail=True), "--deterministic_tail needs --timestep_selection high_noise"),
-        (dict(eval_images_per_prompt=0), "--eval_images_per_prompt must be >= 1"),
+        (dict(eval_images_per_prompt=0), "--eval_images_per_prompt must be in [1, 65536]"),
         (dict(eval_every_epochs=1), "--eval_every_epochs needs --eval_prompts and a judge"),
-        (dict(eval_every_epochs=-1), "--eval_every_epochs must be >= 0"),
+        (dict(eval_every_epochs=-1), "--eval_every_epochs must be in [0, 2147483647]"),
     ],
 )
 def test_bad_inputs_stop_with_one_clear_message(tiny_model, prompt_file, tmp_path, capsys, monkeypatch, overrides, message):
@@ -334,7 +334,7 @@ def test_failing_judge_stops_cleanly_and_keeps_the_last_checkpoint(tiny_model, p
                 raise TimeoutError("judge timed out")
             return torch.full((len(prompts),), float("nan"))
 
-    monkeypatch.setattr(ddpo, "MixedReward", lambda spec, loader: MixedReward(spec, loader=lambda n, **kw: FailsAtEpochTwo()))
+    monkeypatch.setattr(ddpo, "MixedReward", lambda spec, loader, **options: MixedReward(spec, loader=lambda n, **kw: FailsAtEpochTwo()))
     config = small_config(tiny_model, prompt_file, tmp_path / "flaky", reward="random", num_epochs=2)
     with pytest.raises(SystemExit) as exit_:
         _main_with(config)

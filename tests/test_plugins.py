@@ -53,7 +53,8 @@ def test_every_algorithm_entry_is_complete_and_its_options_are_the_trainers_flag
 
 def test_every_sampler_entry_names_a_sampler_of_one_kind_of_family():
     assert len({(e.name, e.flow) for e in SAMPLERS}) == len(SAMPLERS)
-    assert set(sampler_names(False)) == {"ddim", "ode"} and set(sampler_names(True)) == {"sde", "cps", "ode", "dpm2"}
+    assert set(sampler_names(False)) == {"ddim", "ode"}
+    assert set(sampler_names(True)) == {"sde", "cps", "ode", "dpm2", "dance", "mix"}
     for entry in SAMPLERS:
         assert entry.title and callable(entry.build)
 
@@ -67,7 +68,7 @@ def test_the_objectives_and_samplers_implement_their_interfaces():
 
 def test_unset_options_take_the_algorithms_values_for_the_family():
     for entry in ALGORITHMS:
-        for flow in (False, True):
+        for flow in (False, True) if not entry.flow_only else (True,):
             config = DDPOConfig(prompts="x", algorithm=entry.name)
             config.resolve_for_family(flow)
             for name, value in entry.defaults(flow).items():

@@ -31,6 +31,8 @@ class StepGaussian:
     std: torch.Tensor
     log_density: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, mean, std) -> [B]
     kl_to: Callable[[torch.Tensor], torch.Tensor]  # reference mean -> [B]
+    dt: torch.Tensor | None = None  # [B, 1, ...]: σ - σ_next of flow steps (GRPO-Guard weights by it); None elsewhere
+    gaussian: bool = True  # log_density is the Gaussian's (CPS's is not: -mean((x - mean)²))
 
     def log_prob(self, x: torch.Tensor) -> torch.Tensor:
         return self.log_density(x, self.mean, self.std)
@@ -39,9 +41,18 @@ class StepGaussian:
 class Sampler(ABC):
     """The denoising chain of one dynamics. ``run`` returns, batch-first, the recorded steps' inputs ``latents`` and
     outputs ``next_latents`` [B, K, ...], their ``timesteps`` and ``step_indices`` [B, K], ``log_probs`` [B, K] (NaN
-    where a step is deterministic) and the ``final_latents`` [B, ...]."""
+    where a step is deterministic) and the ``final_latents`` [B, ...]; with ``records_means`` set (by an objective that
+    needs them, GRPO-Guard) a stochastic sampler also returns each recorded step's Gaussian mean, ``means`` [B, K, ...].
+
+    ``set_epoch`` is called before each epoch's sampling, with the epoch's index: a sampler whose steps move over
+    training (MixGRPO's sliding window) places them there; the others ignore it."""
 
     forward: ForwardProcess
+    records_means: bool = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch about to be sampled (0-based, the same on every process and after a resume)."""
+        return None  # most samplers are the same every epoch
 
     @abstractmethod
     def describe(self) -> str:
@@ -60,13 +71,16 @@ class Sampler(ABC):
 class SamplerEntry:
     """One ``--sampler`` value for one kind of model: ``flow`` True for flow-matching families (SD3, FLUX), False for
     the DDPM/DDIM ones (SD 1.x/2.x, SDXL). ``stochastic``: its steps have log-probabilities (what PPO trains on).
-    ``build(config, family, pipe, resolution, device)`` makes the sampler from the trainer's config."""
+    ``build(config, family, pipe, resolution, device)`` makes the sampler from the trainer's config. ``options``: the
+    dataclass of the sampler's own flags (None: it has none), which the trainer's config inherits and shows under its
+    own --help section, as an algorithm's."""
 
     name: str
     flow: bool
     title: str
     stochastic: bool
     build: Callable[..., Sampler]
+    options: type | None = None
 
 
 def standard_normal(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -96,10 +96,43 @@ def sde_step(sample, velocity, sigma, sigma_next, sigma_max: float, noise_level:
     return FlowStep(mean=mean, std=s * torch.sqrt(-dt), sde_sigma=s)
 
 
+def dance_step(sample, velocity, sigma, sigma_next, noise_level: float) -> FlowStep:
+    """Mean and std of one Dance-SDE step (DanceGRPO, Xue et al. 2025) from ``sigma`` to ``sigma_next``.
+
+    The reverse SDE of Flow-GRPO with a constant diffusion coefficient η instead of η·√(σ/(1-σ)):
+
+        x̂0    = x - σ·v
+        score = -(x - (1 - σ)·x̂0) / σ²
+        mean  = x + Δσ·v - ½·η²·score·Δσ                 (= sde_step's mean with s = η)
+        std   = η·√(-Δσ)
+
+    computed in the order of the authors' ``flux_step(..., grpo=True, sde_solver=True)`` (XueZeyue/DanceGRPO
+    fastvideo/train_grpo_flux.py @ 15cc71d; MixGRPO's ``dance_grpo_step`` is the same), so that the mean is theirs
+    bit for bit on float32 inputs. Their std is a Python float (``eta * math.sqrt(delta_t)``): here it is computed
+    in float64 and rounded to float32 once. ``sde_sigma`` is η, the coefficient Flow-GRPO's KL divides by.
+    """
+    x = sample.float()
+    v = velocity.float()
+    sigma, sigma_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    dsigma = sigma_next - sigma
+    mean = x + dsigma * v
+    predicted_image = x - sigma * v
+    score = -(x - predicted_image * (1 - sigma)) / sigma**2
+    mean = mean + (-0.5 * noise_level**2 * score) * dsigma
+    std = (noise_level * torch.sqrt((sigma - sigma_next).double())).float()
+    return FlowStep(mean=mean, std=std, sde_sigma=torch.full_like(sigma, noise_level))
+
+
 def ode_step(sample, velocity, sigma, sigma_next) -> torch.Tensor:
     """The deterministic Euler step x + v·(σ_next - σ): ``FlowMatchEulerDiscreteScheduler.step``."""
     x = sample.float()
     return x + velocity.float() * (_per_sample(sigma_next, x) - _per_sample(sigma, x))
+
+
+def flow_x0_of(sample, velocity, sigma) -> torch.Tensor:
+    """x̂0 = x - σ·v in float32 (the authors' ``pred_original_sample``)."""
+    x = sample.float()
+    return x - _per_sample(sigma, x) * velocity.float()
 
 
 def gaussian_log_prob(x, mean, std) -> torch.Tensor:

@@ -47,12 +47,16 @@ class FlowSampler(Sampler):
     def num_steps(self) -> int:
         return len(self.sigmas) - 1
 
+    @property
+    def title(self) -> str:
+        return KINDS[self.kind]
+
     def describe(self) -> str:
         noise = f"noise level {self.noise_level}"
         if self.window is None:
-            return f"{KINDS[self.kind]} on all {self.num_steps} steps, {noise}"
+            return f"{self.title} on all {self.num_steps} steps, {noise}"
         where = "the first steps" if self.window_at == "start" else "drawn per batch in the first half"
-        return f"{KINDS[self.kind]} on a window of {self.window} of {self.num_steps} steps ({where}), ODE elsewhere, {noise}"
+        return f"{self.title} on a window of {self.window} of {self.num_steps} steps ({where}), ODE elsewhere, {noise}"
 
     def draw_window(self, generator) -> tuple[int, int]:
         if self.window is None:
@@ -75,7 +79,7 @@ class FlowSampler(Sampler):
         start, end = self.draw_window(generator)
         x = noise.float()
         batch = x.shape[0]
-        inputs, outputs, log_probs, timesteps = [], [], [], []
+        inputs, outputs, means, log_probs, timesteps = [], [], [], [], []
         for i in range(self.num_steps):
             t = (self.sigmas[i] * self.num_train_timesteps).expand(batch)
             prediction = predict(x, t)
@@ -84,19 +88,27 @@ class FlowSampler(Sampler):
                 x_next = step.mean + step.std * standard_normal(x, generator)
                 inputs.append(x)
                 outputs.append(x_next)
+                means.append(step.mean)
                 log_probs.append(self._log_density(x_next, step.mean, step.std))
                 timesteps.append(t)
             else:
                 x_next = ode_step(x, prediction, self.sigmas[i], self.sigmas[i + 1])
             x = x_next
-        return {"latents": stack_steps(inputs, x), "next_latents": stack_steps(outputs, x),
-                "log_probs": torch.stack(log_probs, 1), "timesteps": torch.stack(timesteps, 1),
-                "step_indices": torch.arange(start, end, device=x.device).expand(batch, -1).clone(), "final_latents": x}
+        steps = {"latents": stack_steps(inputs, x), "next_latents": stack_steps(outputs, x),
+                 "log_probs": torch.stack(log_probs, 1) if log_probs else x.new_zeros((batch, 0)),
+                 "timesteps": torch.stack(timesteps, 1) if timesteps else x.new_zeros((batch, 0)),
+                 "step_indices": torch.arange(start, end, device=x.device).expand(batch, -1).clone(),
+                 "final_latents": x}
+        if self.records_means:
+            steps["means"] = stack_steps(means, x)
+        return steps
 
     def step(self, prediction, latents, timesteps, step_indices) -> StepGaussian:
         step = self._gaussian_step(latents, prediction, step_indices)
+        dt = self.sigmas[step_indices] - self.sigmas[step_indices + 1]
         return StepGaussian(step.mean, step.std, self._log_density,
-                            lambda ref_mean: flow_grpo_kl(step.mean, ref_mean, step.sde_sigma))
+                            lambda ref_mean: flow_grpo_kl(step.mean, ref_mean, step.sde_sigma),
+                            dt=dt.float().reshape(-1, *([1] * (latents.ndim - 1))), gaussian=self.kind != "cps")
 
 
 def flow_sampler(kind: str):

@@ -3,14 +3,20 @@ checks and the trainer read. A new sampler is a file of align/sampling/ with its
 
 from __future__ import annotations
 
-from align.sampling import ddim_sampler, flow_ode_sampler, flow_sde_sampler
+from align.sampling import dance_sampler, ddim_sampler, flow_ode_sampler, flow_sde_sampler, mix_sampler
 from align.sampling.base import SamplerEntry
 
 SAMPLERS: tuple[SamplerEntry, ...] = (
     *ddim_sampler.ENTRIES,
     *flow_sde_sampler.ENTRIES,
     *flow_ode_sampler.ENTRIES,
+    *dance_sampler.ENTRIES,
+    *mix_sampler.ENTRIES,
 )
+
+
+# The samplers' own option dataclasses, which the online-RL trainer's config inherits.
+SAMPLER_OPTIONS: tuple[type, ...] = tuple(dict.fromkeys(e.options for e in SAMPLERS if e.options is not None))
 
 
 def sampler_names(flow: bool | None = None) -> list[str]:

@@ -10,6 +10,11 @@
 - ``global-std`` (Flow-GRPO as its authors run it): the reward minus its group's mean, divided by the std of
   all the batch's rewards (+ 1e-4), so every group is measured on the same scale.
 - ``batch``: normalised by the whole batch's mean and std.
+- ``gdpo`` (GDPO, NVlabs 2026, arXiv 2601.05242; several judges): each judge's rewards are normalised within their
+  prompt's group before the weighted sum (``gdpo_combined_rewards``, applied by the reward mix of
+  align/train/ddpo_rewards.py as it scores each batch), so a judge with a wide spread cannot drown the others; the
+  sums are then normalised over the batch (``gdpo_batch_advantages``). Both as the authors' trl-GDPO
+  (NVlabs/GDPO trl-GDPO/trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py @ b080e63): torch's unbiased std, + 1e-4.
 
 ``kept_sample_mask`` is Flow-GRPO's rule for which samples the update trains on (the zero-advantage filter).
 """
@@ -21,9 +26,11 @@ from collections import deque
 import numpy as np
 import torch
 
-MODES = ("per-prompt", "group", "group-mean", "global-std", "batch")
+MODES = ("per-prompt", "group", "group-mean", "global-std", "batch", "gdpo")
+GROUP_MODES = ("group", "group-mean", "global-std", "gdpo")  # they need groups: --images_per_prompt >= 2
 EPS = 1e-6  # ddpo-pytorch's stat_tracking.py adds 1e-6 to its std (per-prompt mode and its batch fallback)
 GROUP_EPS = 1e-4  # Flow-GRPO's stat_tracking.py adds 1e-4 to its std, the group's and the global one
+GDPO_EPS = 1e-4  # GDPO's trl-GDPO adds 1e-4 to its (unbiased) stds
 
 
 def centre(values: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -84,6 +91,32 @@ def global_std_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray
     if len(prompts) != len(rewards):
         raise ValueError(f"got {len(prompts)} prompts for {len(rewards)} rewards")
     return group_advantages(prompts, rewards, divide_by_std=False) / (np.std(rewards) + GROUP_EPS)
+
+
+def normalises_each_reward(mode: str) -> bool:
+    """Whether the advantage mode wants each judge of a mix normalised in its group before the sum (GDPO)."""
+    return mode == "gdpo"
+
+
+def gdpo_combined_rewards(prompts: list[str], member_rewards, weights) -> np.ndarray:
+    """GDPO's pre-normalisation sum: Σ_k w_k·(r_k - mean of r_k over its prompt's group) / (std of that group + 1e-4),
+    std unbiased (ddof 1) as torch's. ``member_rewards`` [N, K] (judge k's reward of image i), ``weights`` [K]."""
+    rewards = np.asarray(member_rewards, dtype=np.float64)
+    prompts_arr = np.asarray(prompts, dtype=object)
+    normalised = np.zeros_like(rewards)
+    for prompt in dict.fromkeys(prompts):
+        mask = prompts_arr == prompt
+        if mask.sum() < 2:
+            raise ValueError(f"GDPO normalises each judge within a prompt's group: prompt {prompt!r} has one image")
+        group = rewards[mask]
+        normalised[mask] = (group - group.mean(axis=0)) / (group.std(axis=0, ddof=1) + GDPO_EPS)
+    return normalised @ np.asarray(weights, dtype=np.float64)
+
+
+def gdpo_batch_advantages(combined) -> np.ndarray:
+    """GDPO's batch normalisation of the combined rewards: (x - mean) / (unbiased std + 1e-4)."""
+    combined = np.asarray(combined, dtype=np.float64)
+    return (combined - combined.mean()) / (combined.std(ddof=1) + GDPO_EPS)
 
 
 def kept_sample_mask(advantages, num_batches: int, generator: torch.Generator | None = None) -> np.ndarray:
@@ -177,4 +210,6 @@ def compute_advantages(
         return global_std_advantages(prompts, rewards)
     if mode == "batch":
         return batch_advantages(rewards)
+    if mode == "gdpo":  # the rewards are already each judge's group-normalised sum (MixedReward)
+        return gdpo_batch_advantages(rewards)
     raise ValueError(f"unknown advantage mode {mode!r}; valid: {', '.join(MODES)}")

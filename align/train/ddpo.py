@@ -33,7 +33,7 @@ from align.judges import check_judge_names, check_judges_take_prompts, load_judg
 from align.run_folder import RunFolder, restores_old_run_on_failure
 from align.sampling.registry import sampler_entry
 from align.train.accelerator import adamw_class, launched_processes
-from align.train.advantages import PerPromptStatTracker
+from align.train.advantages import PerPromptStatTracker, normalises_each_reward
 from align.train.checkpoints import stop_unless_weights_finite, write_diffusion_model_card
 from align.train.command import TrainingStopped, check_config_and_model, run_trainer, way_on
 from align.train.ddpo_config import DDPOConfig
@@ -119,7 +119,7 @@ def load_judges(config: DDPOConfig, accelerator):
     """(the reward, the held-out judge on the main process or None, the training prompts): loaded and checked against
     their prompts, and the paid calls priced (refused above --max_api_cost), before anything is written or generated:
     a missing API key stops the run here, and with --overwrite the old run is still whole."""
-    reward_fn = MixedReward(config.reward, loader=load_judge)
+    reward_fn = MixedReward(config.reward, loader=load_judge, normalise_each=normalises_each_reward(config.advantage))
     if reward_fn.needs_groups and config.images_per_prompt < 2:
         raise ConfigError(
             f"--reward {config.reward!r} has a pairwise-only judge: rewards are win rates within a prompt's group, "
@@ -215,7 +215,7 @@ def train(config: DDPOConfig) -> Path:
             denoiser.train()
             stats: dict[str, list[float]] = {}
             plan = plan_epoch(config, rollout, epoch, process, accelerator.num_processes, num_batches,
-                              objective.needs_forward_noise)
+                              objective.needs_forward_noise, objective.trains_whole_groups)
             global_step += train_epoch(update, Epoch(rollout, advantages.to(accelerator.device), plan), stats)
             if old_policy is not None:
                 old_policy.update(objective.old_policy_decay(global_step))

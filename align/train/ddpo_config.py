@@ -10,6 +10,7 @@ configs/testbed_ddpo.yaml holds the settings measured best on the shapes testbed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from align.cli import ConfigError, option
@@ -27,8 +28,8 @@ from align.declared import (
     SEED,
     WEIGHT_DECAY,
 )
-from align.sampling.registry import SAMPLERS, sampler_entry, sampler_names
-from align.train.advantages import MODES
+from align.sampling.registry import SAMPLER_OPTIONS, SAMPLERS, sampler_entry, sampler_names
+from align.train.advantages import GROUP_MODES, MODES
 from align.train.heldout import check_periodic_evaluation
 from align.train.objectives import ALGORITHMS, OPTIONS, algorithm, algorithm_help
 from align.train.options import FINETUNES, HeldOutOptions, ModelOptions, RunOptions
@@ -51,7 +52,7 @@ def sampler_help() -> str:
 
 
 @dataclass
-class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
+class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS, *SAMPLER_OPTIONS):
     # --- what to train and with which reward
     algorithm: str = option("ppo", algorithm_help(), "optimisation", choices=lambda: [a.name for a in ALGORITHMS])
     reward: str = option("aesthetic", "the reward: a judge name, name[opt=value], or a weighted mix such as "
@@ -87,10 +88,15 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
     sample_batch_size: int = option(8, "images per process per sampling batch", "sampling", within=BATCH)
     images_per_prompt: int = option(1, "images drawn per prompt in a batch (>= 2 for group advantages or "
                                     "pairwise judges)", "sampling", within=BATCH)
+    group_shared_noise: bool = option(
+        False, "every image of a prompt's group starts from the same initial noise, so the group differs only by the "
+        "stochastic sampler's noise (DanceGRPO's and MixGRPO's init_same_noise)", "sampling")
     # --- advantages
     advantage: str = option("per-prompt", "per-prompt (DDPO's stat tracking), group (GRPO), global-std (the group's "
                             "mean, the std of the whole batch: Flow-GRPO's and DiffusionNFT's global_std), group-mean "
-                            "(Dr. GRPO: no std division) or batch", "optimisation", choices=MODES)
+                            "(Dr. GRPO: no std division), batch, or gdpo (several judges: each normalised within the "
+                            "prompt's group before the weighted sum, then the batch; GDPO)", "optimisation",
+                            choices=MODES)
     drop_zero_advantage: bool | None = option(
         None, "leave samples whose advantage is exactly 0 (tied groups) out of the update and average it over the rest, "
         "as Flow-GRPO's train_sd3.py (None: on for flow families with ppo, off otherwise: DDPO keeps them)", "optimisation")
@@ -145,7 +151,7 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
         chosen = algorithm(self.algorithm)
         if chosen.options is not None:
             chosen.options.check(self)
-        if self.advantage in ("group", "group-mean", "global-std") and self.images_per_prompt < 2:
+        if self.advantage in GROUP_MODES and self.images_per_prompt < 2:
             raise ConfigError(f"--advantage {self.advantage} needs --images_per_prompt >= 2 (a group per prompt)")
 
     def choice_title(self, flag: str, value: str) -> str | None:
@@ -174,6 +180,7 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
         if self.timestep_selection == "stratified" and self.num_train_timesteps > int(0.9 * self.num_inference_steps):
             raise ConfigError(f"--timestep_selection stratified draws one step in each of {self.num_train_timesteps} "
                               f"strata of the first 90% of the {self.num_inference_steps} steps: lower --timestep_fraction")
+        self.check_sampler_options(entry, is_flow)
         stochastic = [e.name for e in SAMPLERS if e.flow == is_flow and e.stochastic]
         without_log_probs = [a.name for a in ALGORITHMS if not a.needs_log_probs]
         if chosen.needs_log_probs and not entry.stochastic:
@@ -186,6 +193,25 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
                               "process of the final images")
         if self.deterministic_tail and not is_flow and self.timestep_selection != "high_noise":
             raise ConfigError("--deterministic_tail needs --timestep_selection high_noise (the trained steps must be the first ones)")
+
+    def check_sampler_options(self, entry, is_flow: bool) -> None:
+        """The chosen sampler's own options checked, another sampler's refused in one line (as an algorithm's), and
+        what needs a kind of family or a stochastic sampler."""
+        chosen = algorithm(self.algorithm)
+        if chosen.flow_only and not is_flow:
+            raise ConfigError(f"--algorithm {chosen.name} ({chosen.method.title}) trains flow-matching models (SD3, FLUX); "
+                              "this model is a DDPM/DDIM one")
+        if entry.options is not None:
+            entry.options.check(self)
+        own = {f.name for f in dataclasses.fields(entry.options)} if entry.options is not None else set()
+        for other in SAMPLERS:
+            for field in dataclasses.fields(other.options) if other.options is not None else ():
+                if field.name not in own and getattr(self, field.name) != field.default:
+                    raise ConfigError(f"--{field.name} is an option of --sampler {other.name}; this run samples with "
+                                      f"--sampler {self.sampler}: leave it out")
+        if self.group_shared_noise and not entry.stochastic:
+            raise ConfigError(f"--group_shared_noise with the deterministic --sampler {self.sampler} would draw one image "
+                              "per group: use a stochastic sampler")
 
     @property
     def num_train_timesteps(self) -> int:

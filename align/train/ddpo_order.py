@@ -66,3 +66,19 @@ def stratified_order(batch_generators: list[torch.Generator], batch_size: int,
         steps.append(draw_steps(gen))
     order = torch.stack(perms).T.reshape(-1)  # column by column: every batch's first sample, then second, ...
     return order, torch.cat(steps)
+
+
+def grouped_order(batch_generators: list[torch.Generator], batch_size: int, group_size: int,
+                  draw_steps: Callable[[torch.Generator], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stratified_order`` in whole groups, for objectives whose loss couples a prompt's images (DGPO): a batch's
+    groups (``group_size`` consecutive samples, one prompt's images: draw_prompts lays them so) are permuted by the
+    batch's generator and read group column by group column, each group's samples kept together; each group's samples
+    share its trained steps (draw_steps(gen) gives [batch_size // group_size, k])."""
+    groups = batch_size // group_size
+    perms, steps = [], []
+    for b, gen in enumerate(batch_generators):
+        perms.append(torch.randperm(groups, generator=gen) + b * groups)
+        steps.append(draw_steps(gen).repeat_interleave(group_size, dim=0))
+    group_order = torch.stack(perms).T.reshape(-1)
+    order = (group_order[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    return order, torch.cat(steps)

@@ -1,7 +1,8 @@
 """DDPO rewards from any judge in ``rewards``.
 
 - A pointwise judge (``score``) gives each image its score.
-- A weighted mix, ``pickscore:0.7,aesthetic:0.3``, gives Σ weight·score (raw scores, not rescaled).
+- A weighted mix, ``pickscore:0.7,aesthetic:0.3``, gives Σ weight·score (raw scores, not rescaled); with
+  ``--advantage gdpo`` each judge's scores are normalised within each prompt's group first (GDPO).
 - A pairwise-only judge (VLM or API model that only answers "which of two is better") gives each
   image its win rate against the other images drawn for the same prompt: every pair in the group
   is compared once (the judge itself controls position bias by asking both orders), a tie counts
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 import rewards
+from align.cli import ConfigError
 from align.run_folder import RunStopped
+from align.train.advantages import gdpo_combined_rewards
 from rewards.base import Judge
 
 
@@ -73,23 +76,31 @@ class RewardMember:
 
 
 class MixedReward:
-    """Σ weight·reward over the judges of a spec such as ``pickscore:0.7,aesthetic:0.3``."""
+    """Σ weight·reward over the judges of a spec such as ``pickscore:0.7,aesthetic:0.3``.
 
-    def __init__(self, spec: str, loader: Callable[..., Judge] = rewards.load):
-        self.spec = spec
+    ``normalise_each`` (GDPO, ``--advantage gdpo``): each judge's rewards are first normalised within each prompt's
+    group of images (align/train/advantages.py ``gdpo_combined_rewards``), so the mix's value is relative to the
+    group, as a pairwise judge's win rate is: it needs groups, and a held-out score needs a pointwise --eval_judge."""
+
+    def __init__(self, spec: str, loader: Callable[..., Judge] = rewards.load, normalise_each: bool = False):
+        self.spec, self.normalise_each = spec, normalise_each
+        parsed = rewards.parse_judges(spec)  # parsed once; each judge loads from its parsed spec
+        if normalise_each and len(parsed) < 2:
+            raise ConfigError(f"--advantage gdpo normalises each judge of a mix of several (such as "
+                              f"'shapes-oracle:1,shapes-clip:1'); --reward {spec!r} has one: use --advantage group")
         self.members = []
-        for member in rewards.parse_judges(spec):  # parsed once; each judge loads from its parsed spec
+        for member in parsed:
             judge = loader(member)
             self.members.append(RewardMember(member.weight, member.name, judge, not judge.pointwise))
 
     @property
     def needs_groups(self) -> bool:
-        return any(m.pairwise for m in self.members)
+        return self.normalise_each or any(m.pairwise for m in self.members)
 
     def __call__(self, prompts: list[str], images: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Rewards [N] (float32, CPU) and each member's raw rewards; raises RewardError on failure."""
         total = torch.zeros(len(prompts))
-        parts = {}
+        parts, scored = {}, []
         for member in self.members:
             try:
                 if member.pairwise:
@@ -112,6 +123,10 @@ class MixedReward:
                 )
             parts[member.name] = values
             total += member.weight * values
+            scored.append(values)
+        if self.normalise_each:
+            combined = gdpo_combined_rewards(prompts, torch.stack(scored, dim=1), [m.weight for m in self.members])
+            total = torch.as_tensor(combined, dtype=torch.float32)
         return total, parts
 
     def close(self) -> None:

@@ -52,6 +52,7 @@ def collect_rollouts(sampling: Sampling, models: PolicyModels, epoch: int, backg
     """This process's sampling batches of the epoch; rewards are computed in the background as each batch finishes."""
     config, family, pipe = sampling.config, sampling.family, sampling.pipe
     rollouts, futures = [], []
+    sampling.sampler.set_epoch(epoch)
     with models.sampling() as denoiser:
         for b in range(sampling.num_batches):
             # keyed by the global batch: N processes draw what one process with N times the batches draws
@@ -60,6 +61,8 @@ def collect_rollouts(sampling: Sampling, models: PolicyModels, epoch: int, backg
             cond = family.encode_prompts(pipe, batch_prompts, sampling.resolution)
             embeds = cond["prompt_embeds"]
             noise = torch.randn((len(batch_prompts), *sampling.latent_shape), generator=gen).to(embeds.device, embeds.dtype)
+            if config.group_shared_noise:  # a group's images are consecutive (draw_prompts): its first one's noise
+                noise = noise[:: config.images_per_prompt].repeat_interleave(config.images_per_prompt, dim=0)
             uncond = expand_conditioning(sampling.negative, len(batch_prompts))
 
             def predict(x, t, cond=cond, uncond=uncond):

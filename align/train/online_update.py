@@ -16,7 +16,14 @@ import torch
 
 from align.families.base import Conditioning, expand_conditioning, repeat_conditioning, select_conditioning
 from align.train.command import TrainingStopped, way_on
-from align.train.ddpo_order import NOISE, TRAIN, epoch_generator, global_batch, stratified_order
+from align.train.ddpo_order import (
+    NOISE,
+    TRAIN,
+    epoch_generator,
+    global_batch,
+    grouped_order,
+    stratified_order,
+)
 from align.train.objectives.awm import awm_timestep_indices
 from align.train.objectives.base import Objective
 from align.train.policy_models import PolicyModels
@@ -60,19 +67,25 @@ def train_timestep_indices(n: int, steps_total: int, k: int, selection: str, gen
 
 
 def plan_epoch(config, rollout: Rollout, epoch: int, process: int, num_processes: int, num_batches: int,
-               forward_noise: bool) -> EpochPlan:
+               forward_noise: bool, whole_groups: bool = False) -> EpochPlan:
     """Drawn from one generator per sampling batch, keyed by the global batch (ddpo_order.py), so that N processes
-    train what one process with N times the accumulation trains."""
+    train what one process with N times the accumulation trains. ``whole_groups`` (objectives whose loss couples a
+    prompt's images, DGPO): each prompt's images are trained together, at the same steps and with the same noise."""
     keys = [global_batch(b, process, num_processes) for b in range(num_batches)]
     gens = [epoch_generator(config.seed, epoch, TRAIN, key, 0) for key in keys]
     k = min(config.num_train_timesteps, rollout.timesteps.shape[1])
-    order, steps = stratified_order(gens, config.sample_batch_size, functools.partial(
-        train_timestep_indices, config.sample_batch_size, rollout.timesteps.shape[1], k, config.timestep_selection))
+    group = config.images_per_prompt if whole_groups else 1
+    draw = functools.partial(train_timestep_indices, config.sample_batch_size // group, rollout.timesteps.shape[1], k,
+                             config.timestep_selection)
+    if whole_groups:
+        order, steps = grouped_order(gens, config.sample_batch_size, group, draw)
+    else:
+        order, steps = stratified_order(gens, config.sample_batch_size, draw)
     noise = None
     if forward_noise:
-        shape = (config.sample_batch_size, k, *rollout.final_latents.shape[1:])
+        shape = (config.sample_batch_size // group, k, *rollout.final_latents.shape[1:])
         noise = torch.cat([torch.randn(shape, generator=epoch_generator(config.seed, epoch, NOISE, key, 0)) for key in keys])
-        noise = noise.to(rollout.final_latents.device, rollout.final_latents.dtype)
+        noise = noise.repeat_interleave(group, dim=0).to(rollout.final_latents.device, rollout.final_latents.dtype)
     return EpochPlan(order, steps, noise)
 
 
@@ -167,6 +180,7 @@ def train_micro_batch(update: Update, epoch: Epoch, idx, divisor: float, stats, 
             cond=repeat_conditioning(sample_cond, c),
             uncond=expand_conditioning(update.negative, len(idx) * c),
             num_samples=len(idx),
+            old_means=rollout.means[rows, steps].flatten(0, 1) if rollout.means is not None else None,
         )
         sync = last_of_update and js.stop == k
         with contextlib.nullcontext() if sync else accelerator.no_sync(update.models.trained):

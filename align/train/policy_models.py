@@ -28,10 +28,13 @@ class PolicyModels:
     samples_with_old_policy: bool = False  # the old policy draws the rollouts (DiffusionNFT)
     merge_lora: bool = False  # sample with the LoRA folded into the weights (sampling_merges_lora)
 
-    def predict(self, latents, timesteps, cond, uncond, which: str = "policy") -> torch.Tensor:
+    def predict(self, latents, timesteps, cond, uncond, which: str = "policy",
+                guidance_scale: float | None = None) -> torch.Tensor:
         def guided(model):
+            scale = self.guidance_scale if guidance_scale is None or self.family.uses_guidance_embedding(model) \
+                else guidance_scale
             with self.autocast():
-                return guided_prediction(self.family, model, latents, timesteps, cond, uncond, self.guidance_scale)
+                return guided_prediction(self.family, model, latents, timesteps, cond, uncond, scale)
 
         if which == "policy":
             return guided(self.trained)

@@ -23,23 +23,30 @@ class Rollout:
     log_probs: torch.Tensor  # [B, K]: log-probability of the step under the sampling policy (NaN: deterministic)
     final_latents: torch.Tensor  # [B, C, H, W]: the sampled image latents
     images: torch.Tensor  # [B, 3, H, W] in [0, 1], on the CPU
+    means: torch.Tensor | None = None  # [B, K, C, H, W]: each recorded step's Gaussian mean (samplers that record them)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
 
+TENSORS = ("latents", "next_latents", "timesteps", "step_indices", "log_probs", "final_latents", "images")
+
+
+def _optional_means(rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
+    return {"means": torch.cat([r.means for r in rollouts])} if rollouts[0].means is not None else {}
+
+
 def cat_rollouts(rollouts: list[Rollout]) -> Rollout:
     """The rollouts one after the other (an epoch's batches as one)."""
-    tensors = {name: torch.cat([getattr(r, name) for r in rollouts]) for name in
-               ("latents", "next_latents", "timesteps", "step_indices", "log_probs", "final_latents", "images")}
+    tensors = {name: torch.cat([getattr(r, name) for r in rollouts]) for name in TENSORS}
     return Rollout(prompts=[p for r in rollouts for p in r.prompts],
-                   cond=cat_conditioning([r.cond for r in rollouts]), **tensors)
+                   cond=cat_conditioning([r.cond for r in rollouts]), **tensors, **_optional_means(rollouts))
 
 
 def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     """The rollout's samples ``rows`` (an index tensor)."""
-    tensors = {name: getattr(rollout, name)[rows.to(getattr(rollout, name).device)] for name in
-               ("latents", "next_latents", "timesteps", "step_indices", "log_probs", "final_latents", "images")}
+    names = TENSORS + (("means",) if rollout.means is not None else ())
+    tensors = {name: getattr(rollout, name)[rows.to(getattr(rollout, name).device)] for name in names}
     return Rollout(prompts=[rollout.prompts[i] for i in rows.tolist()], cond=select_conditioning(rollout.cond, rows),
                    **tensors)
 
@@ -65,3 +72,4 @@ class TrainBatch:
     cond: Conditioning
     uncond: Conditioning
     num_samples: int  # the rows are num_samples samples x (rows / num_samples) steps each
+    old_means: torch.Tensor | None = None  # [n, C, H, W]: the step's Gaussian mean at sampling time (Rollout.means)

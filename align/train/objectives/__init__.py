@@ -5,13 +5,15 @@ checks, the trainer, the memory planner and the model card read. A new algorithm
 from __future__ import annotations
 
 from align.cli import ConfigError
-from align.train.objectives import awm, nft, ppo
+from align.train.objectives import awm, dgpo, grpo_guard, nft, ppo
 from align.train.objectives.base import Algorithm
 
 ALGORITHMS: tuple[Algorithm, ...] = (
     ppo.ALGORITHM,
     nft.ALGORITHM,
     awm.ALGORITHM,
+    grpo_guard.ALGORITHM,
+    dgpo.ALGORITHM,
 )
 
 # The algorithms' own option dataclasses, which the online-RL trainer's config inherits.

@@ -25,10 +25,12 @@ WHICH = ("policy", "reference", "old")
 
 class PolicyPredictions(Protocol):
     """The denoiser as an objective sees it: the guided prediction of the trained policy (``which="policy"``, with
-    gradient), of the reference (the adapter off, or a frozen copy) or of the old policy (no gradient)."""
+    gradient), of the reference (the adapter off, or a frozen copy) or of the old policy (no gradient), at the run's
+    guidance or at ``guidance_scale`` (1: the conditional prediction alone; families with a guidance embedding keep
+    the run's value, they have no classifier-free guidance to leave out)."""
 
     def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, uncond: Conditioning,
-                which: str = "policy") -> torch.Tensor: ...
+                which: str = "policy", guidance_scale: float | None = None) -> torch.Tensor: ...
 
 
 class Objective(ABC):
@@ -36,10 +38,12 @@ class Objective(ABC):
 
     ``samples_with_old_policy``: the old policy draws the rollouts (DiffusionNFT); ``needs_forward_noise``: each trained
     step noises the sample's final latents afresh through the sampler's forward process (DiffusionNFT, AWM), so the
-    trainer draws that noise with the epoch's plan."""
+    trainer draws that noise with the epoch's plan; ``trains_whole_groups``: the loss couples a prompt's images (DGPO),
+    so each micro-batch holds whole groups, consecutive, at the same steps and with the same forward noise."""
 
     samples_with_old_policy: bool = False
     needs_forward_noise: bool = False
+    trains_whole_groups: bool = False
 
     @classmethod
     @abstractmethod
@@ -99,6 +103,7 @@ class Algorithm:
     curves: tuple[Curve, ...]  # its loss and diagnostics, as the report plots them
     options: type | None = None
     flow_method: Method | None = None
+    flow_only: bool = False  # its maths need flow-matching steps (GRPO-Guard): refused on DDPM/DDIM families
 
     def method_for(self, flow: bool) -> Method:
         return self.flow_method if flow and self.flow_method is not None else self.method

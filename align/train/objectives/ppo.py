@@ -38,13 +38,17 @@ class PolicyGradient(Objective):
         loss, metrics = ddpo_clipped_loss(log_prob, batch.old_log_probs, batch.advantages, self.clip_range,
                                           self.adv_clip_max)
         if self.kl_coef > 0:
-            with torch.no_grad():
-                reference = models.predict(batch.latents, batch.timesteps, batch.cond, batch.uncond, which="reference")
-                reference_mean = self.sampler.step(reference, batch.latents, batch.timesteps, batch.step_indices).mean
-            kl = step.kl_to(reference_mean).mean()
-            loss = loss + self.kl_coef * kl
-            metrics["kl_to_reference"] = kl.detach()
+            loss, metrics = self.add_reference_kl(models, batch, step, loss, metrics)
         return loss, metrics
+
+    def add_reference_kl(self, models, batch: TrainBatch, step, loss, metrics):
+        """loss + kl_coef x the sampler's KL of the step to the reference model's step (Flow-GRPO's form on flow)."""
+        with torch.no_grad():
+            reference = models.predict(batch.latents, batch.timesteps, batch.cond, batch.uncond, which="reference")
+            reference_mean = self.sampler.step(reference, batch.latents, batch.timesteps, batch.step_indices).mean
+        kl = step.kl_to(reference_mean).mean()
+        metrics["kl_to_reference"] = kl.detach()
+        return loss + self.kl_coef * kl, metrics
 
     def describe(self) -> str:
         return f"PPO clip range {self.clip_range}, advantage clip {self.adv_clip_max}, KL coefficient {self.kl_coef}"
