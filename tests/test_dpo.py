@@ -388,7 +388,7 @@ def test_testbed_config_runs_on_the_bundled_model(tmp_path):
     """The README's main command, shrunk: the YAML parses and runs end to end on the bundled testbed."""
     config = parse_config(
         DPOConfig,
-        ["--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:4:2",
+        ["--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed-train:4:1", "--eval_prompts", "testbed-heldout:4:2",
          "--max_steps", "2", "--checkpointing_steps", "2", "--report_to", "none",
          "--eval_images_per_prompt", "2", "--output-dir", str(tmp_path / "run")],
     )

@@ -25,7 +25,14 @@ import hashlib
 import random
 
 from align.testbed.scene import sample_caption
-from rewards.shapes_grammar import CATEGORIES, Caption, format_caption, format_group, parse_caption
+from rewards.shapes_grammar import (
+    CATEGORIES,
+    Caption,
+    CaptionError,
+    format_caption,
+    format_group,
+    parse_caption,
+)
 
 SPLIT_VERSION = 1
 PARTS: tuple[str, ...] = ("train", "heldout", "novel")
@@ -81,3 +88,11 @@ def sample_split_captions(n: int, seed: int, part: str) -> list[str]:
             pass
         captions.append(format_caption(caption))
     return captions
+
+
+def part_of_prompt(text: str) -> str | None:
+    """The split's part of a prompt, None for a prompt that is not a caption of the shapes grammar."""
+    try:
+        return split_of(text)
+    except CaptionError:
+        return None

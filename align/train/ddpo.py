@@ -32,6 +32,7 @@ import torch
 from align.api_cost import ddpo_api_plan, guard_on_every_process
 from align.cli import ConfigError
 from align.data.pairs import DataError
+from align.data.prompt_overlap import check_heldout_disjoint
 from align.data.prompt_sets import load_prompt_list
 from align.families import UnknownFamilyError, family_of, family_of_pipeline
 from align.families.base import (
@@ -117,6 +118,7 @@ def check_inputs(config: DDPOConfig) -> None:
                 raise ConfigError(f"prompt source {spec!r} holds no prompts")
         except DataError as err:
             raise ConfigError(str(err)) from None
+    check_heldout_disjoint(config.prompts, config.eval_prompts)
 
 
 def resolve_family(config: DDPOConfig) -> ModelFamily:

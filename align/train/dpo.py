@@ -35,6 +35,7 @@ from align.data.latent_store import (
 )
 from align.data.pair_stream import PairPixels, PlannedBatches, micro_batch_loader, open_pairs
 from align.data.pairs import DataError
+from align.data.prompt_overlap import check_heldout_disjoint
 from align.data.prompt_sets import load_prompt_list
 from align.families import family_of_pipeline
 from align.families.base import cat_conditioning, conditioning_to
@@ -95,6 +96,7 @@ def check_inputs(config: DPOConfig) -> None:
     prompt_specs = (config.prompts if config.reward else None, config.eval_prompts)
     for spec in filter(None, prompt_specs):
         load_prompt_list(spec)
+    check_heldout_disjoint(*prompt_specs)
     if config.reward and len(load_prompt_list(config.prompts)) < config.feedback_rounds:
         raise ConfigError(f"--prompts {config.prompts!r} holds fewer prompts than --feedback_rounds ({config.feedback_rounds})")
     if config.dataset and not Path(config.dataset).exists() and config.dataset.startswith((".", "/", "~")):
