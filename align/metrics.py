@@ -295,11 +295,14 @@ def mean_and_sem(values) -> tuple[float, float]:
 def clustered_sem(values, clusters) -> float:
     """Standard error of the mean of ``values`` whose members of one cluster (e.g. the images of one caption) are
     not independent: the cluster-robust (sandwich) estimator sqrt(G/(G-1) Σ_g (Σ_{i in g} (v_i - mean))²) / N over
-    G clusters. With one value per cluster it is the ordinary standard error; NaN below two clusters."""
+    G clusters. With one value per cluster it is the ordinary standard error; NaN values are left out (as by
+    mean_and_sem); NaN below two clusters."""
     v = np.asarray(values, dtype=np.float64)
     if len(clusters) != v.size:
         raise ValueError(f"clustered_sem needs one cluster per value: {v.size} values, {len(clusters)} clusters")
-    _, index = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)
+    keep = ~np.isnan(v)
+    v = v[keep]
+    _, index = np.unique(np.asarray([str(c) for c, k in zip(clusters, keep) if k]), return_inverse=True)
     groups = len(set(index.tolist()))
     if groups < 2:
         return float("nan")

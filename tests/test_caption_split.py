@@ -13,7 +13,15 @@ from align.cli import ConfigError
 from align.data.prompt_overlap import check_heldout_disjoint, prompt_overlap, report_overlap
 from align.data.prompt_sets import PromptSetError, load_prompt_list, load_prompt_set
 from align.testbed.scene import sample_captions
-from align.testbed.split import NOVEL_PAIRS, PARTS, names_novel_pair, part_of_prompt, sample_split_captions, scene_key, split_of
+from align.testbed.split import (
+    NOVEL_PAIRS,
+    PARTS,
+    names_novel_pair,
+    part_of_prompt,
+    sample_split_captions,
+    scene_key,
+    split_of,
+)
 from rewards.shapes_grammar import CATEGORIES, parse_caption
 from tests.script_loader import load_experiment
 
