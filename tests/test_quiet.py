@@ -33,6 +33,9 @@ def test_a_testbed_dpo_run_prints_no_third_party_warning(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if WARNING_LINE.search(line)] == []
     assert "[eval] after:" in result.stdout  # the run did its work (and its own lines go to stdout)
+    # the headline: the paired change on unseen captions, per image and clustered by caption
+    assert "[eval] after - before on unseen captions (testbed-heldout:4:2):" in result.stdout
+    assert "by caption (16 images, 4 captions" in result.stdout  # 4 captions x the config's 4 seeds
 
 
 def test_a_quiet_testbed_ddpo_run_prints_nothing_on_stderr(tmp_path):

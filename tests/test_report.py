@@ -16,7 +16,7 @@ from script_loader import load_script
 
 from align.cli import parse_config
 from align.eval import report
-from align.metrics import mean_and_sem
+from align.metrics import clustered_sem, mean_and_sem
 from align.train import dpo
 from align.train.dpo_config import DPOConfig
 from align.train.heldout import save_image_row
@@ -148,7 +148,8 @@ def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_co
     diff, sem = mean_and_sem(a - b)
     table = text[text.index('id="heldout-table"'):]
     table = table[: table.index("</table>")]
-    for value in (b.mean(), before["sem"], a.mean(), after["sem"], diff, sem):
+    by_prompt = clustered_sem(a - b, before["prompts"])  # 3 prompts x 2 seeds: clustered by prompt beside per image
+    for value in (b.mean(), before["sem"], a.mean(), after["sem"], diff, sem, by_prompt):
         assert f">{value:.4f}<" in table
     assert f">{int((a > b).sum())}<" in table and f">{int((a < b).sum())}<" in table
     assert "paired change" in text
