@@ -12,7 +12,7 @@ The sets (``--sets NAME=SPEC[@FIRST_SEED] ...``; default: the three below) answe
 - ``unseen`` (testbed-heldout:1000:4242): captions no testbed-train set can draw. The headline.
 - ``novel`` (testbed-novel:500:4343): captions naming a colour-shape pair no training caption names.
 - ``seen`` (testbed-train:256, the online-RL configs' training prompts; DPO's are testbed-train:512:1): the
-  training captions again, with fresh seeds: how much of a gain is recall.
+  training captions again (each scene once), with fresh seeds: how much of a gain is recall.
 
 Before anything is generated, every run folder's training prompts (its config.yaml) are checked against every set:
 a held-out set that shares a caption with them is refused (align/data/prompt_overlap.py); for a set drawn from the
@@ -39,7 +39,7 @@ import yaml
 
 import rewards
 from align.cli import ConfigError
-from align.data.prompt_overlap import prompt_overlap, report_overlap
+from align.data.prompt_overlap import prompt_key, prompt_overlap, report_overlap
 from align.data.prompt_sets import load_prompt_list
 from align.eval.evaluate import EvalConfig
 from align.eval.generation import sampling_settings
@@ -83,8 +83,12 @@ def parse_set(text: str) -> tuple[str, str, int]:
 
 
 def image_set(spec: str, images_per_prompt: int, first_seed: int, trainers_layout: bool) -> tuple[list[str], list[int]]:
-    """The (caption, seed) of every image: captions one after another, or the trainers' layout (the list repeated)."""
-    prompts = load_prompt_list(spec)
+    """The (caption, seed) of every image: captions one after another, or the trainers' layout (the list repeated).
+    A scene named twice in the set (a training set's recurring captions) is kept once: its seeds are its images."""
+    first_of_scene: dict[str, str] = {}
+    for prompt in load_prompt_list(spec):
+        first_of_scene.setdefault(prompt_key(prompt), prompt)
+    prompts = list(first_of_scene.values())
     if trainers_layout:
         captions = prompts * images_per_prompt
     else:

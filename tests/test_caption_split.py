@@ -4,6 +4,7 @@ construction, in every bundled config and script; the overlap check refuses or r
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -70,11 +71,22 @@ def test_a_part_set_draws_only_its_part_with_every_category_it_has(part):
     assert categories == (set(CATEGORIES) - {"object"} if part == "novel" else set(CATEGORIES))
 
 
+def test_held_out_sets_are_distinct_scenes_in_equal_shares_until_a_category_runs_out():
+    held_out = load_prompt_list("testbed-heldout:600:3")
+    assert len({scene_key(c) for c in held_out}) == 600  # no scene twice: each caption is one more unseen caption
+    shares = Counter(parse_caption(c).category for c in held_out)
+    assert shares["object"] == 2  # the object category has 2 held-out scenes; the others share the rest evenly
+    assert min(shares[c] for c in ("attribute", "count", "spatial")) > 150
+    assert len(set(load_prompt_list("testbed-train:600:3"))) < 600  # training sets keep the sampler's repeats
+    with pytest.raises(PromptSetError, match=r"\[1, 4,000\]"):
+        load_prompt_set("testbed-heldout:4001")
+
+
 def test_held_out_and_novel_sets_share_no_scene_with_any_training_set():
-    train = load_prompt_list("testbed-train:20000")
-    for spec in ("testbed-heldout:5000:1", "testbed-novel:5000:2"):
+    train = load_prompt_list("testbed-train:4000")
+    for spec in ("testbed-heldout:1000:1", "testbed-novel:1000:2"):
         assert prompt_overlap(train, load_prompt_list(spec)).shared == 0
-    assert prompt_overlap(load_prompt_list("testbed-heldout:5000:1"), load_prompt_list("testbed-novel:5000:2")).shared == 0
+    assert prompt_overlap(load_prompt_list("testbed-heldout:1000:1"), load_prompt_list("testbed-novel:1000:2")).shared == 0
     # the unsplit grammar the old configs trained on overlaps all of them
     assert prompt_overlap(load_prompt_list("testbed:256"), load_prompt_list("testbed-heldout:1000:4242")).shared > 0
 
@@ -131,5 +143,5 @@ def test_testbed_set_names_and_their_errors():
     assert load_prompt_set("testbed-heldout", 7, seed=2).prompts == load_prompt_list("testbed-heldout:7:2")
     assert load_prompt_list("testbed:5:1") == sample_captions(5, seed=1)  # the old name keeps its captions
     for bad in ("testbed-heldout:x", "testbed-train:5:1:2", "testbed-novel:0"):
-        with pytest.raises(PromptSetError, match="testbed-"):
+        with pytest.raises((PromptSetError, ConfigError), match="testbed-"):
             load_prompt_set(bad)

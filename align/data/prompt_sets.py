@@ -1,8 +1,9 @@
 """Prompt sets for evaluation and best-of-N, by name or path.
 
     testbed-train[:<n>[:<seed>]]    the shapes world's training captions (align/testbed/split.py, version 1)
-    testbed-heldout[:<n>[:<seed>]]  captions no testbed-train set can draw (unseen captions)
-    testbed-novel[:<n>[:<seed>]]    captions naming a colour-shape pair no training caption names (unseen combinations)
+    testbed-heldout[:<n>[:<seed>]]  captions no testbed-train set can draw (unseen captions), each a scene of its own
+    testbed-novel[:<n>[:<seed>]]    captions naming a colour-shape pair no training caption names (unseen combinations),
+                                    each a scene of its own
     testbed[:<n>[:<seed>]]          the whole grammar, unsplit: the stream every run before the split drew from
                                     (configs before 2026-12 name it); it overlaps every part, so a run may not
                                     train on it and hold out testbed-heldout, or the reverse
@@ -103,6 +104,8 @@ def known_sets() -> list[str]:
 
 # testbed:<n> draws n captions up front (a few seconds per 100,000): more would sit silently before any work.
 MAX_TESTBED_PROMPTS = 100_000
+# held-out sets are distinct scenes: the held-out part's sampler reaches about 6,400 (10 s for 4,000)
+MAX_DISTINCT_TESTBED_PROMPTS = 4_000
 
 
 def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) -> PromptSet:
@@ -118,8 +121,9 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
                 raise ValueError
         except ValueError:
             raise PromptSetError(f"prompt set {spec!r} must be {name}:<count>[:<seed>]") from None
-        if not 1 <= count <= MAX_TESTBED_PROMPTS or not 0 <= seed < 2**32:
-            raise PromptSetError(f"prompt set {spec!r}: the count must be in [1, {MAX_TESTBED_PROMPTS:,}] and the seed "
+        most = MAX_TESTBED_PROMPTS if TESTBED_SETS[name] in (None, "train") else MAX_DISTINCT_TESTBED_PROMPTS
+        if not 1 <= count <= most or not 0 <= seed < 2**32:
+            raise PromptSetError(f"prompt set {spec!r}: the count must be in [1, {most:,}] and the seed "
                                  f"in [0, {2**32 - 1}]")
         return _testbed(name, min(count, num_prompts or count), seed)
     try:
@@ -170,7 +174,10 @@ def load_prompt_list(spec: str) -> list[str]:
 
 def _testbed(name: str, n: int, seed: int) -> PromptSet:
     part = TESTBED_SETS[name]
-    prompts = sample_captions(n, seed=seed) if part is None else sample_split_captions(n, seed, part)
+    try:  # held-out sets: distinct scenes (a recurring caption adds images of one scene, not another unseen caption)
+        prompts = sample_captions(n, seed=seed) if part is None else sample_split_captions(n, seed, part, part != "train")
+    except ValueError as err:
+        raise PromptSetError(f"prompt set {name}:{n}:{seed}: {err}") from None
     return PromptSet(name, prompts, [parse_caption(p).category for p in prompts])
 
 

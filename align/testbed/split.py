@@ -45,6 +45,8 @@ SALT = "shapes-split-v1-2"
 # object captions name no colour: none is a novel combination
 PART_CATEGORIES: dict[str, tuple[str, ...]] = {"train": CATEGORIES, "heldout": CATEGORIES,
                                                "novel": tuple(c for c in CATEGORIES if c != "object")}
+# draws in a row without a new scene after which a category leaves a distinct set's draw
+DISTINCT_PATIENCE = 500
 # "A right of B" is "B left of A"; "A below B" is "B above A"
 _MIRRORED = {"right of": "left of", "below": "above"}
 
@@ -72,22 +74,43 @@ def split_of(caption: str | Caption) -> str:
     return "heldout" if int.from_bytes(digest[:8], "big") < HELDOUT_FRACTION * 2**64 else "train"
 
 
-def sample_split_captions(n: int, seed: int, part: str) -> list[str]:
+def sample_split_captions(n: int, seed: int, part: str, distinct: bool = False) -> list[str]:
     """``n`` captions of one part: categories uniform over the part's, each caption drawn from the scene sampler
-    and redrawn until it lies in the part (so the sets keep the sampler's mix within each category)."""
+    and redrawn until it lies in the part (so the sets keep the sampler's mix within each category).
+
+    ``distinct``: every caption a scene of its own (held-out sets: a caption that recurs adds images of one scene,
+    not evidence about unseen captions). A category leaves the draw once DISTINCT_PATIENCE draws in a row find no
+    new scene of it (the object category has 2 held-out scenes); the others keep equal shares.
+    """
     if part not in PARTS:
         raise ValueError(f"unknown part {part!r} of the caption split; valid: {', '.join(PARTS)}")
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
-    rng = random.Random(f"captions:{part}:v{SPLIT_VERSION}:{seed}")
-    categories = PART_CATEGORIES[part]
+    rng = random.Random(f"captions:{part}:v{SPLIT_VERSION}{':distinct' if distinct else ''}:{seed}")
+    categories, scenes = list(PART_CATEGORIES[part]), set()
     captions = []
     while len(captions) < n:
+        if not categories:
+            raise ValueError(f"the {part!r} part of the caption split gave only {len(captions)} distinct scenes "
+                             f"before its sampler stopped finding new ones; ask for at most that many")
         category = rng.choice(categories)
-        while split_of(caption := sample_caption(rng, category)) != part:
-            pass
+        caption = _draw_in_part(rng, category, part)
+        if distinct:  # this slot goes to a new scene of the category, or the category leaves the draw
+            misses = 0
+            while scene_key(caption) in scenes and misses < DISTINCT_PATIENCE:
+                caption, misses = _draw_in_part(rng, category, part), misses + 1
+            if misses == DISTINCT_PATIENCE:
+                categories.remove(category)
+                continue
+            scenes.add(scene_key(caption))
         captions.append(format_caption(caption))
     return captions
+
+
+def _draw_in_part(rng: random.Random, category: str, part: str) -> Caption:
+    while split_of(caption := sample_caption(rng, category)) != part:
+        pass
+    return caption
 
 
 def part_of_prompt(text: str) -> str | None:
