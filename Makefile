@@ -1,5 +1,6 @@
 # Two commands for a fresh machine with Python >= 3.10 and pip:
-#   make demo   -> Diffusion-DPO on the bundled shapes testbed, on a CPU, with before/after scores
+#   make demo   -> Diffusion-DPO on the bundled shapes testbed, on a CPU, with before/after scores and the
+#                  gain on captions no training prompt names (unseen captions), with its caption-clustered SE
 #   make test   -> the test suite (fast; `make test-all` includes the slow tests)
 # Both create .venv and install what is missing. TORCH picks the torch build: the default pin is
 # the CPU wheel used by CI; on a GPU machine use e.g. `make demo TORCH=torch`.

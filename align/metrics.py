@@ -287,3 +287,57 @@ def mean_and_sem(values) -> tuple[float, float]:
         return float("nan"), float("nan")
     sem = float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else float("nan")
     return float(v.mean()), sem
+
+
+# ------------------------------------------------------------------------------------ paired changes
+
+
+def clustered_sem(values, clusters) -> float:
+    """Standard error of the mean of ``values`` whose members of one cluster (e.g. the images of one caption) are
+    not independent: the cluster-robust (sandwich) estimator sqrt(G/(G-1) Σ_g (Σ_{i in g} (v_i - mean))²) / N over
+    G clusters. With one value per cluster it is the ordinary standard error; NaN values are left out (as by
+    mean_and_sem); NaN below two clusters."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(clusters) != v.size:
+        raise ValueError(f"clustered_sem needs one cluster per value: {v.size} values, {len(clusters)} clusters")
+    keep = ~np.isnan(v)
+    v = v[keep]
+    _, index = np.unique(np.asarray([str(c) for c, k in zip(clusters, keep) if k]), return_inverse=True)
+    groups = len(set(index.tolist()))
+    if groups < 2:
+        return float("nan")
+    sums = np.bincount(index, weights=v - v.mean(), minlength=groups)
+    return float(math.sqrt(groups / (groups - 1) * float((sums**2).sum())) / v.size)
+
+
+@dataclass
+class PairedChange:
+    """after - before on the same (prompt, seed) images: the mean, its standard error per image (images
+    independent) and clustered by prompt (a prompt's images share its difficulty), and counts."""
+
+    mean: float
+    sem_images: float
+    sem_prompts: float
+    images: int
+    prompts: int
+    better: int
+    worse: int
+
+    @property
+    def prompt_se_ratio(self) -> float:
+        """The change in clustered standard errors (the bar of experiments/notes: more than four)."""
+        return self.mean / self.sem_prompts if self.sem_prompts > 0 else float("nan")
+
+
+def paired_change(before, after, prompts, same: float = 1e-6) -> PairedChange:
+    """The paired change of scores ``after`` over ``before`` of the images of ``prompts`` (one prompt per image;
+    images whose score is NaN in either are left out)."""
+    b, a = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
+    if not b.shape == a.shape == (len(prompts),):
+        raise ValueError(f"paired_change needs one before and after score per prompt: {b.shape}, {a.shape}, "
+                         f"{len(prompts)} prompts")
+    keep = ~(np.isnan(a) | np.isnan(b))
+    diff, kept = a[keep] - b[keep], [p for p, k in zip(prompts, keep) if k]
+    mean, sem = mean_and_sem(diff)
+    return PairedChange(mean, sem, clustered_sem(diff, kept), int(diff.size), len(set(kept)),
+                        int((diff > same).sum()), int((diff < -same).sum()))

@@ -5,18 +5,18 @@
 
 Fine-tunes the flow testbed (``--model``, default the bundled ``testbed-flow``) with the rectified-flow
 loss it was built with (scripts/build_flow_testbed.py: x_σ = (1-σ)·z0 + σ·ε, σ logit-normal, velocity
-target) on freshly rendered scenes whose captions are all true (the base saw a quarter of its scenes
+target) on freshly rendered scenes of training-part captions (align/testbed/split.py) whose captions are all true (the base saw a quarter of its scenes
 under another scene's caption), for ``--minutes`` of training CPU time (process time, one thread; the
 transformer only, both text encoders frozen, as the trainers keep them), and scores it on the
-trainers' held-out set (``--eval-prompts``, default DDPO's ``testbed:200:1000``, ``--eval-seed`` 1234,
+trainers' held-out set (``--eval-prompts``, default DDPO's ``testbed-heldout:200:1000`` (unseen captions), ``--eval-seed`` 1234,
 4 seeds per caption, the testbed's sampling settings, the trainers'
 ``align.pipeline.generate_images``) before, every ``--eval-every`` minutes and at
 the end. Rendering, encoding and evaluations are not counted in the budget.
 
 The gain is reported with its paired standard error: every image after training has the same caption
 and seed as one before, so the error is that of the per-image differences (and, more conservatively,
-of the per-caption mean differences, since a caption's seeds are not independent). Training captions
-never include a held-out caption.
+clustered by caption, since a caption's seeds are not independent). Training captions come from the split's
+training part, so none is a held-out one.
 
 Differences from experiments/testbed_sft_ceiling.py (the SD testbed's): the flow objective instead of
 epsilon prediction; LoRA targets the SD3 attention's image and text projections, the default of
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -35,9 +34,10 @@ import torch
 
 import rewards
 from align.data.prompt_sets import load_prompt_list
+from align.metrics import paired_change
 from align.pipeline import add_lora, generate_images, load_pipeline, merged_adapter, testbed_settings
 from align.run_folder import atomic_write_text
-from align.testbed.scene import sample_captions
+from align.testbed.split import sample_split_captions
 from scripts.build_flow_testbed import encode_latents, rectified_flow_loss, render_scenes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--num-scenes", type=int, default=8192, help="rendered training scenes (true captions)")
     p.add_argument("--caption-dropout", type=float, default=0.1, help="keeps classifier-free guidance working")
-    p.add_argument("--eval-prompts", default="testbed:200:1000", help="held-out captions (DDPO's; DPO's: testbed:200:777)")
+    p.add_argument("--eval-prompts", default="testbed-heldout:200:1000", help="unseen captions (the online-RL configs'; DPO's: testbed-heldout:200:777)")
     p.add_argument("--eval-images-per-prompt", type=int, default=4)
     p.add_argument("--eval-seed", type=int, default=1234, help="seed of the first held-out image (the trainers' default)")
     p.add_argument("--eval-batch-size", type=int, default=32)
@@ -74,22 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def paired_gain(before: list[float], after: list[float], images_per_prompt: int) -> dict:
-    """Mean of after - before and its standard error, per image and per caption (seeds averaged first).
-
-    Image i has prompt i mod P (the prompts are repeated ``images_per_prompt`` times, as the trainers'
-    evaluation lays them out), so caption p's images are p, p + P, p + 2P, ...
-    """
-    diffs = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
-    if len(diffs) % images_per_prompt:
-        raise ValueError(f"{len(diffs)} scores are not {images_per_prompt} per prompt")
-    per_caption = diffs.reshape(images_per_prompt, -1).mean(0)
-
-    def sem(v: torch.Tensor) -> float:
-        return float(v.std(unbiased=True) / math.sqrt(len(v))) if len(v) > 1 else float("nan")
-
-    return {"gain": float(diffs.mean()), "paired_sem_images": sem(diffs), "paired_sem_captions": sem(per_caption),
-            "num_images": len(diffs), "num_captions": len(per_caption)}
+def paired_gain(before: list[float], after: list[float], prompts: list[str]) -> dict:
+    """Mean of after - before and its paired standard error, per image and clustered by caption (a caption's
+    seeds share its difficulty, and a caption that repeats in the set is one cluster)."""
+    change = paired_change(before, after, prompts)
+    return {"gain": change.mean, "paired_sem_images": change.sem_images, "paired_sem_captions": change.sem_prompts,
+            "num_images": change.images, "num_captions": change.prompts}
 
 
 def held_out_set(spec: str, repeats: int, first_seed: int) -> tuple[list[str], list[int]]:
@@ -99,8 +89,8 @@ def held_out_set(spec: str, repeats: int, first_seed: int) -> tuple[list[str], l
 
 
 def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[str], torch.Tensor]:
-    """``n`` true (caption, image) pairs, none of them on a held-out caption; images in [-1, 1]."""
-    pool = sample_captions(2 * n, seed=10_000 + seed)  # a caption stream of its own (the build's is its --seed)
+    """``n`` true (caption, image) pairs on training-part captions (align/testbed/split.py), none held out; images in [-1, 1]."""
+    pool = sample_split_captions(2 * n, 10_000 + seed, "train")  # training-part captions, a stream of their own
     captions = [c for c in pool if c not in held_out][:n]
     return captions, render_scenes(captions, seed=seed)
 
@@ -160,7 +150,7 @@ def main(argv=None) -> dict:
         scores = judge.score(prompts, generated).float().tolist()
         scores_before = scores if scores_before is None else scores_before
         point = {"cpu_minutes": round(minutes, 2), "step": step, "mean_oracle_score": sum(scores) / len(scores),
-                 **paired_gain(scores_before, scores, args.eval_images_per_prompt)}
+                 **paired_gain(scores_before, scores, prompts)}
         curve.append(point)
         atomic_write_text(args.out / f"eval_{label}.json",
                           json.dumps({"mean": point["mean_oracle_score"], "scores": scores, "prompts": prompts,
@@ -169,7 +159,7 @@ def main(argv=None) -> dict:
                                                                "base_settings": settings, "curve": curve}, indent=2))
         print(f"[flow-ceiling] {label}: mean oracle {point['mean_oracle_score']:.4f}, gain {point['gain']:+.4f} "
               f"± {point['paired_sem_images']:.4f} (paired SE, images) ± {point['paired_sem_captions']:.4f} "
-              f"(captions)", flush=True)
+              f"(clustered by caption)", flush=True)
 
     evaluate("before", 0.0, 0)
     generator = torch.Generator().manual_seed(args.seed)

@@ -6,7 +6,7 @@
 Fine-tunes the bundled testbed pipeline with the ordinary denoising loss on freshly rendered scenes
 whose captions are all true (the base model saw a quarter of its scenes under another scene's caption),
 for ``--minutes`` of training CPU time (the UNet only; the text encoder stays frozen, as in both
-trainers), and scores the model on DDPO's held-out set (``testbed:200:1000``, 4 seeds each, guidance 3,
+trainers), and scores the model on DDPO's held-out set (``testbed-heldout:200:1000``, unseen captions, 4 seeds each, guidance 3,
 the trainers' ``evaluate_model``) before, every ``--eval-every`` minutes and at the end. Each training
 image is a perfect answer to its caption, a stronger signal per CPU-second than a trainer that samples
 its own images and only learns how good they are; what this reaches in 15 CPU minutes is a yardstick
@@ -27,7 +27,7 @@ import torch
 import rewards
 from align.data.prompt_sets import load_prompt_list
 from align.pipeline import add_lora, encode_images, encode_prompts, load_pipeline, testbed_settings
-from align.testbed.scene import sample_captions
+from align.testbed.split import sample_split_captions
 from align.train.ddpo import DDPOConfig
 from align.train.heldout import evaluate_model
 from rewards.weights import batched
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--num-scenes", type=int, default=8192, help="rendered training scenes (true captions)")
     p.add_argument("--caption-dropout", type=float, default=0.1, help="keeps classifier-free guidance working")
-    p.add_argument("--eval-prompts", default="testbed:200:1000")
+    p.add_argument("--eval-prompts", default="testbed-heldout:200:1000", help="unseen captions (the DDPO-style configs' set)")
     p.add_argument("--eval-images-per-prompt", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -61,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def render_training_scenes(n: int, held_out: set[str], seed: int) -> tuple[list[str], torch.Tensor]:
-    """``n`` true (caption, image) pairs, none of them on a held-out caption; images in [-1, 1]."""
-    pool = sample_captions(2 * n, seed=10_000 + seed)  # a caption stream of its own (the build's is seed 0)
+    """``n`` true (caption, image) pairs on training-part captions (align/testbed/split.py), none held out; images in [-1, 1]."""
+    pool = sample_split_captions(2 * n, 10_000 + seed, "train")  # training-part captions, a stream of their own
     captions = [c for c in pool if c not in held_out][:n]
     return captions, to_model_range(render_scenes(captions, seed=seed))
 

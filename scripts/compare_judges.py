@@ -37,7 +37,8 @@ import yaml
 from align import metrics
 from align.cli import ConfigError, die, option, parse_config
 from align.data.feedback import generate_feedback, make_pipeline_generator
-from align.data.prompt_sets import load_prompt_set
+from align.data.prompt_overlap import report_overlap
+from align.data.prompt_sets import PromptSetError, load_prompt_list, load_prompt_set
 from align.eval import report
 from align.eval.evaluate import EvalConfig, evaluate
 from align.eval.generation import sampling_settings, slug
@@ -66,13 +67,14 @@ class CompareConfig:
                                         "optimisation")
     trainer_overrides: str | None = option(None, "'key=value,key=value' on top of the YAML, e.g. "
                                            "learning_rate=1e-4,finetune=lora", "optimisation")
-    train_prompts: str = option("testbed:128", "prompts for AI feedback", "data")
+    train_prompts: str = option("testbed-train:128", "prompts for AI feedback", "data")
     max_steps: int | None = option(None, "overrides the trainer YAML's budget (Diffusion-DPO)", "optimisation")
     seed: int = option(0, "seed of the base-model images and of every fine-tuning run", "optimisation")
     images_per_prompt: int = option(2, "K base-model images per feedback prompt (2: every judge labels the same "
                                     "pairs)", "data")
     # --- downstream evaluation (align.eval.evaluate)
-    eval_prompts: str = option("testbed", "held-out prompt set of the downstream evaluation", "evaluation")
+    eval_prompts: str = option("testbed-heldout", "held-out prompt set of the downstream evaluation (none of its prompts "
+                               "may be a --train_prompts one)", "evaluation")
     eval_num_prompts: int = option(64, "held-out prompts evaluated", "evaluation")
     eval_prompt_seed: int = option(1000, "seed of the sampled held-out prompts (testbed)", "evaluation")
     eval_seeds: str = option("0", "comma list of image seeds per held-out prompt", "evaluation")
@@ -248,9 +250,21 @@ def downstream_table(judges: list[str], runs: dict, accuracy: dict, results: dic
     return rows
 
 
+def check_eval_prompts_unseen(config: CompareConfig) -> None:
+    """The downstream evaluation's prompts against the feedback prompts every judge's model trains on, before any work:
+    overlapping testbed sets are refused, other sources get the overlap count (align/data/prompt_overlap.py)."""
+    try:
+        held_out = load_prompt_set(config.eval_prompts, config.eval_num_prompts, seed=config.eval_prompt_seed).prompts
+    except (PromptSetError, FileNotFoundError) as err:
+        raise ConfigError(f"--eval_prompts: {err}") from None
+    report_overlap(config.train_prompts, load_prompt_list(config.train_prompts), config.eval_prompts, held_out,
+                   "--train_prompts", "--eval_prompts")
+
+
 def compare(config: CompareConfig) -> dict:
 
     config.validate()
+    check_eval_prompts_unseen(config)
     judges = split_list(config.judges)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)

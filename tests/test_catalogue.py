@@ -390,6 +390,11 @@ CASES = [
     Case("dpo-lora-rank-huge", "dpo", flags("dpo", "--finetune", "lora", "--lora_rank", str(10**9)), ("--lora_rank",)),
     Case("dpo-testbed-prompts-huge", "dpo", flags("dpo", "--prompts", "testbed:99999999999"), ("testbed:99999999999",)),
     Case("ddpo-testbed-prompts-huge", "ddpo", flags("ddpo", "--prompts", "testbed:99999999999"), ("testbed:",)),
+    # the old testbed configs' held-out set shares 82 of its 200 captions with their training prompts (issue 62)
+    Case("dpo-heldout-overlaps-training", "dpo", flags("dpo", "--prompts", "testbed:256", "--eval_prompts", "testbed:200:1000"),
+         ("--eval_prompts 'testbed:200:1000' shares", "testbed-heldout")),
+    Case("ddpo-heldout-overlaps-training", "ddpo", flags("ddpo", "--prompts", "testbed-train:64", "--eval_prompts",
+                                                         "testbed:200:1000"), ("--eval_prompts", "held out must mean unseen")),
     Case("dpo-dataset-unreadable-image", "dpo", flags("dpo", "--dataset", path("bad_image_pairs"), drop=("--reward",)),
          ("row 1", "unreadable image")),
     Case("dpo-dataset-zero-rows", "dpo", flags("dpo", "--dataset", path("zero_rows"), drop=("--reward",)),

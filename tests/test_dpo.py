@@ -328,10 +328,10 @@ def bad_input_cases(tiny_model, prompt_file, pair_parquet, tmp_path):
         "empty prompt file": (common + ["--reward", "jpeg-compressibility", "--prompts", str(empty)], "empty.txt"),
         "unreadable dataset": (common + ["--dataset", str(garbage)], "garbage.parquet"),
         "unknown config key": (["--config", str(bad_yaml)] + common + ["--dataset", pair_parquet], "unknown key(s) learning_rat"),
-        "beta not positive": (common + ["--dataset", pair_parquet, "--beta", "0"], "--beta must be a positive number"),
-        "no held-out seeds": (common + ["--dataset", pair_parquet, "--eval_images_per_prompt", "0"], "--eval_images_per_prompt must be >= 1"),
+        "beta not positive": (common + ["--dataset", pair_parquet, "--beta", "0"], "--beta must be in (0, 1000000]"),
+        "no held-out seeds": (common + ["--dataset", pair_parquet, "--eval_images_per_prompt", "0"], "--eval_images_per_prompt must be in [1, 65536]"),
         "unknown lr schedule": (common + ["--dataset", pair_parquet, "--lr_scheduler", "exponential"], "--lr_scheduler must be one of"),
-        "negative warm-up": (common + ["--dataset", pair_parquet, "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be >= 0"),
+        "negative warm-up": (common + ["--dataset", pair_parquet, "--lr_warmup_steps", "-1"], "--lr_warmup_steps must be in [0, 2147483647]"),
         "periodic evaluation without held-out prompts": (common + ["--dataset", pair_parquet, "--eval_every_steps", "2"], "--eval_every_steps needs --eval_prompts and a judge"),
         "periodic evaluation without a judge": (common + ["--dataset", pair_parquet, "--eval_prompts", prompt_file, "--eval_every_steps", "2"], "--eval_every_steps needs --eval_prompts and a judge"),
         "pairwise-only held-out judge": (common + ["--dataset", pair_parquet, "--eval_prompts", prompt_file, "--eval_judge", "first-image"], "give a pointwise --eval_judge"),
@@ -388,7 +388,7 @@ def test_testbed_config_runs_on_the_bundled_model(tmp_path):
     """The README's main command, shrunk: the YAML parses and runs end to end on the bundled testbed."""
     config = parse_config(
         DPOConfig,
-        ["--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:4:2",
+        ["--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed-train:4:1", "--eval_prompts", "testbed-heldout:4:2",
          "--max_steps", "2", "--checkpointing_steps", "2", "--report_to", "none",
          "--eval_images_per_prompt", "2", "--output-dir", str(tmp_path / "run")],
     )

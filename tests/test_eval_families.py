@@ -219,7 +219,7 @@ def test_judge_comparison_on_a_flow_model(tmp_path, flow_testbed_like):
     out = tmp_path / "compare"
     cj.main(["--model", str(flow_testbed_like), "--judges", "shapes-oracle,random", "--trainer_config",
              "configs/testbed_dpo.yaml", "--max_steps", "2", "--trainer_overrides", "train_batch_size=4",
-             "--train_prompts", "testbed:4", "--eval_num_prompts", "3", "--fid_feature", "pixels", "--batch_size", "8",
+             "--train_prompts", "testbed-train:4", "--eval_num_prompts", "3", "--fid_feature", "pixels", "--batch_size", "8",
              "--output_dir", str(out)])
     payload = json.loads((out / "compare.json").read_text())
     rows = {row["judge"]: row for row in payload["table"]}

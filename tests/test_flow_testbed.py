@@ -10,6 +10,7 @@ import torch
 import rewards
 from align.data.prompt_sets import load_prompt_list
 from align.families.base import ModelLoadError
+from align.metrics import clustered_sem
 from align.pipeline import generate_images, load_pipeline, resolve_model
 from align.pipeline import testbed_settings as read_testbed_settings
 from align.sampling import flow as flow_sampling
@@ -125,12 +126,14 @@ def ceiling():
 
 def test_paired_gain_is_the_mean_difference_with_the_standard_error_of_the_differences(ceiling):
     # 2 prompts x 2 seeds, laid out prompt-major per round: images (p0 s0, p1 s0, p0 s1, p1 s1).
-    gain = ceiling.paired_gain([0.0, 0.5, 1.0, 0.5], [1.0, 0.5, 1.0, 1.0], images_per_prompt=2)
+    gain = ceiling.paired_gain([0.0, 0.5, 1.0, 0.5], [1.0, 0.5, 1.0, 1.0], ["p0", "p1", "p0", "p1"])
     assert gain["gain"] == pytest.approx(0.375)  # differences 1, 0, 0, 0.5
     assert gain["paired_sem_images"] == pytest.approx(float(torch.tensor([1.0, 0, 0, 0.5]).std()) / 2)
+    # clustered by caption, with as many seeds per caption: the standard error of the per-caption means
     assert gain["paired_sem_captions"] == pytest.approx(float(torch.tensor([0.5, 0.25]).std()) / 2 ** 0.5)
+    assert (gain["num_images"], gain["num_captions"]) == (4, 2)
     with pytest.raises(ValueError):
-        ceiling.paired_gain([0.0] * 3, [1.0] * 3, images_per_prompt=2)
+        ceiling.paired_gain([0.0] * 3, [1.0] * 3, ["p0", "p1"])
 
 
 def test_ceiling_run_trains_on_true_scenes_and_scores_the_same_images_before_and_after(ceiling, built, tmp_path):
@@ -212,33 +215,48 @@ def test_unet_flow_probe_samples_the_epsilon_unet_with_ddim_steps_in_flow_coordi
 # --- experiments/paired_heldout.py: the large held-out comparison that resolves a +0.02 gain
 
 
-def test_paired_heldout_gain_reads_captions_consecutively_and_counts_better_and_worse_images():
+def test_paired_heldout_clusters_by_caption_text_and_counts_better_and_worse_images():
     paired = load_experiment("paired_heldout")
-    # 2 captions x 2 seeds laid out caption by caption: (c0 s0, c0 s1, c1 s0, c1 s1)
-    gain = paired.paired_gain([0.0, 1.0, 0.5, 0.5], [1.0, 1.0, 0.5, 1.0], images_per_prompt=2)
-    assert gain["gain"] == pytest.approx(0.375)  # differences 1, 0, 0, 0.5
-    assert gain["paired_sem_captions"] == pytest.approx(float(torch.tensor([0.5, 0.25]).std()) / 2 ** 0.5)
-    assert (gain["better"], gain["worse"]) == (2, 0)
-    # the same images in the trainers' layout (c0 s0, c1 s0, c0 s1, c1 s1): the same per-caption means
-    trainers = paired.paired_gain([0.0, 0.5, 1.0, 0.5], [1.0, 0.5, 1.0, 1.0], images_per_prompt=2, trainers_layout=True)
-    assert trainers == gain
-    with pytest.raises(ValueError, match="2 per prompt"):
-        paired.paired_gain([0.0, 1.0, 0.5], [1.0, 1.0, 0.5], images_per_prompt=2)
+    # 2 captions x 2 seeds, and a third image on the first caption again: three images share one caption
+    gain = paired.paired_gain([0.0, 1.0, 0.5, 0.5, 0.0], [1.0, 1.0, 0.5, 1.0, 1.0], ["a", "a", "b", "b", "a"])
+    assert gain["gain"] == pytest.approx(0.5)  # differences 1, 0, 0, 0.5, 1
+    assert (gain["num_images"], gain["num_captions"], gain["better"], gain["worse"]) == (5, 2, 3, 0)
+    assert gain["paired_sem_captions"] == pytest.approx(clustered_sem([1, 0, 0, 0.5, 1], ["a", "a", "b", "b", "a"]))
+    assert gain["clustered_se_ratio"] == pytest.approx(gain["gain"] / gain["paired_sem_captions"])
+    assert paired.parse_set("novel=testbed-novel:5:3@60000") == ("novel", "testbed-novel:5:3", 60000)
+    assert paired.parse_set("unseen=testbed-heldout:5") == ("unseen", "testbed-heldout:5", 50000)
+    with pytest.raises(SystemExit, match="NAME=SPEC"):
+        paired.parse_set("testbed-heldout:5")
 
 
 def test_paired_heldout_gives_every_image_its_own_noise_and_a_model_no_gain_over_itself(tmp_path, capsys):
     paired = load_experiment("paired_heldout")
-    paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",
-                 "--first-seed", "7", "--out", str(tmp_path)])
-    scores = json.loads((tmp_path / "testbed.json").read_text())
-    first, second = load_prompt_list("testbed:2:5")
+    paired.main(["testbed", "--base", "testbed", "--sets", "unseen=testbed-heldout:2:5@7", "--images-per-prompt", "2",
+                 "--out", str(tmp_path)])
+    scores = json.loads((tmp_path / "unseen" / "testbed.json").read_text())
+    first, second = load_prompt_list("testbed-heldout:2:5")
     assert scores["captions"] == [first, first, second, second] and scores["seeds"] == [7, 8, 9, 10]
     assert len(scores["scores"]) == 4
-    assert json.loads((tmp_path / "base.json").read_text())["scores"] == scores["scores"]
+    assert json.loads((tmp_path / "unseen" / "base.json").read_text())["scores"] == scores["scores"]
     assert "gain +0.0000 ± 0.0000 per image" in capsys.readouterr().out
-    paired.main(["testbed", "--base", "testbed", "--prompts", "testbed:2:5", "--images-per-prompt", "2",
+    paired.main(["testbed", "--base", "testbed", "--sets", "unseen=testbed-heldout:2:5", "--images-per-prompt", "2",
                  "--trainers-layout", "--out", str(tmp_path / "trainers")])
-    scores = json.loads((tmp_path / "trainers" / "testbed.json").read_text())
+    scores = json.loads((tmp_path / "trainers" / "unseen" / "testbed.json").read_text())
     assert scores["captions"] == [first, second, first, second] and scores["seeds"] == [50000, 50001, 50002, 50003]
     with pytest.raises(SystemExit, match="no such run folder"):
         paired.main([str(tmp_path / "missing"), "--base", "testbed"])
+
+
+def test_paired_heldout_refuses_a_held_out_set_the_run_trained_on_before_generating(tmp_path, capsys):
+    paired = load_experiment("paired_heldout")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("reward: shapes-oracle\nprompts: testbed:64:3\n")  # the unsplit grammar
+    with pytest.raises(SystemExit, match="shares .* with the training prompts"):
+        paired.main([str(run), "--base", "testbed", "--sets", "unseen=testbed-heldout:64:3", "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()  # refused before any image
+    # a set of training-part captions is the "seen" question: the share the run trained on is printed, not refused
+    (run / "config.yaml").write_text("reward: shapes-oracle\nprompts: testbed-train:8:3\n")
+    paired.check_sets_against_training([str(run)], {"seen": paired.image_set("testbed-train:8:3", 2, 0, False)},
+                                       {"seen": "testbed-train:8:3"})
+    assert "16 of the 16 images of seen" in capsys.readouterr().out

@@ -125,3 +125,28 @@ def test_pairwise_accuracy_against_an_oracle():
     accuracy, used = metrics.pairwise_accuracy(judge, oracle)
     assert used == 4 and accuracy == pytest.approx((1 + 0 + 0.5 + 0.5) / 4)
     assert math.isnan(metrics.pairwise_accuracy([1], [0.5])[0])
+
+
+def test_clustered_sem_is_the_ordinary_one_for_one_value_per_cluster_and_grows_with_shared_clusters():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=40)
+    assert metrics.clustered_sem(values, list(range(40))) == pytest.approx(metrics.mean_and_sem(values)[1])
+    # 10 captions x 4 seeds where a caption's seeds agree exactly: only 10 independent values, not 40
+    per_caption = np.repeat(rng.normal(size=10), 4)
+    clusters = np.repeat([f"caption {i}" for i in range(10)], 4).tolist()
+    assert metrics.clustered_sem(per_caption, clusters) == pytest.approx(metrics.mean_and_sem(per_caption[::4])[1])
+    assert metrics.clustered_sem(per_caption, clusters) > 1.5 * metrics.mean_and_sem(per_caption)[1]
+    # by hand: values 1, 3 (cluster a) and 2, 6 (cluster b), mean 3: sqrt(2/1 * ((-2 + 0)^2 + (-1 + 3)^2)) / 4
+    assert metrics.clustered_sem([1, 3, 2, 6], ["a", "a", "b", "b"]) == pytest.approx(math.sqrt(2 * 8) / 4)
+    assert math.isnan(metrics.clustered_sem([1.0, 2.0], ["a", "a"]))  # one cluster: no error estimate
+    assert metrics.clustered_sem([1, 3, float("nan"), 2, 6], list("aaabb")) == metrics.clustered_sem([1, 3, 2, 6], list("aabb"))
+    with pytest.raises(ValueError, match="one cluster per value"):
+        metrics.clustered_sem([1.0, 2.0], ["a"])
+
+
+def test_paired_change_counts_better_and_worse_and_leaves_out_unscored_images():
+    change = metrics.paired_change([0.5, 0.5, 1.0, float("nan")], [1.0, 0.5, 0.0, 1.0], ["a", "a", "b", "c"])
+    assert (change.images, change.prompts, change.better, change.worse) == (3, 2, 1, 1)
+    assert change.mean == pytest.approx(-0.5 / 3)
+    assert change.sem_prompts == pytest.approx(metrics.clustered_sem([0.5, 0.0, -1.0], ["a", "a", "b"]))
+    assert change.prompt_se_ratio == pytest.approx(change.mean / change.sem_prompts)

@@ -27,17 +27,20 @@ def _run(script, *args):
 
 
 def test_a_testbed_dpo_run_prints_no_third_party_warning(tmp_path):
-    result = _run("align/dpo.py", "--config", "configs/testbed_dpo.yaml", "--prompts", "testbed:4:1", "--eval_prompts", "testbed:4:2",
+    result = _run("align/dpo.py", "--config", "configs/testbed_dpo.yaml", "--prompts", "testbed-train:4:1", "--eval_prompts", "testbed-heldout:4:2",
                   "--max_steps", "2", "--checkpointing_steps", "2", "--report_to", "none",
                   "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if WARNING_LINE.search(line)] == []
     assert "[eval] after:" in result.stdout  # the run did its work (and its own lines go to stdout)
+    # the headline: the paired change on unseen captions, per image and clustered by caption
+    assert "[eval] after - before on unseen captions (testbed-heldout:4:2):" in result.stdout
+    assert "by caption (16 images, 4 captions" in result.stdout  # 4 captions x the config's 4 seeds
 
 
 def test_a_quiet_testbed_ddpo_run_prints_nothing_on_stderr(tmp_path):
     result = _run("align/ddpo.py", "--config", "configs/testbed_ddpo.yaml", "--num_epochs", "1", "--samples_per_epoch", "16",
-                  "--gradient_accumulation_steps", "1", "--eval_prompts", "testbed:2:1000", "--eval_images_per_prompt", "1",
+                  "--gradient_accumulation_steps", "1", "--eval_prompts", "testbed-heldout:2:1000", "--eval_images_per_prompt", "1",
                   "--checkpointing_epochs", "1", "--quiet", "true", "--output-dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr == ""

@@ -16,7 +16,7 @@ from script_loader import load_script
 
 from align.cli import parse_config
 from align.eval import report
-from align.metrics import mean_and_sem
+from align.metrics import clustered_sem, mean_and_sem
 from align.train import dpo
 from align.train.dpo_config import DPOConfig
 from align.train.heldout import save_image_row
@@ -115,7 +115,7 @@ def tiny_dpo_run(tmp_path_factory):
     """A two-step Diffusion-DPO run on the bundled testbed with held-out evaluations before, during and after."""
     out = tmp_path_factory.mktemp("dpo-report") / "run"
     config = parse_config(DPOConfig, [
-        "--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed:4:1", "--eval_prompts", "testbed:3:2",
+        "--config", str(ROOT / "configs" / "testbed_dpo.yaml"), "--prompts", "testbed-train:4:1", "--eval_prompts", "testbed-heldout:3:2",
         "--eval_images_per_prompt", "2", "--max_steps", "2", "--eval_every_steps", "1", "--checkpointing_steps", "2",
         "--report_to", "none", "--output-dir", str(out),
     ])
@@ -149,7 +149,8 @@ def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_co
     diff, sem = mean_and_sem(a - b)
     table = text[text.index('id="heldout-table"'):]
     table = table[: table.index("</table>")]
-    for value in (b.mean(), before["sem"], a.mean(), after["sem"], diff, sem):
+    by_prompt = clustered_sem(a - b, before["prompts"])  # 3 prompts x 2 seeds: clustered by prompt beside per image
+    for value in (b.mean(), before["sem"], a.mean(), after["sem"], diff, sem, by_prompt):
         assert f">{value:.4f}<" in table
     assert f">{int((a > b).sum())}<" in table and f">{int((a < b).sum())}<" in table
     assert "paired change" in text
@@ -158,7 +159,7 @@ def test_trainer_report_shows_scored_before_after_pairs_curves_eval_table_and_co
     for alt in ("loss", "implicit_acc", "reward_margin", "model_mse / ref_mse", "held-out score along the run"):
         assert images[alt].width > 200
     # The config as written (config.yaml).
-    assert "beta:</span> 500" in text and "eval_prompts:</span> testbed:3:2" in text
+    assert "beta:</span> 500" in text and "eval_prompts:</span> testbed-heldout:3:2" in text
     assert not list(run.glob(".report.html.*"))  # written atomically: no temporary file left behind
 
 

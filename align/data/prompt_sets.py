@@ -1,6 +1,12 @@
 """Prompt sets for evaluation and best-of-N, by name or path.
 
-    testbed | testbed:<n>[:<seed>]  captions of the shapes world (align.testbed.scene.sample_captions)
+    testbed-train[:<n>[:<seed>]]    the shapes world's training captions (align/testbed/split.py, version 1)
+    testbed-heldout[:<n>[:<seed>]]  captions no testbed-train set can draw (unseen captions), each a scene of its own
+    testbed-novel[:<n>[:<seed>]]    captions naming a colour-shape pair no training caption names (unseen combinations),
+                                    each a scene of its own
+    testbed[:<n>[:<seed>]]          the whole grammar, unsplit: the stream every run before the split drew from
+                                    (configs before 2026-12 name it); it overlaps every part, so a run may not
+                                    train on it and hold out testbed-heldout, or the reverse
     mjbench                     our bundled probes for MJ-Bench's categories (all four files)
     mjbench-alignment|-safety|-quality|-bias
     animals                     45 common animal names (DDPO's aesthetic-score recipe prompts)
@@ -25,6 +31,7 @@ from pathlib import Path
 
 from align.cli import ConfigError
 from align.testbed.scene import sample_captions
+from align.testbed.split import sample_split_captions
 from align.validation import read_text_file
 from rewards.geneval import DATA, METADATA_FILE, read_metadata
 from rewards.shapes_grammar import parse_caption
@@ -84,36 +91,47 @@ class PromptSet:
         return PromptSet(self.name, self.prompts[:n], self.categories[:n])
 
 
+# the testbed's sets: the part of the caption split each draws from (None: the whole grammar)
+TESTBED_SETS: dict[str, str | None] = {"testbed-train": "train", "testbed-heldout": "heldout",
+                                       "testbed-novel": "novel", "testbed": None}
+
+
 def known_sets() -> list[str]:
-    names = ["testbed", "mjbench", *[f"mjbench-{p}" for p in MJBENCH_PARTS], "animals", "geneval", *BUNDLED_FILES,
+    names = [*TESTBED_SETS, "mjbench", *[f"mjbench-{p}" for p in MJBENCH_PARTS], "animals", "geneval", *BUNDLED_FILES,
              *HUB_SETS, "hpsv2"]
     return names + [f"hpsv2-{s}" for s in HPSV2_STYLES]
 
 
 # testbed:<n> draws n captions up front (a few seconds per 100,000): more would sit silently before any work.
 MAX_TESTBED_PROMPTS = 100_000
+# held-out sets are distinct scenes: the held-out part's sampler reaches about 6,400 (10 s for 4,000)
+MAX_DISTINCT_TESTBED_PROMPTS = 4_000
 
 
 def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) -> PromptSet:
     """Load a named set or a file (see the module docstring); ``num_prompts`` keeps the first N."""
     if num_prompts is not None and num_prompts < 1:
         raise PromptSetError(f"num_prompts must be at least 1, got {num_prompts}")
-    if spec.startswith("testbed:"):  # the trainers' form: testbed:<count>[:<seed>]
-        parts = spec.split(":")
+    name, sep, numbers = spec.partition(":")
+    if sep and name in TESTBED_SETS:  # the trainers' form: testbed-<part>:<count>[:<seed>]
+        parts = numbers.split(":")
         try:
-            count, seed = int(parts[1]), int(parts[2]) if len(parts) > 2 else seed
-        except (ValueError, IndexError):
-            raise PromptSetError(f"prompt set {spec!r} must be testbed:<count>[:<seed>]") from None
-        if not 1 <= count <= MAX_TESTBED_PROMPTS or not 0 <= seed < 2**32:
-            raise PromptSetError(f"prompt set {spec!r}: the count must be in [1, {MAX_TESTBED_PROMPTS:,}] and the seed "
+            count, seed = int(parts[0]), int(parts[1]) if len(parts) > 1 else seed
+            if len(parts) > 2:
+                raise ValueError
+        except ValueError:
+            raise PromptSetError(f"prompt set {spec!r} must be {name}:<count>[:<seed>]") from None
+        most = MAX_TESTBED_PROMPTS if TESTBED_SETS[name] in (None, "train") else MAX_DISTINCT_TESTBED_PROMPTS
+        if not 1 <= count <= most or not 0 <= seed < 2**32:
+            raise PromptSetError(f"prompt set {spec!r}: the count must be in [1, {most:,}] and the seed "
                                  f"in [0, {2**32 - 1}]")
-        return _testbed(min(count, num_prompts or count), seed)
+        return _testbed(name, min(count, num_prompts or count), seed)
     try:
         name, options = parse_spec(spec)
     except ValueError as err:
         raise PromptSetError(str(err)) from err
-    if name == "testbed":
-        return _testbed(num_prompts or 64, seed)
+    if name in TESTBED_SETS:
+        return _testbed(name, num_prompts or 64, seed)
     if name == "mjbench" or name.startswith("mjbench-"):
         parts = MJBENCH_PARTS if name == "mjbench" else (name.removeprefix("mjbench-"),)
         if any(p not in MJBENCH_PARTS for p in parts):
@@ -144,7 +162,7 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
 
 
 def load_prompt_list(spec: str) -> list[str]:
-    """A prompt set's prompts by name (parti, drawbench, testbed:<n>[:<seed>], mjbench, ...) or a prompt file."""
+    """A prompt set's prompts by name (parti, drawbench, testbed-train:<n>[:<seed>], mjbench, ...) or a prompt file."""
     try:
         prompts = load_prompt_set(spec).prompts
     except (PromptSetError, FileNotFoundError) as err:
@@ -154,9 +172,13 @@ def load_prompt_list(spec: str) -> list[str]:
     return prompts
 
 
-def _testbed(n: int, seed: int) -> PromptSet:
-    prompts = sample_captions(n, seed=seed)
-    return PromptSet("testbed", prompts, [parse_caption(p).category for p in prompts])
+def _testbed(name: str, n: int, seed: int) -> PromptSet:
+    part = TESTBED_SETS[name]
+    try:  # held-out sets: distinct scenes (a recurring caption adds images of one scene, not another unseen caption)
+        prompts = sample_captions(n, seed=seed) if part is None else sample_split_captions(n, seed, part, part != "train")
+    except ValueError as err:
+        raise PromptSetError(f"prompt set {name}:{n}:{seed}: {err}") from None
+    return PromptSet(name, prompts, [parse_caption(p).category for p in prompts])
 
 
 def _geneval() -> PromptSet:

@@ -239,6 +239,10 @@ def evaluate_judge(judge, spec: str, names: list[str], prompts: list[str], num_p
         entry = {"avg_rank": float(ranks[i].mean()), "first_share": float(firsts[i])}
         if scores is not None:
             entry["mean"], entry["sem"] = metrics.mean_and_sem(scores[i])
+            entry["sem_by_prompt"] = metrics.clustered_sem(scores[i], prompts)  # a prompt's seeds are not independent
+            if i:  # the same prompts and seeds as the base: the paired change, both standard errors
+                change = metrics.paired_change(scores[0], scores[i], prompts)
+                entry["change"] = {"mean": change.mean, "sem": change.sem_images, "sem_by_prompt": change.sem_prompts}
         entry["win_rate"] = None if i == 0 else metrics.win_rate(outcomes[name], ci=ci).to_dict()
         per_model[name] = entry
     return {
@@ -525,6 +529,9 @@ def write_eval_report(path: Path, results: dict, images: dict, names: list[str],
                     "model": name,
                     "mean": entry.get("mean"),
                     "sem": entry.get("sem"),
+                    "sem by prompt": entry.get("sem_by_prompt"),
+                    "change vs base": entry["change"]["mean"] if entry.get("change") else None,
+                    "± by prompt": entry["change"]["sem_by_prompt"] if entry.get("change") else None,
                     "win rate": wr["rate"] if wr else None,
                     "95% CI": f"[{wr['ci_low']:.3f}, {wr['ci_high']:.3f}]" if wr else "-",
                     "W / T / L": f"{wr['wins']} / {wr['ties']} / {wr['losses']}" if wr else "-",

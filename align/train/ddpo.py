@@ -28,6 +28,7 @@ import torch
 from align.api_cost import ddpo_api_plan, guard_on_every_process
 from align.cli import ConfigError
 from align.data.pairs import DataError
+from align.data.prompt_overlap import check_heldout_disjoint
 from align.data.prompt_sets import load_prompt_list
 from align.judges import check_judge_names, check_judges_take_prompts, load_judge
 from align.run_folder import RunFolder, restores_old_run_on_failure
@@ -74,6 +75,7 @@ def check_inputs(config: DDPOConfig) -> None:
                 raise ConfigError(f"prompt source {spec!r} holds no prompts")
         except DataError as err:
             raise ConfigError(str(err)) from None
+    check_heldout_disjoint(config.prompts, config.eval_prompts)
 
 
 def check_run(config: DDPOConfig):

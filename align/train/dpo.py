@@ -27,6 +27,7 @@ from align.api_cost import dpo_api_plan, guard_api_cost
 from align.cli import ConfigError
 from align.data.latent_store import native_resolution
 from align.data.pair_stream import open_pairs
+from align.data.prompt_overlap import check_heldout_disjoint
 from align.data.prompt_sets import load_prompt_list
 from align.families.base import cat_conditioning, conditioning_to
 from align.judges import check_judge_names, check_judges_take_prompts, load_judge
@@ -56,6 +57,7 @@ def check_inputs(config: DPOConfig) -> None:
     prompt_specs = (config.prompts if config.reward else None, config.eval_prompts)
     for spec in filter(None, prompt_specs):
         load_prompt_list(spec)
+    check_heldout_disjoint(*prompt_specs)
     if config.reward and len(load_prompt_list(config.prompts)) < config.feedback_rounds:
         raise ConfigError(f"--prompts {config.prompts!r} holds fewer prompts than --feedback_rounds ({config.feedback_rounds})")
     if config.dataset and not Path(config.dataset).exists() and config.dataset.startswith((".", "/", "~")):

@@ -10,6 +10,7 @@ import torch
 
 from align.cli import ConfigError
 from align.data.prompt_sets import load_prompt_list
+from align.eval.paired import PART_LABELS, changes_by_part, describe_change
 from align.eval.report import image_grid
 from align.families import family_of_pipeline
 from align.health import degenerate_reason
@@ -69,7 +70,20 @@ def evaluate_model(pipe, judge, config, steps: int, guidance: float, path: Path,
     save_image_row(shown, path.with_suffix(".png"))
     print(f"[eval] {label}: mean {judge.name} score on {len(held_out)} held-out prompts x {repeats} seed(s) = "
           f"{mean:.4f} (standard error {sem:.4f})", flush=True)
+    if label == "after":
+        print_paired_change(path.with_name("eval_before.json"), scores, prompts, seeds, config.eval_prompts)
     return mean
+
+
+def print_paired_change(before_path: Path, scores: list[float], prompts: list[str], seeds: list[int], spec: str) -> None:
+    """The run's headline: after - before on the same images, with the standard error per image and clustered by
+    caption (a caption's seeds share its difficulty), for each part of the testbed's split among the prompts."""
+    before = json.loads(before_path.read_text()) if before_path.is_file() else {}
+    if before.get("scores") is None or (before.get("prompts"), before.get("seeds")) != (prompts, seeds):
+        return  # no before score of the same images (a degenerate base, or another held-out set)
+    for label, change in changes_by_part(before["scores"], scores, prompts).items():
+        unit = "prompt" if label == PART_LABELS[None] else "caption"
+        print(f"[eval] after - before on {label} ({spec}): {describe_change(change, unit)}", flush=True)
 
 
 def check_periodic_evaluation(flag: str, every: int, eval_prompts: str | None, judge_spec: str | None) -> None:

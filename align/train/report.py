@@ -3,8 +3,9 @@
     write_training_report(run_dir, "Diffusion-DPO: testbed", curves=(Curve("DPO loss", ("loss",)),))
 
 Sections, from what the run folder holds (each one is left out when its files are absent):
-1. held-out evaluation: mean score before/after, the paired difference and its standard error, how many
-   images got better or worse (eval_before.json / eval_after.json), and the score along the run (evals/);
+1. held-out evaluation: mean score before/after, the paired difference and its standard error (per image and
+   clustered by prompt; for the testbed's captions also by part of the caption split), how many images got better
+   or worse (eval_before.json / eval_after.json), and the score along the run (evals/);
 2. before/after: the same held-out prompts and seeds, side by side, with each image's score;
 3. training curves from metrics.jsonl, as the trainer (for online RL, the algorithm) names them;
 4. samples saved during training (samples/), with their prompts (and rewards) where they were recorded;
@@ -25,6 +26,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from align.eval.paired import changes_by_part
 from align.eval.report import (
     Section,
     figure_png,
@@ -35,7 +37,7 @@ from align.eval.report import (
     table_html,
     write_report,
 )
-from align.metrics import mean_and_sem
+from align.metrics import clustered_sem, mean_and_sem
 from align.run_folder import CONFIG_FILE, eval_step, held_out_evals, read_metrics
 
 SHOWN_SIZE = 160  # px: small images are enlarged (by a whole factor) to about this size
@@ -90,6 +92,8 @@ def paired_summary(before: dict, after: dict) -> dict:
         summary |= {
             "difference": diff,
             "standard error": diff_sem,
+            "standard error by prompt": clustered_sem(a - b, before["prompts"]),
+            "prompts": len(set(before["prompts"])),
             "better": int(((a - b) > SAME).sum()),
             "worse": int(((b - a) > SAME).sum()),
             "same": int((np.abs(a - b) <= SAME).sum()),
@@ -102,7 +106,8 @@ def headline(summary: dict, judge: str) -> str:
     """One sentence: the held-out score before and after, and the paired change."""
     text = f"Held-out {judge} score: {summary['mean before']:.4f} before, {summary['mean after']:.4f} after training"
     if summary["paired"]:
-        text += (f"; paired change {summary['difference']:+.4f} (standard error {summary['standard error']:.4f}); "
+        text += (f"; paired change {summary['difference']:+.4f} (standard error {summary['standard error']:.4f} per image, "
+                 f"{summary['standard error by prompt']:.4f} clustered by prompt over {summary['prompts']} prompts); "
                  f"{summary['better']} of {summary['images']} images better, {summary['worse']} worse")
     return text + "."
 
@@ -114,12 +119,20 @@ def _eval_table(before: dict, after: dict, summary: dict) -> str:
     ]
     if summary["paired"]:
         rows.append({"": "after - before (paired)", "mean score": summary["difference"], "standard error": summary["standard error"],
+                     "by prompt": summary["standard error by prompt"],
                      "images better": summary["better"], "images worse": summary["worse"], "unchanged": summary["same"]})
+        parts = changes_by_part(before["scores"], after["scores"], before["prompts"])
+        if len(parts) > 1:  # testbed captions of several parts of the split: each part's change on its own
+            rows += [{"": f"after - before, {label}", "mean score": c.mean, "standard error": c.sem_images,
+                      "by prompt": c.sem_prompts, "images better": c.better, "images worse": c.worse,
+                      "unchanged": c.images - c.better - c.worse} for label, c in parts.items()]
         note = (f"{summary['images']} held-out images (prompt x seed), each drawn once by the starting model and once by the "
-                "trained one: the change is the mean of the paired differences, with the standard error of that mean.")
+                "trained one: the change is the mean of the paired differences, with the standard error of that mean per "
+                "image and clustered by prompt (a prompt's seeds share its difficulty, so this one is the gain's "
+                "standard error when prompts are a sample).")
     else:
         note = "The before and after evaluations used different prompts or seeds: only their means are comparable."
-    columns = ["", "mean score", "standard error", "images better", "images worse", "unchanged"]
+    columns = ["", "mean score", "standard error", "by prompt", "images better", "images worse", "unchanged"]
     return table_html(rows, columns=columns, digits=4, table_id="heldout-table") + paragraph(note)
 
 
