@@ -93,6 +93,15 @@ class FlowSampler(Sampler):
                 "log_probs": torch.stack(log_probs, 1), "timesteps": torch.stack(timesteps, 1),
                 "step_indices": torch.arange(start, end, device=x.device).expand(batch, -1).clone(), "final_latents": x}
 
+    def chain_timesteps(self) -> torch.Tensor:
+        return self.sigmas[:-1] * self.num_train_timesteps
+
+    def differentiable_step(self, prediction, latents, index: int, noise) -> torch.Tensor:
+        if self.window is not None:  # Fast's window is drawn per batch: not one chain to differentiate
+            return super().differentiable_step(prediction, latents, index, noise)
+        step = self._gaussian_step(latents, prediction, torch.full((latents.shape[0],), index, device=latents.device))
+        return step.mean + step.std * noise.float()
+
     def step(self, prediction, latents, timesteps, step_indices) -> StepGaussian:
         step = self._gaussian_step(latents, prediction, step_indices)
         return StepGaussian(step.mean, step.std, self._log_density,

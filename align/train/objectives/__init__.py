@@ -5,13 +5,17 @@ checks, the trainer, the memory planner and the model card read. A new algorithm
 from __future__ import annotations
 
 from align.cli import ConfigError
-from align.train.objectives import awm, nft, ppo
+from align.train.objectives import alignprop, awm, draft, draft_lv, nft, ppo, refl
 from align.train.objectives.base import Algorithm
 
 ALGORITHMS: tuple[Algorithm, ...] = (
     ppo.ALGORITHM,
     nft.ALGORITHM,
     awm.ALGORITHM,
+    draft.ALGORITHM,
+    draft_lv.ALGORITHM,
+    alignprop.ALGORITHM,
+    refl.ALGORITHM,
 )
 
 # The algorithms' own option dataclasses, which the online-RL trainer's config inherits.
