@@ -50,10 +50,12 @@ class ODESampler(Sampler):
 
 
     def chain_timesteps(self) -> torch.Tensor:
+        if self.solver != "euler":  # a multistep solver's step also depends on the previous step's x0
+            return super().chain_timesteps()
         return self.sigmas[:-1] * self.num_train_timesteps
 
     def differentiable_step(self, prediction, latents, index: int, noise) -> torch.Tensor:
-        if self.solver != "euler":  # a multistep solver's step also depends on the previous step's x0
+        if self.solver != "euler":
             return super().differentiable_step(prediction, latents, index, noise)
         return ode_step(latents, prediction, self.sigmas[index], self.sigmas[index + 1])
 

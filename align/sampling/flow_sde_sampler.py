@@ -94,10 +94,12 @@ class FlowSampler(Sampler):
                 "step_indices": torch.arange(start, end, device=x.device).expand(batch, -1).clone(), "final_latents": x}
 
     def chain_timesteps(self) -> torch.Tensor:
+        if self.window is not None:  # Fast's window is drawn per batch: not one chain to differentiate
+            return super().chain_timesteps()
         return self.sigmas[:-1] * self.num_train_timesteps
 
     def differentiable_step(self, prediction, latents, index: int, noise) -> torch.Tensor:
-        if self.window is not None:  # Fast's window is drawn per batch: not one chain to differentiate
+        if self.window is not None:
             return super().differentiable_step(prediction, latents, index, noise)
         step = self._gaussian_step(latents, prediction, torch.full((latents.shape[0],), index, device=latents.device))
         return step.mean + step.std * noise.float()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from align.cli import ConfigError, option
+from align.judges import check_judge_names
 
 FINETUNES = ("full", "lora")
 PRECISIONS = (None, "no", "fp16", "bf16")
@@ -80,6 +81,9 @@ class HeldOutOptions:
                                   "not the batching)", "evaluation")
     max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many "
                                  "USD (answers already cached count as free)", "judge")
+    eval_second_judge: str | None = option(None, "a second local judge scored on the same held-out images (e.g. "
+                                           "shapes-oracle beside a learned --reward): the report draws both judges' "
+                                           "gains along the run", "evaluation")
 
     def check_held_out_options(self) -> None:
         for name in ("eval_images_per_prompt", "eval_batch_size"):
@@ -87,3 +91,7 @@ class HeldOutOptions:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if not self.max_api_cost >= 0:
             raise ConfigError(f"--max_api_cost must be a number of USD >= 0, got {self.max_api_cost}")
+        if self.eval_second_judge:
+            check_judge_names((self.eval_second_judge,), "--eval_second_judge")
+            if not self.eval_prompts:
+                raise ConfigError("--eval_second_judge scores the held-out images: give --eval_prompts")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from align.cli import ConfigError, option
 from align.train.backprop_sampling import draw_first_trained_step, truncated_sample
-from align.train.objectives.backprop_common import CURVES, check_backprop_run
+from align.train.objectives.backprop_common import CURVES, chain_length, check_backprop_run
 from align.train.objectives.base import Algorithm, BackpropObjective, Method
 from align.train.report import Curve
 
@@ -64,7 +64,7 @@ class AlignProp(BackpropObjective):
 
     @classmethod
     def from_config(cls, sampler, config) -> AlignProp:
-        steps = len(sampler.chain_timesteps())
+        steps = chain_length(sampler, "alignprop")
         if not 1 <= config.alignprop_truncation_mean * steps < steps:
             raise ConfigError(f"--alignprop_truncation_mean {config.alignprop_truncation_mean} of {steps} steps is no "
                               f"step of the chain (1 to {steps - 1})")

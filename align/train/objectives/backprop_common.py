@@ -25,6 +25,15 @@ def check_backprop_run(config, name: str) -> None:
         raise ConfigError(f"--algorithm {name} has no KL term (--kl_coef must be 0, got {config.kl_coef})")
 
 
+def chain_length(sampler, name: str) -> int:
+    """The steps of the sampler's chain, or one line when it cannot sample with gradients (a multistep solver, a
+    window drawn per batch)."""
+    try:
+        return len(sampler.chain_timesteps())
+    except ValueError as err:
+        raise ConfigError(f"--algorithm {name} samples with gradients: {err}; use --sampler ode") from None
+
+
 def check_chain_length(name: str, steps: int, total: int) -> None:
     if not 1 <= steps <= total:
         raise ConfigError(f"--algorithm {name} backpropagates through 1 to {total} steps (--num_inference_steps), "

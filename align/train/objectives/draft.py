@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 from align.cli import ConfigError, option
 from align.train.backprop_sampling import truncated_sample
-from align.train.objectives.backprop_common import CURVES, check_backprop_run, check_chain_length
+from align.train.objectives.backprop_common import (
+    CURVES,
+    chain_length,
+    check_backprop_run,
+    check_chain_length,
+)
 from align.train.objectives.base import Algorithm, BackpropObjective, Method
 
 
@@ -36,7 +41,7 @@ class DRaFT(BackpropObjective):
 
     @classmethod
     def from_config(cls, sampler, config) -> DRaFT:
-        check_chain_length("draft", config.draft_k, len(sampler.chain_timesteps()))
+        check_chain_length("draft", config.draft_k, chain_length(sampler, "draft"))
         return cls(config.draft_k)
 
     def sample(self, sampler, predict, noise, generator):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from align.cli import ConfigError, option
 from align.train.backprop_sampling import renoised_last_steps, run_chain
-from align.train.objectives.backprop_common import CURVES, check_backprop_run
+from align.train.objectives.backprop_common import CURVES, chain_length, check_backprop_run
 from align.train.objectives.base import Algorithm, BackpropObjective, Method
 
 
@@ -36,6 +36,7 @@ class DRaFTLV(BackpropObjective):
 
     @classmethod
     def from_config(cls, sampler, config) -> DRaFTLV:
+        chain_length(sampler, "draft-lv")  # one line when the sampler cannot sample with gradients
         return cls(config.draft_lv_copies)
 
     def sample(self, sampler, predict, noise, generator):

@@ -28,7 +28,12 @@ import torch
 
 from align.cli import ConfigError, option
 from align.train.backprop_sampling import draw_refl_step, late_step_x0
-from align.train.objectives.backprop_common import CURVES, check_backprop_run, check_chain_length
+from align.train.objectives.backprop_common import (
+    CURVES,
+    chain_length,
+    check_backprop_run,
+    check_chain_length,
+)
 from align.train.objectives.base import Algorithm, BackpropObjective, Method
 from align.train.report import Curve
 
@@ -61,7 +66,7 @@ class ReFL(BackpropObjective):
 
     @classmethod
     def from_config(cls, sampler, config) -> ReFL:
-        check_chain_length("refl", config.refl_last_steps, len(sampler.chain_timesteps()))
+        check_chain_length("refl", config.refl_last_steps, chain_length(sampler, "refl"))
         return cls(config.refl_last_steps, config.refl_ceiling, config.refl_loss_scale)
 
     def sample(self, sampler, predict, noise, generator):
