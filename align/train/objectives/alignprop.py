@@ -71,6 +71,13 @@ class AlignProp(BackpropObjective):
         return cls(config.alignprop_truncation_mean, config.alignprop_truncation_std, config.alignprop_loss_scale,
                    config.alignprop_checkpointing)
 
+    @staticmethod
+    def kept_forwards(config) -> int:
+        # checkpointed: one step's activations at a time (recomputed in the backward); else the expected truncation
+        if config.alignprop_checkpointing:
+            return 1
+        return max(1, round(config.num_inference_steps * (1 - config.alignprop_truncation_mean)))
+
     def sample(self, sampler, predict, noise, generator):
         steps = len(sampler.chain_timesteps())
         first = draw_first_trained_step(steps, self.mean * steps, self.std * steps, generator)

@@ -53,6 +53,12 @@ class Objective(ABC):
         by the memory planner (a second copy of the trained weights)."""
         return False
 
+    @staticmethod
+    def kept_forwards(config) -> int:
+        """Denoiser forwards whose activations are held at once for one backward, per training micro-batch (read by
+        the memory planner): 1 for a loss on recorded steps; reward backpropagation keeps its backpropagated steps."""
+        return 1
+
     def old_policy_decay(self, step: int) -> float:
         """The old policy's decay after ``step`` optimiser steps (objectives that keep one)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no old policy")

@@ -44,6 +44,10 @@ class DRaFT(BackpropObjective):
         check_chain_length("draft", config.draft_k, chain_length(sampler, "draft"))
         return cls(config.draft_k)
 
+    @staticmethod
+    def kept_forwards(config) -> int:
+        return config.draft_k  # every backpropagated step's activations, until the backward
+
     def sample(self, sampler, predict, noise, generator):
         return truncated_sample(sampler, predict, noise, generator, self.k), {"backprop_steps": float(self.k)}
 

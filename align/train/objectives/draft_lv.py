@@ -39,6 +39,10 @@ class DRaFTLV(BackpropObjective):
         chain_length(sampler, "draft-lv")  # one line when the sampler cannot sample with gradients
         return cls(config.draft_lv_copies)
 
+    @staticmethod
+    def kept_forwards(config) -> int:
+        return config.draft_lv_copies  # the last step, once per re-noised copy (one batched call)
+
     def sample(self, sampler, predict, noise, generator):
         steps = len(sampler.chain_timesteps())
         final = run_chain(sampler, predict, noise, generator, first_trained=steps)  # no gradient
