@@ -12,6 +12,7 @@ import inspect
 from pathlib import Path
 
 from rewards.base import Judge, Preference, preference_from_scores
+from rewards.differentiable import DIFFERENTIABLE_JUDGES, NotDifferentiableError, check_differentiable
 from rewards.secrets import check_key_env_name
 from rewards.spec import JudgeSpec, parse_judge, parse_judges
 
@@ -139,12 +140,15 @@ def load(name: str | JudgeSpec, **options) -> Judge:
 
 
 __all__ = [
+    "DIFFERENTIABLE_JUDGES",
     "Judge",
     "JudgeOptionError",
     "JudgeSpec",
+    "NotDifferentiableError",
     "Preference",
     "UnknownJudgeError",
     "available",
+    "check_differentiable",
     "check_name",
     "load",
     "parse_judge",

@@ -21,6 +21,7 @@ import torch
 
 from rewards.base import Judge
 from rewards.checkpoint_keys import ScoreMLP, aesthetic_mlp_keys
+from rewards.differentiable import check_image_tensor, processor_pixels, resize_and_crop
 from rewards.images import Images, num_images, to_pil
 from rewards.preprocess import openai_clip_pixels
 from rewards.weights import (
@@ -54,11 +55,14 @@ class ClipEmbedder:
     """A CLIPModel and its processor: L2-normalised image and text embeddings, in batches."""
 
     def __init__(self, model, processor, device: torch.device, dtype: torch.dtype, batch_size: int, pixel_fn=None,
-                 clean_text=None):
-        self.model = model.to(device=device, dtype=dtype).eval()
+                 clean_text=None, tensor_pixel_fn=None):
+        # a judge: its weights never train (the differentiable path needs gradients for the pixels only)
+        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.processor = processor
         # pixel_fn(list of PIL images) -> [N, 3, H, W]; default: the processor's image preprocessing
         self.pixel_fn = pixel_fn or (lambda imgs: processor.image_processor(images=imgs, return_tensors="pt")["pixel_values"])
+        # tensor_pixel_fn(float [N, 3, H, W] in [0, 1]) -> [N, 3, h, w] with gradients: the same steps on the tensor
+        self.tensor_pixel_fn = tensor_pixel_fn or processor_pixels(processor.image_processor)
         # clean_text(caption) -> caption, before the tokenizer (e.g. open_clip's cleaning for HPS)
         self.clean_text = clean_text
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
@@ -108,6 +112,13 @@ class ClipEmbedder:
             feats = self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype)).pooler_output
             out.append(torch.nn.functional.normalize(feats.float(), dim=-1).cpu())
         return torch.cat(out) if out else torch.empty(0, self.model.config.projection_dim)
+
+    def image_embeddings_differentiable(self, images: torch.Tensor) -> torch.Tensor:
+        """[N, D] float32, unit norm, differentiable with respect to ``images`` (float [N, 3, H, W] in [0, 1]), on the
+        images' device; one forward pass (the caller batches)."""
+        pixels = self.tensor_pixel_fn(images).to(self.device, self.dtype)
+        feats = self.model.get_image_features(pixel_values=pixels).pooler_output
+        return torch.nn.functional.normalize(feats.float(), dim=-1).to(images.device)
 
     @torch.no_grad()
     def text_embeddings(self, prompts: list[str]) -> torch.Tensor:
@@ -169,6 +180,14 @@ class ClipSimilarity(Judge):
         cos = (self.embedder.image_embeddings(images) * self.embedder.text_embeddings(prompts)).sum(-1)
         return clip_similarity(cos, self.variant, self.embedder.logit_scale())
 
+    def score_differentiable(self, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+        """The score of ``score`` with gradients flowing back to the pixels (rewards/differentiable.py): [N] float32."""
+        images = check_image_tensor(images, f"{self.name}.score_differentiable: images")
+        prompts = check_prompts(prompts, images.shape[0], self.name)
+        text = self.embedder.text_embeddings(prompts).to(images.device)
+        cos = (self.embedder.image_embeddings_differentiable(images) * text).sum(-1)
+        return clip_similarity(cos, self.variant, self.embedder.logit_scale())
+
     def __repr__(self) -> str:
         return f"ClipSimilarity(name={self.name!r}, variant={self.variant!r}, tie_margin={self.tie_margin})"
 
@@ -193,12 +212,19 @@ class AestheticPredictor(Judge):
     def __init__(self, embedder: ClipEmbedder, mlp: ScoreMLP, name: str = "aesthetic", tie_margin: float = 0.0):
         super().__init__(name=name, tie_margin=tie_margin)
         self.embedder = embedder
-        self.mlp = mlp.float().eval()
+        self.mlp = mlp.float().eval().requires_grad_(False)
 
     @torch.no_grad()
     def score(self, prompts: list[str], images: Images) -> torch.Tensor:
         check_prompts(prompts, num_images(images), self.name)
         return self.mlp(self.embedder.image_embeddings(images)).squeeze(-1)
+
+    def score_differentiable(self, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+        """The score of ``score`` with gradients flowing back to the pixels: [N] float32 (the head on their device)."""
+        images = check_image_tensor(images, f"{self.name}.score_differentiable: images")
+        check_prompts(prompts, images.shape[0], self.name)
+        embeddings = self.embedder.image_embeddings_differentiable(images)
+        return self.mlp.to(embeddings.device)(embeddings).squeeze(-1)
 
     def __repr__(self) -> str:
         return f"AestheticPredictor(name={self.name!r}, tie_margin={self.tie_margin})"
@@ -301,6 +327,7 @@ def aesthetic(
     size = embedder.model.config.vision_config.image_size
     mean, std = embedder.processor.image_processor.image_mean, embedder.processor.image_processor.image_std
     embedder.pixel_fn = lambda imgs: openai_clip_pixels(imgs, size, mean, std)
+    embedder.tensor_pixel_fn = lambda images: resize_and_crop(images, size, (size, size), mean, std, rounded=True)
     mlp = load_aesthetic_mlp(model, embedder.model.config.projection_dim, filename)
     # the head stays on the CPU in float32: embeddings come back there, and it is tiny
     return AestheticPredictor(embedder, mlp, tie_margin=tie_margin)

@@ -23,6 +23,7 @@ from transformers import AutoConfig, CLIPModel
 
 from rewards.checkpoint_keys import check_exact, open_clip_to_transformers_clip
 from rewards.clip import CLIP_H14_PROCESSOR, ClipEmbedder, ClipSimilarity, check_clip_config, load_processor
+from rewards.differentiable import letterbox
 from rewards.preprocess import hps_pixels, open_clip_clean
 from rewards.weights import (
     check_batch_size,
@@ -85,5 +86,6 @@ def HpsV21(
         return letterbox_pixels(images, size, mean, std)
 
     # open_clip cleans every caption (ftfy, HTML entities, whitespace) before its BPE; transformers' does not
-    embedder = ClipEmbedder(clip, processor, device, dtype, batch_size, pixel_fn=pixel_fn, clean_text=open_clip_clean)
+    embedder = ClipEmbedder(clip, processor, device, dtype, batch_size, pixel_fn=pixel_fn, clean_text=open_clip_clean,
+                            tensor_pixel_fn=lambda images: letterbox(images, size, mean, std))
     return ClipSimilarity(embedder, "hps", "cosine", tie_margin)

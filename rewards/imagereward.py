@@ -26,6 +26,7 @@ from transformers.initialization import no_init_weights
 
 from rewards.base import Judge
 from rewards.checkpoint_keys import CheckpointLayoutError, ScoreMLP, check_exact, image_reward_to_blip
+from rewards.differentiable import check_image_tensor, resize_and_crop
 from rewards.images import Images, num_images, to_pil
 from rewards.weights import (
     MissingWeightsError,
@@ -162,7 +163,8 @@ class BlipRewardJudge(Judge):
     def __init__(self, model: ImageRewardModel, tokenizer, name: str, mean: float, std: float,
                  device, dtype, batch_size: int, tie_margin: float, max_tokens: int = MAX_TOKENS):
         super().__init__(name=name, tie_margin=tie_margin)
-        self.model = model.to(device=device, dtype=dtype).eval()
+        # a judge: its weights never train (the differentiable path needs gradients for the pixels only)
+        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.model.mlp.float()
         self.tokenizer = tokenizer
         self.mean, self.std = mean, std
@@ -189,6 +191,20 @@ class BlipRewardJudge(Judge):
 
     def score(self, prompts: list[str], images: Images) -> torch.Tensor:
         return (self.raw(prompts, images) - self.mean) / self.std
+
+    def score_differentiable(self, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+        """The score of ``score`` with gradients flowing back to the pixels (rewards/differentiable.py): the tensor
+        resized (shortest side, bicubic) and centre-cropped as ``center_crop_pixels``, without 8-bit rounding; one
+        forward pass, [N] float32 on the images' device."""
+        images = check_image_tensor(images, f"{self.name}.score_differentiable: images")
+        prompts = check_prompts(prompts, images.shape[0], self.name)
+        tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.max_tokens,
+                                return_tensors="pt")
+        size = self.image_size
+        pixels = resize_and_crop(images, size, (size, size), CLIP_MEAN, CLIP_STD, rounded=True)
+        raw = self.model(pixels.to(self.device, self.dtype), tokens["input_ids"].to(self.device),
+                         tokens["attention_mask"].to(self.device))
+        return ((raw - self.mean) / self.std).to(images.device)
 
     def __repr__(self) -> str:
         return f"BlipRewardJudge(name={self.name!r}, mean={self.mean}, std={self.std}, tie_margin={self.tie_margin})"

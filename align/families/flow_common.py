@@ -60,9 +60,9 @@ def encode_shifted(vae, pixels: torch.Tensor) -> torch.Tensor:
     return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
 
 
-@torch.no_grad()
 def decode_shifted(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Images in [0, 1] from latents / scaling_factor + shift_factor, as the SD3/FLUX pipelines decode."""
+    """Images in [0, 1] from latents / scaling_factor + shift_factor, as the SD3/FLUX pipelines decode; differentiable
+    (reward backpropagation decodes with gradients), so sampling callers run it under no_grad."""
     latents = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
     return (vae.decode(latents).sample.float() / 2 + 0.5).clamp(0, 1)
 

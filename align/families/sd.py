@@ -73,8 +73,8 @@ class StableDiffusion(ModelFamily):
         latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
         return latents * vae.config.scaling_factor
 
-    @torch.no_grad()
     def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        # differentiable (reward backpropagation decodes with gradients); sampling callers run under no_grad
         vae = pipe.vae
         images = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
         return (images.float() / 2 + 0.5).clamp(0, 1)

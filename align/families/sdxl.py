@@ -142,8 +142,8 @@ class StableDiffusionXL(StableDiffusion):
                 latents = latents * vae.config.scaling_factor
         return latents.to(dtype)
 
-    @torch.no_grad()
     def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        # differentiable (reward backpropagation decodes with gradients); sampling callers run under no_grad
         with vae_in_float32_if_needed(pipe.vae) as vae:
             latents = latents.to(vae.device, vae.dtype)
             stats = _latent_stats(vae, latents)

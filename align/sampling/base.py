@@ -66,6 +66,17 @@ class Sampler(ABC):
         """The Gaussian of recorded steps under ``prediction`` (stochastic samplers only)."""
         raise ValueError(f"{self.describe()} has no step log-probabilities")
 
+    def chain_timesteps(self) -> torch.Tensor:
+        """[N] the denoiser's timestep at each step of the chain, in sampling order (samplers that can sample with
+        gradients: reward backpropagation, align/train/reward_backprop.py)."""
+        raise ValueError(f"{self.describe()} cannot sample with gradients (reward backpropagation)")
+
+    def differentiable_step(self, prediction: torch.Tensor, latents: torch.Tensor, index: int,
+                            noise: torch.Tensor) -> torch.Tensor:
+        """Step ``index`` of the chain from ``latents`` under ``prediction``, differentiable in both; ``noise`` is the
+        step's N(0, I) draw (a deterministic step ignores it). ``run`` takes the same steps without gradients."""
+        raise ValueError(f"{self.describe()} cannot sample with gradients (reward backpropagation)")
+
 
 @dataclass(frozen=True)
 class SamplerEntry:

@@ -59,6 +59,20 @@ class DDIMSampler(Sampler):
                 "log_probs": torch.stack(log_probs, 1), "timesteps": chain.unsqueeze(0).expand(batch, -1).clone(),
                 "step_indices": torch.arange(len(chain), device=x.device).expand(batch, -1).clone(), "final_latents": x}
 
+    def chain_timesteps(self) -> torch.Tensor:
+        return self.scheduler.timesteps
+
+    def differentiable_step(self, prediction, latents, index: int, noise) -> torch.Tensor:
+        """``run``'s step ``index`` (DDIM's scale_model_input is the identity): η > 0 inside the stochastic steps, the η = 0
+        jump after them."""
+        chain = self.scheduler.timesteps
+        t = chain[index].to(latents.device).expand(latents.shape[0])
+        if self.stochastic_steps is not None and index >= self.stochastic_steps:
+            prev_t = int(chain[index + 1]) if index + 1 < len(chain) else -1
+            return ddim_deterministic_jump(self.scheduler, prediction, t, latents.float(), prev_t)
+        mean, std = ddim_step_mean_std(self.scheduler, prediction, t, latents, self.eta)
+        return mean + std * noise.float()
+
     def step(self, prediction, latents, timesteps, step_indices) -> StepGaussian:
         if self.stochastic_steps == 0:
             return super().step(prediction, latents, timesteps, step_indices)

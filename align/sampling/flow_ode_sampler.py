@@ -49,6 +49,17 @@ class ODESampler(Sampler):
                 "step_indices": torch.arange(steps, device=x.device).expand(batch, -1).clone(), "final_latents": x}
 
 
+    def chain_timesteps(self) -> torch.Tensor:
+        if self.solver != "euler":  # a multistep solver's step also depends on the previous step's x0
+            return super().chain_timesteps()
+        return self.sigmas[:-1] * self.num_train_timesteps
+
+    def differentiable_step(self, prediction, latents, index: int, noise) -> torch.Tensor:
+        if self.solver != "euler":
+            return super().differentiable_step(prediction, latents, index, noise)
+        return ode_step(latents, prediction, self.sigmas[index], self.sigmas[index + 1])
+
+
 def flow_ode(solver: str):
     def build(config, family, pipe, resolution: int, device) -> ODESampler:
         sigmas = family.flow_sigmas(pipe, config.num_inference_steps, resolution).to(device)

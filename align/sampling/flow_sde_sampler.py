@@ -103,6 +103,17 @@ class FlowSampler(Sampler):
             steps["means"] = stack_steps(means, x)
         return steps
 
+    def chain_timesteps(self) -> torch.Tensor:
+        if self.window is not None:  # Fast's window is drawn per batch: not one chain to differentiate
+            return super().chain_timesteps()
+        return self.sigmas[:-1] * self.num_train_timesteps
+
+    def differentiable_step(self, prediction, latents, index: int, noise) -> torch.Tensor:
+        if self.window is not None:
+            return super().differentiable_step(prediction, latents, index, noise)
+        step = self._gaussian_step(latents, prediction, torch.full((latents.shape[0],), index, device=latents.device))
+        return step.mean + step.std * noise.float()
+
     def step(self, prediction, latents, timesteps, step_indices) -> StepGaussian:
         step = self._gaussian_step(latents, prediction, step_indices)
         dt = self.sigmas[step_indices] - self.sigmas[step_indices + 1]

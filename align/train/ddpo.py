@@ -39,6 +39,7 @@ from align.train.checkpoints import stop_unless_weights_finite, write_diffusion_
 from align.train.command import TrainingStopped, check_config_and_model, run_trainer, way_on
 from align.train.ddpo_config import DDPOConfig
 from align.train.ddpo_rewards import BackgroundRewards, MixedReward, RewardError
+from align.train.epoch_outcome import EpochOutcome
 from align.train.heldout import HeldOutCheck, require_pointwise_eval_judge
 from align.train.lifecycle import TrainingRun
 from align.train.objectives import algorithm
@@ -55,6 +56,7 @@ from align.train.online_rollouts import (
 from align.train.online_update import Epoch, Update, plan_epoch, train_epoch
 from align.train.policy_models import PolicyModels, sampling_merges_lora
 from align.train.report import Curve
+from align.train.reward_backprop import BackpropEpochs
 from align.train.rollout import cat_rollouts
 from align.train.sharding import consolidated_model, is_sharded
 from align.train.trained_model import compute_dtype, detect_family, load_for_training, trainable_denoiser
@@ -182,7 +184,7 @@ def train(config: DDPOConfig) -> Path:
     denoiser, reference, params = trainable_denoiser(run, family, pipe, keep_reference=config.kl_coef > 0)
     describe_run(run, method, sampler, sum(p.numel() for p in params), reward_fn)
     models, optimizer, params = trained_policy(run, family, objective, denoiser, reference, params)
-    trained, old_policy = models.trained, models.old
+    trained = models.trained
     negative = family.unconditional(pipe, 1, resolution)  # what the family's pipeline uses without a negative prompt
     update = Update(config, accelerator, models, objective, optimizer, params, negative)
     sampling = Sampling(config, pipe, family, sampler, prompts, negative, family.latent_shape(pipe, resolution),
@@ -197,37 +199,24 @@ def train(config: DDPOConfig) -> Path:
                             config.eval_every_epochs, config.num_epochs)
     held_out.before(start_epoch)
 
-    background = BackgroundRewards(reward_fn)
+    epochs = (BackpropEpochs(update, sampling, reward_fn) if entry.samples_with_gradients  # reward backpropagation
+              else RolloutEpochs(update, sampling, BackgroundRewards(reward_fn), tracker))
     last_good = update.last_good = run.latest_checkpoint()
     progress = run.progress(start_epoch, config.num_epochs)
     try:
         for epoch in progress:
             epoch_start, epoch_cpu_start = time.perf_counter(), time.process_time()
-            # 1-2. Sample and reward (the judge works on batch b while batch b+1 samples).
-            rollout, local_rewards, reward_parts = sample_and_reward(sampling, models, epoch, background, accelerator,
-                                                                     last_good)
-            timing = {"sampling_seconds": time.perf_counter() - epoch_start,
-                      "sampling_cpu_seconds": time.process_time() - epoch_cpu_start}
-
-            # 3. Advantages on every process's rewards, then this process's share.
-            all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu().double().numpy()
-            advantages = epoch_advantages(sampling, rollout, all_rewards, tracker)
-
-            # 4. Update on the recorded steps; then the old policy follows the trained one.
-            denoiser.train()
-            stats: dict[str, list[float]] = {}
-            plan = plan_epoch(config, rollout, epoch, process, accelerator.num_processes, num_batches,
-                              objective.needs_forward_noise, objective.trains_whole_groups)
-            global_step += train_epoch(update, Epoch(rollout, advantages.to(accelerator.device), plan), stats)
-            if old_policy is not None:
-                old_policy.update(objective.old_policy_decay(global_step))
+            # 1-4. Sample, reward, advantages, update (or sample with gradients, score, backpropagate).
+            outcome = epochs.run(epoch, last_good, global_step)
+            global_step += outcome.steps
 
             # 5. Log, save samples, checkpoint.
             done = epoch + 1
             stop_unless_weights_finite(params, f"epoch {epoch}", last_good, accelerator)
-            logs = epoch_logs(accelerator, config, stats, reward_parts, all_rewards, done, global_step)
-            logs.update(samples_per_second=config.samples_per_epoch / (time.perf_counter() - epoch_start), **timing,
-                        epoch_cpu_seconds=time.process_time() - epoch_cpu_start)  # this process, all threads
+            logs = epoch_logs(accelerator, config, outcome.stats, outcome.reward_parts, outcome.all_rewards, done,
+                              global_step)
+            logs.update(samples_per_second=config.samples_per_epoch / (time.perf_counter() - epoch_start),
+                        **outcome.timing, epoch_cpu_seconds=time.process_time() - epoch_cpu_start)  # this process
             if config.advantage == "per-prompt":
                 logs.update(tracker.stats())
             score = held_out.during(done)
@@ -238,11 +227,11 @@ def train(config: DDPOConfig) -> Path:
             if main:
                 progress.set_postfix(reward=f"{logs['reward_mean']:.3f}", loss=f"{logs.get('loss', 0):.2e}")
                 if checkpoint_due or epoch == start_epoch:
-                    log_samples(accelerator, run.path, rollout, local_rewards, LOGGED_IMAGES, done)
+                    log_samples(accelerator, run.path, outcome.shown, outcome.local_rewards, LOGGED_IMAGES, done)
             if checkpoint_due:
                 last_good = update.last_good = save_ddpo_checkpoint(run, done, global_step, tracker)
     finally:
-        background.shutdown()
+        epochs.close()
 
     # After-evaluation, final weights with their model card (one folder, written as a whole), report. Each is redone
     # by --resume latest from the last checkpoint if the run stops before its end.
@@ -271,6 +260,39 @@ def trained_policy(run: TrainingRun, family, objective, denoiser, reference, par
     models = PolicyModels(family, denoiser, trained, reference, old_policy, config.guidance_scale, accelerator.autocast,
                           objective.samples_with_old_policy, merge_lora=sampling_merges_lora(config, accelerator))
     return models, optimizer, params
+
+
+class RolloutEpochs:
+    """Steps 1-4 of the rollout epoch: sample (recording each step), reward in the background while the next batch
+    samples, advantages over every process's rewards, the update on the recorded steps; then the old policy, where the
+    algorithm keeps one, follows the trained one."""
+
+    def __init__(self, update: Update, sampling: Sampling, background: BackgroundRewards, tracker: PerPromptStatTracker):
+        self.update, self.sampling, self.background, self.tracker = update, sampling, background, tracker
+
+    def close(self) -> None:
+        self.background.shutdown()
+
+    def run(self, epoch: int, last_good, global_step: int) -> EpochOutcome:
+        update, sampling, accelerator = self.update, self.sampling, self.update.accelerator
+        config, models, objective = update.config, update.models, update.objective
+        start, cpu_start = time.perf_counter(), time.process_time()
+        # 1-2. Sample and reward (the judge works on batch b while batch b+1 samples).
+        rollout, local_rewards, reward_parts = sample_and_reward(sampling, models, epoch, self.background, accelerator,
+                                                                 last_good)
+        timing = {"sampling_seconds": time.perf_counter() - start, "sampling_cpu_seconds": time.process_time() - cpu_start}
+        # 3. Advantages on every process's rewards, then this process's share.
+        all_rewards = accelerator.gather(local_rewards.to(accelerator.device)).cpu().double().numpy()
+        advantages = epoch_advantages(sampling, rollout, all_rewards, self.tracker)
+        # 4. Update on the recorded steps; then the old policy follows the trained one.
+        models.denoiser.train()
+        stats: dict[str, list[float]] = {}
+        plan = plan_epoch(config, rollout, epoch, sampling.process, sampling.num_processes, sampling.num_batches,
+                          objective.needs_forward_noise, objective.trains_whole_groups)
+        steps = train_epoch(update, Epoch(rollout, advantages.to(accelerator.device), plan), stats)
+        if models.old is not None:
+            models.old.update(objective.old_policy_decay(global_step + steps))
+        return EpochOutcome(rollout, local_rewards, all_rewards, reward_parts, stats, steps, timing)
 
 
 def sample_and_reward(sampling: Sampling, models: PolicyModels, epoch: int, background, accelerator, last_good):

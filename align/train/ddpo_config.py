@@ -141,6 +141,7 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS, *SAMPLER_OP
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
         check_common_inputs(self)  # every value against its declaration: types, ranges, choices, paths, what applies
+        self.check_held_out_options()
         if not self.prompts:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")
         check_periodic_evaluation("eval_every_epochs", self.eval_every_epochs, self.eval_prompts, self.eval_judge or self.reward)

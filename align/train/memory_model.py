@@ -242,7 +242,8 @@ def plan_parts(parts: PipelineParts, config) -> PlannedRun:
     others_bytes = compute if online else FP32
     if online:
         cfg_rows = 2 if config.guidance_scale != 1.0 and not family.uses_guidance_embedding(denoiser) else 1
-        forward_batch = config.train_batch_size * cfg_rows
+        # reward backpropagation holds several steps' (or copies') activations for one backward
+        forward_batch = config.train_batch_size * cfg_rows * algorithm(config.algorithm).objective.kept_forwards(config)
         reference = int(not lora and config.kl_coef > 0)
         old_policy = int(algorithm(config.algorithm).objective.keeps_old_policy(config))
     else:

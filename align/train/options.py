@@ -19,6 +19,7 @@ from align.declared import (
     SEED,
     WEIGHT_DECAY,
 )
+from align.judges import check_judge_names
 
 FINETUNES = ("full", "lora")
 LORA_RANKS = "[1, 4096]"
@@ -90,6 +91,11 @@ class HeldOutOptions:
                                   "not the batching)", "evaluation", within=BATCH)
     max_api_cost: float = option(5.0, "refuse to start when the paid API judge calls are estimated above this many "
                                  "USD (answers already cached count as free)", "judge", within=COEFFICIENT)
+    eval_second_judge: str | None = option(None, "a second local judge scored on the same held-out images (e.g. "
+                                           "shapes-oracle beside a learned --reward): the report draws both judges' "
+                                           "gains along the run", "evaluation", applies="--eval_prompts")
 
     def check_held_out_options(self) -> None:
-        """Declared, checked with every field (align.validation.check_config_values)."""
+        """Ranges declared, checked with every field (align.validation.check_config_values); the second judge's name."""
+        if self.eval_second_judge:
+            check_judge_names((self.eval_second_judge,), "--eval_second_judge")

@@ -5,7 +5,8 @@
 Sections, from what the run folder holds (each one is left out when its files are absent):
 1. held-out evaluation: mean score before/after, the paired difference and its standard error (per image and
    clustered by prompt; for the testbed's captions also by part of the caption split), how many images got better
-   or worse (eval_before.json / eval_after.json), and the score along the run (evals/);
+   or worse (eval_before.json / eval_after.json), and the score along the run (evals/); with a second held-out
+   judge, both judges' gains along the run and against the distance from the base model;
 2. before/after: the same held-out prompts and seeds, side by side, with each image's score;
 3. training curves from metrics.jsonl, as the trainer (for online RL, the algorithm) names them;
 4. samples saved during training (samples/), with their prompts (and rewards) where they were recorded;
@@ -146,6 +147,56 @@ def _heldout_curve(run_dir: Path, before: dict, after: dict, last_step: int, ste
     plot = line_plot({"held-out score": curve}, title="held-out score", xlabel=step_name,
                      ylabel="mean ± standard error", size=(4.0, 2.8))
     return img_tag(plot, alt="held-out score along the run")
+
+
+def judge_gains(before: dict, evaluations: list[tuple[int, dict]]) -> dict[str, tuple[list, list, list, list]]:
+    """Each judge's paired gain along the run, in units of that judge's std over the starting model's images (so a
+    learned judge and the exact oracle fit one plot): {judge: (steps, gains, standard errors, prediction changes)}.
+    Only evaluations on the same prompts and seeds as ``before`` count."""
+    judges = {"judge": lambda r: r.get("scores")}
+    if before.get("second_judge"):
+        judges[before["second_judge"]["name"]] = lambda r: (r.get("second_judge") or {}).get("scores")
+    curves = {}
+    for name, scores_of in judges.items():
+        base = np.asarray(scores_of(before), dtype=float)
+        spread = float(base.std()) or 1.0
+        points = []
+        for step, record in evaluations:
+            scores = scores_of(record)
+            if scores is None or len(scores) != base.size or record.get("seeds") != before.get("seeds"):
+                continue
+            gain, sem = mean_and_sem((np.asarray(scores, dtype=float) - base) / spread)
+            points.append((step, gain, sem, record.get("prediction_change")))
+        curves[name] = tuple(list(column) for column in zip(*points)) if points else ([], [], [], [])
+    return curves
+
+
+def _over_optimisation(run_dir: Path, before: dict, after: dict, last_step: int, step_name: str, judge: str) -> str:
+    """With a second held-out judge: both judges' gains along the run, against the steps and against the distance
+    from the base model (the over-optimisation curve), as a plot and a table."""
+    if not before.get("second_judge"):
+        return ""
+    during = [(eval_step(path), json.loads(path.read_text())) for path in held_out_evals(run_dir)]
+    curves = judge_gains(before, [(0, before), *during, (last_step, after)])
+    names = {key: (judge if key == "judge" else key) for key in curves}
+    plots = [line_plot({names[k]: (c[0], c[1], c[2]) for k, c in curves.items()}, title="held-out gain of each judge",
+                       xlabel=step_name, ylabel="paired gain / the base model's std", size=(4.0, 2.8))]
+    if all(c[3] and None not in c[3] for c in curves.values()):
+        plots.append(line_plot({names[k]: (c[3], c[1], c[2]) for k, c in curves.items()},
+                               title="gain against the distance from the base model",
+                               xlabel="mean squared change of the prediction", ylabel="gain / std", size=(4.0, 2.8)))
+    rows = []
+    for label, record in (("before", before), ("after", after)):
+        second = record.get("second_judge") or {}
+        rows.append({"": label, judge: record.get("mean"), second.get("name", "second judge"): second.get("mean"),
+                     "prediction change": record.get("prediction_change")})
+    columns = ["", judge, before["second_judge"]["name"], "prediction change"]
+    note = paragraph("The same held-out images scored by the run's judge and by a second judge (with a learned judge as "
+                     "the reward, the exact oracle): where the judge's gain keeps rising and the second judge's stops, "
+                     "the run optimises the judge's errors. Gains are paired (the same prompts and seeds as before "
+                     "training), in units of each judge's standard deviation over the starting model's images.")
+    images = "".join(img_tag(plot, alt="held-out gains of both judges") for plot in plots)
+    return note + table_html(rows, columns=columns, digits=4, table_id="second-judge-table") + f'<div class="plots">{images}</div>'
 
 
 def _score_class(delta: float) -> str:
@@ -296,6 +347,7 @@ def write_training_report(run_dir: str | Path, title: str, curves: Sequence[Curv
             summary = paired_summary(before, after)
             lede += " " + headline(summary, judge or "judge")
             body = _eval_table(before, after, summary) + _heldout_curve(run_dir, before, after, last_step, step_name)
+            body += _over_optimisation(run_dir, before, after, last_step, step_name, judge or "judge")
         sections.append(Section("Held-out evaluation", body))
         cards = "" if degenerate else _before_after_cards(run_dir, before, after)
         if cards:

@@ -5,7 +5,7 @@ checks, the trainer, the memory planner and the model card read. A new algorithm
 from __future__ import annotations
 
 from align.cli import ConfigError
-from align.train.objectives import awm, dgpo, grpo_guard, nft, ppo
+from align.train.objectives import alignprop, awm, dgpo, draft, draft_lv, grpo_guard, nft, ppo, refl
 from align.train.objectives.base import Algorithm
 
 ALGORITHMS: tuple[Algorithm, ...] = (
@@ -14,6 +14,10 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     awm.ALGORITHM,
     grpo_guard.ALGORITHM,
     dgpo.ALGORITHM,
+    draft.ALGORITHM,
+    draft_lv.ALGORITHM,
+    alignprop.ALGORITHM,
+    refl.ALGORITHM,
 )
 
 # The algorithms' own option dataclasses, which the online-RL trainer's config inherits.

@@ -44,6 +44,7 @@ class Objective(ABC):
     samples_with_old_policy: bool = False
     needs_forward_noise: bool = False
     trains_whole_groups: bool = False
+    samples_with_gradients: bool = False  # reward backpropagation (``BackpropObjective``): the other shape of epoch
 
     @classmethod
     @abstractmethod
@@ -55,6 +56,12 @@ class Objective(ABC):
         """Whether the run keeps an old policy (a moving average of the trained weights): read by the trainer and
         by the memory planner (a second copy of the trained weights)."""
         return False
+
+    @staticmethod
+    def kept_forwards(config) -> int:
+        """Denoiser forwards whose activations are held at once for one backward, per training micro-batch (read by
+        the memory planner): 1 for a loss on recorded steps; reward backpropagation keeps its backpropagated steps."""
+        return 1
 
     def old_policy_decay(self, step: int) -> float:
         """The old policy's decay after ``step`` optimiser steps (objectives that keep one)."""
@@ -72,6 +79,32 @@ class Objective(ABC):
     @abstractmethod
     def describe(self) -> str:
         """Its settings in one line (the model card's "objective" row)."""
+
+
+class BackpropObjective(Objective):
+    """An algorithm that samples WITH gradients and backpropagates a differentiable judge's score through the image
+    (reward backpropagation: DRaFT, AlignProp, ReFL). The trainer runs align/train/reward_backprop.py's epoch for it
+    (sample with gradients -> score -> backpropagate -> step) instead of the rollout epoch (sample -> reward ->
+    advantages -> update); it records no steps, so it has no ``loss`` on a ``TrainBatch``.
+
+    ``copies``: images scored per sampled noise (DRaFT-LV's re-noised copies; 1 otherwise)."""
+
+    samples_with_gradients = True
+    copies: int = 1
+
+    def loss(self, models, batch):
+        raise TypeError(f"{type(self).__name__} samples with gradients: its epoch is align/train/reward_backprop.py's")
+
+    @abstractmethod
+    def sample(self, sampler, predict, noise: torch.Tensor, generator: torch.Generator) -> tuple[
+            torch.Tensor, dict[str, float]]:
+        """(latents to decode and score [copies x B, ...], carrying the trained model's gradient where the algorithm
+        keeps it; metrics of the draw), from ``noise`` [B, ...] with every random draw from ``generator``;
+        ``predict(latents, timesteps)`` is the trained model's guided prediction (align/train/backprop_sampling.py)."""
+
+    @abstractmethod
+    def reward_loss(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The mean loss of the rewards [copies x B] (with gradients) as the authors write it."""
 
 
 @dataclass(frozen=True)
@@ -110,3 +143,9 @@ class Algorithm:
 
     def defaults(self, flow: bool) -> Mapping[str, object]:
         return self.flow_defaults if flow else self.ddpm_defaults
+
+    @property
+    def samples_with_gradients(self) -> bool:
+        """How it trains: True for reward backpropagation (align/train/reward_backprop.py's epoch), False for the
+        rollout epoch (sample -> reward -> advantages -> update)."""
+        return self.objective.samples_with_gradients
