@@ -269,20 +269,18 @@ def generate_images(
     ``progress``: the label of a progress bar over the batches (none without it)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    extra = family_of_pipeline(pipe).generation_kwargs(pipe)
+    family = family_of_pipeline(pipe)
     out = []
     for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
         generators = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds[chunk]]
         result = pipe(
-            prompt=list(prompts[chunk]),
             generator=generators,
             num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
             height=height,
             width=width,
             output_type="pt",
-            **extra,
+            **family.call_arguments(pipe, list(prompts[chunk]), guidance_scale),  # the prompts and their guidance
         )
         out.append(result.images.float().cpu())
     return torch.cat(out) if out else torch.empty(0, 3, 1, 1)

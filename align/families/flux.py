@@ -135,6 +135,9 @@ class Flux(flow_common.FlowMatchingFamily):
         )[0]
         return unpack_latents(tokens, height, width)
 
+    def pipeline_latents(self, pipe, noise: torch.Tensor) -> torch.Tensor:
+        return pack_latents(noise)  # FluxPipeline takes (and draws) its latents as 2x2 patch tokens
+
     def flow_sigmas(self, pipe, num_inference_steps: int, resolution: int) -> torch.Tensor:
         """As FluxPipeline: base σ = linspace(1, 1/N, N) (left to the scheduler when it uses flow sigmas),
         shifted with μ = calculate_shift(number of packed image tokens)."""
