@@ -40,6 +40,7 @@ from align.data.pairs import (
     looks_like_path,
     pair_pixels,
 )
+from align.families.base import pad_to_longest
 from rewards.images import UnreadableImageError, decode_image
 
 
@@ -365,7 +366,8 @@ def _collate(items: list[dict]) -> dict:
     batch = {}
     for key in items[0]:
         values = [item[key] for item in items]
-        batch[key] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
+        # stored conditionings of different token lengths (Qwen-Image, Z-Image) are zero-padded, their masks too
+        batch[key] = torch.stack(pad_to_longest(values, dim=0)) if isinstance(values[0], torch.Tensor) else values
     return batch
 
 

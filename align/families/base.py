@@ -69,12 +69,13 @@ def cat_conditioning(parts: list[Conditioning]) -> Conditioning:
     return {key: torch.cat(pad_to_longest([part[key] for part in parts])) for key in parts[0]}
 
 
-def pad_to_longest(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors whose second dimension (the tokens) differs, zero-padded at its end to the longest."""
-    if all(t.ndim < 2 for t in tensors) or len({t.shape[1] for t in tensors}) == 1:
+def pad_to_longest(tensors: list[torch.Tensor], dim: int = 1) -> list[torch.Tensor]:
+    """Tensors whose dimension ``dim`` (the tokens: 1 in a batch, 0 in one item) differs, zero-padded at its end to the
+    longest."""
+    if all(t.ndim <= dim for t in tensors) or len({t.shape[dim] for t in tensors}) == 1:
         return tensors
-    longest = max(t.shape[1] for t in tensors)
-    return [torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, longest - t.shape[1])) for t in tensors]
+    longest = max(t.shape[dim] for t in tensors)
+    return [torch.nn.functional.pad(t, (0, 0) * (t.ndim - dim - 1) + (0, longest - t.shape[dim])) for t in tensors]
 
 
 def select_conditioning(cond: Conditioning, index) -> Conditioning:
