@@ -26,7 +26,6 @@ from align.train.objectives import algorithm_names
 BUILDERS = {"qwenimage": build_tiny_qwenimage, "flux2_klein": build_tiny_flux2_klein, "flux2_dev": build_tiny_flux2_dev,
             "zimage": build_tiny_zimage}
 RESOLUTION = 32
-GUIDANCE = {"zimage": 2.0}  # Z-Image guides above 0 (pos + s(pos - neg)); the others above 1
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +68,8 @@ def diffusers_images(model: str, lora: Path | None, guidance: float) -> torch.Te
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora))
-    guide = {"true_cfg_scale": guidance, "negative_prompt": " "} if index["_class_name"] == "QwenImagePipeline" else \
-        {"guidance_scale": guidance}
+    guide = {"QwenImagePipeline": {"true_cfg_scale": guidance, "negative_prompt": " "},
+             "ZImagePipeline": {"guidance_scale": guidance - 1}}.get(index["_class_name"], {"guidance_scale": guidance})
     extra = {"max_sequence_length": 64} if "Flux2" in index["_class_name"] else {}
     return pipe(prompt="a red circle", num_inference_steps=2, height=RESOLUTION, width=RESOLUTION, output_type="pt",
                 generator=torch.Generator().manual_seed(0), **guide, **extra).images
@@ -80,18 +79,18 @@ def diffusers_images(model: str, lora: Path | None, guidance: float) -> torch.Te
 def test_lora_dpo_starts_at_ln2_and_its_lora_loads_in_the_familys_pipeline(kind, models, pairs, tmp_path):
     model = models(kind)
     run = dpo.train(small_config(model, tmp_path / "run", dataset=pairs, resolution=RESOLUTION, max_steps=2,
-                                 guidance_scale=GUIDANCE.get(kind, 2.0), caption_dropout=0.5))
+                                 guidance_scale=2.0, caption_dropout=0.5))
     first, second = records(run)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and first["model_mse"] == first["ref_mse"]
     assert second["model_mse"] != second["ref_mse"]
-    guidance = GUIDANCE.get(kind, 2.0)
+    guidance = 2.0
     assert (diffusers_images(model, None, guidance) - diffusers_images(model, run / "final", guidance)).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("kind", ["qwenimage", *(pytest.param(k, marks=pytest.mark.slow) for k in sorted(BUILDERS) if k != "qwenimage")])
 def test_every_online_rl_objective_runs_and_its_lora_loads(kind, models, prompt_file, tmp_path):
     model = models(kind)
-    guidance = GUIDANCE.get(kind, 3.0)
+    guidance = 3.0
     for name in algorithm_names():
         config = DDPOConfig(model=model, reward="jpeg-compressibility", prompts=prompt_file, output_dir=str(tmp_path / name),
                             report_to="none", algorithm=name, num_inference_steps=3, resolution=RESOLUTION,

@@ -125,8 +125,8 @@ class QwenImage(flow_common.FlowMatchingFamily):
         return stored or PLANNED_PROMPT_TOKENS
 
     def conditioning_shapes(self, denoiser_config, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
-        return {"prompt_embeds": (batch, text_tokens, denoiser_config["joint_attention_dim"]),
-                "prompt_embeds_mask": (batch, text_tokens)}
+        # no mask: a conditioning without one is all real tokens (what the planner counts)
+        return {"prompt_embeds": (batch, text_tokens, denoiser_config["joint_attention_dim"])}
 
     # --- the denoiser and its training target -------------------------------------------------
     def transformer_call(self, denoiser, tokens: torch.Tensor, timesteps, cond: Conditioning, img_shapes) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Z-Image: a Qwen3 text encoder (penultimate hidden states of the prompt's real tokens: one length per prompt), a
 single-stream DiT taking lists of latents and captions, rectified flow with a resolution-dependent shift. The
-transformer predicts x0 - ε and reads t = 1 - σ; its guidance is pos + s (pos - neg).
+transformer predicts x0 - ε and reads t = 1 - σ; its pipeline guides as pos + s (pos - neg).
 
 Matches diffusers' ZImagePipeline (encoding, the transformer's list inputs, ``(1000 - t) / 1000``, the negated output,
 guidance at its own scale convention, the σ schedule, VAE shift and scale) and
@@ -9,6 +9,9 @@ prediction, LoRA on ``to_q/to_k/to_v/to_out.0``). Deliberate differences:
 
 - conditioning is a dict of batch-first tensors: the captions zero-padded to the batch's longest with a mask of their
   real tokens; ``predict`` hands the transformer the same list of unpadded captions the pipeline does.
+- ``--guidance_scale`` w is classifier-free guidance's usual scale, uncond + w (cond - uncond), as for every family
+  here (1 = unguided); ZImagePipeline's own scale is s = w - 1 (pos + s (pos - neg) is the same prediction), which
+  ``call_arguments`` passes it. Z-Image-Turbo, step-distilled, samples unguided (its pipeline's s = 0: w = 1).
 - the pipeline's optional ``cfg_normalization`` and ``cfg_truncation`` are left at their defaults (off); ``guided_prediction``
   does not implement them.
 - the planner counts prompts of ``PLANNED_PROMPT_TOKENS`` tokens.
@@ -42,7 +45,10 @@ def padded_with_mask(embeddings: list[torch.Tensor]) -> Conditioning:
 
 
 def unpadded(cond: Conditioning) -> list[torch.Tensor]:
-    """The captions' real tokens, one tensor per row (as ZImagePipeline hands them to the transformer)."""
+    """The captions' real tokens, one tensor per row (as ZImagePipeline hands them to the transformer); without a mask
+    every token is real."""
+    if "prompt_embeds_mask" not in cond:
+        return list(cond["prompt_embeds"])
     return [embeds[mask.bool()] for embeds, mask in zip(cond["prompt_embeds"], cond["prompt_embeds_mask"])]
 
 
@@ -91,8 +97,8 @@ class ZImage(flow_common.FlowMatchingFamily):
         return stored or PLANNED_PROMPT_TOKENS
 
     def conditioning_shapes(self, denoiser_config, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
-        return {"prompt_embeds": (batch, text_tokens, denoiser_config["cap_feat_dim"]),
-                "prompt_embeds_mask": (batch, text_tokens)}
+        # no mask: a conditioning without one is all real tokens (what the planner counts)
+        return {"prompt_embeds": (batch, text_tokens, denoiser_config["cap_feat_dim"])}
 
     # --- the denoiser and its training target -------------------------------------------------
     def predict(self, denoiser, latents, timesteps, cond: Conditioning) -> torch.Tensor:
@@ -102,14 +108,18 @@ class ZImage(flow_common.FlowMatchingFamily):
         return -torch.stack(out).squeeze(2)
 
     def guided_prediction(self, denoiser, latents, timesteps, cond, uncond, guidance_scale: float) -> torch.Tensor:
-        """As ZImagePipeline: guided when the scale is above 0, the prompts then the negatives in one call, combined as
-        pos + s (pos - neg) in float32."""
-        if guidance_scale <= 0:
+        """As ZImagePipeline at its scale s = w - 1: guided when s is above 0, the prompts then the negatives in one call,
+        combined as pos + s (pos - neg) in float32."""
+        scale = guidance_scale - 1.0
+        if scale <= 0:
             return self.predict(denoiser, latents, timesteps, cond).float()
         out = self.predict(denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
                            cat_conditioning([cond, uncond])).float()
         pos, neg = out.chunk(2)
-        return pos + guidance_scale * (pos - neg)
+        return pos + scale * (pos - neg)
+
+    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float) -> dict:
+        return {"prompt": list(prompts), "guidance_scale": guidance_scale - 1.0, **self.generation_kwargs(pipe)}
 
     def flow_sigmas(self, pipe, num_inference_steps: int, resolution: int) -> torch.Tensor:
         """As ZImagePipeline: linspace(1, 1/N, N) shifted with μ = calculate_shift(packed image tokens)."""

@@ -20,6 +20,7 @@ from align.testing.tiny_flux2 import QWEN3_CHAT_TEMPLATE
 from align.testing.tiny_qwen import qwen_tokenizer, save_tiny
 
 TEXT_HIDDEN = 16
+MAX_SEQUENCE_LENGTH = 64  # stored beside the tiny pipeline: its rotary table holds 256 positions
 
 
 def build_tiny_zimage(folder: str | Path, seed: int = 0) -> Path:
@@ -45,4 +46,4 @@ def build_tiny_zimage(folder: str | Path, seed: int = 0) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
                           transformer=transformer)
-    return save_tiny(pipe, folder)
+    return save_tiny(pipe, folder, MAX_SEQUENCE_LENGTH)
