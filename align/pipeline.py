@@ -15,6 +15,7 @@ from align.families.base import LORA_WEIGHTS, ModelLoadError, dtype_argument, on
 from align.families.sd import StableDiffusion
 from align.progress import progress_bar
 from align.run_folder import CONFIG_FILE
+from align.testbed.edit_models import edit_testbed_pipeline_dir
 from align.testbed.weights import (
     FLOW_TESTBED_SETTINGS_FILE,
     TESTBED_SETTINGS_FILE,
@@ -29,9 +30,10 @@ DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def resolve_model(model: str) -> str:
-    """'testbed' / 'testbed-flow' -> the bundled shapes-testbed pipelines (SD v1.5 / SD3 architecture);
-    hub ids and local folders pass through."""
-    bundled = {"testbed": testbed_pipeline_dir, "testbed-flow": flow_testbed_pipeline_dir}
+    """'testbed' / 'testbed-flow' / 'testbed-edit' -> the bundled shapes-testbed pipelines (SD v1.5 / SD3 / FLUX.1
+    Kontext architecture); hub ids and local folders pass through."""
+    bundled = {"testbed": testbed_pipeline_dir, "testbed-flow": flow_testbed_pipeline_dir,
+               "testbed-edit": edit_testbed_pipeline_dir}
     if model in bundled:
         try:
             return str(bundled[model]())
@@ -280,7 +282,7 @@ def generate_images(
             height=height,
             width=width,
             output_type="pt",
-            **family.call_arguments(pipe, list(prompts[chunk]), guidance_scale),  # the prompts and their guidance
+            **family.call_arguments(pipe, list(prompts[chunk]), guidance_scale, height),  # the prompts and their guidance
         )
         out.append(result.images.float().cpu())
     return torch.cat(out) if out else torch.empty(0, 3, 1, 1)

@@ -354,7 +354,7 @@ def make_pipeline_generator(
         images: list[Image.Image] = []
         for start in range(0, len(prompts), batch_size):
             chunk_seeds = seeds[start : start + batch_size]
-            arguments = family.call_arguments(pipe, list(prompts[start : start + batch_size]), guidance_scale)
+            arguments = family.call_arguments(pipe, list(prompts[start : start + batch_size]), guidance_scale, height)
             output = pipe(
                 generator=[torch.Generator("cpu").manual_seed(int(s)) for s in chunk_seeds],
                 num_inference_steps=num_inference_steps,

@@ -41,6 +41,7 @@ from align.data.pairs import (
     pair_pixels,
 )
 from align.families.base import pad_to_longest
+from rewards.edit_prompts import without_instruction
 from rewards.images import UnreadableImageError, decode_image
 
 
@@ -319,7 +320,7 @@ class PairPixels(torch.utils.data.Dataset):
             pixels_w, pixels_l = self.table.pair_pixels(pair, self.resolution, flip)
         except DataError as err:  # handed to the training process, which stops with this one line
             return {"error": str(err)}
-        return {"pixels_w": pixels_w, "pixels_l": pixels_l, "caption": "" if drop else pair.caption}
+        return {"pixels_w": pixels_w, "pixels_l": pixels_l, "caption": without_instruction(pair.caption) if drop else pair.caption}
 
 
 class PlannedBatches(torch.utils.data.Sampler):

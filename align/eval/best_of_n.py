@@ -210,7 +210,7 @@ def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings
             height=settings["resolution"],
             width=settings["resolution"],
             output_type="pt",
-            **family.call_arguments(pipe, list(prompts[chunk]), settings["guidance_scale"]),
+            **family.call_arguments(pipe, list(prompts[chunk]), settings["guidance_scale"], settings["resolution"]),
         )
         out.append(result.images.float().cpu())
     return torch.cat(out)

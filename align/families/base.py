@@ -117,6 +117,9 @@ class ModelFamily:
     pipeline_class_names: tuple[str, ...] = ()  # model_index.json ``_class_name`` values handled
     denoiser_name: str = "unet"  # the pipeline attribute that is trained
     is_flow: bool = False  # flow matching (velocity, σ schedule) rather than DDPM/DDIM
+    # Instruction editing: a prompt is an instruction and a source image (rewards.edit_prompts) whose latents are
+    # conditioning (``source_latents``, the generated image's shape); the trainers, the planner and the judges read it.
+    edits: bool = False
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     # FSDP2's units (align/train/sharding.py): the UNet's transformer blocks and resnet blocks (whole down/up blocks
     # are too coarse: SDXL's first up block alone is ~1 B parameters, gathered whole for its forward)
@@ -248,10 +251,10 @@ class ModelFamily:
         uncond_out, cond_out = out.float().chunk(2)
         return uncond_out + guidance_scale * (cond_out - uncond_out)
 
-    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float) -> dict:
+    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float, resolution: int | None = None) -> dict:
         """The keyword arguments of ``pipe(...)`` that generate ``prompts`` as ``guided_prediction`` samples them at
-        ``guidance_scale`` (with ``generation_kwargs``). A family whose pipeline names its guidance otherwise, or
-        whose prompt carries a source image, overrides it."""
+        ``guidance_scale`` (with ``generation_kwargs``), images of side ``resolution`` (None: the pipeline's own). A
+        family whose pipeline names its guidance otherwise, or whose prompt carries a source image, overrides it."""
         return {"prompt": list(prompts), "guidance_scale": guidance_scale, **self.generation_kwargs(pipe)}
 
     def pipeline_latents(self, pipe, noise: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,7 @@ class QwenImage(flow_common.FlowMatchingFamily):
         guided = rescaled_guidance(pack_latents(cond_out), pack_latents(uncond_out), guidance_scale)
         return unpack_latents(guided, height, width)
 
-    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float) -> dict:
+    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float, resolution: int | None = None) -> dict:
         """QwenImagePipeline guides through ``true_cfg_scale`` with a negative prompt (its ``guidance_scale`` is for
         guidance-distilled transformers only)."""
         guided = guidance_scale > 1.0

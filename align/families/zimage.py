@@ -118,7 +118,7 @@ class ZImage(flow_common.FlowMatchingFamily):
         pos, neg = out.chunk(2)
         return pos + scale * (pos - neg)
 
-    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float) -> dict:
+    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float, resolution: int | None = None) -> dict:
         return {"prompt": list(prompts), "guidance_scale": guidance_scale - 1.0, **self.generation_kwargs(pipe)}
 
     def flow_sigmas(self, pipe, num_inference_steps: int, resolution: int) -> torch.Tensor:
