@@ -84,6 +84,9 @@ class Judge:
     tie_margin: float = 0.0
     # True for judges whose native question is "which of two images is better".
     pairwise_native: bool = field(default=False, init=False)
+    # True for judges that can judge an edit prompt ('[source: ...] <instruction>', rewards.edit_prompts): they see
+    # the source image and the instruction (VLM and API judges, the edit oracle) or read the image alone (rules).
+    judges_edits = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -81,6 +81,7 @@ class ShapesEditOracle(Judge):
     """The exact score of an edit of the shapes editing world (module docstring)."""
 
     name: str = "shapes-edit-oracle"
+    judges_edits = True
 
     def check_prompts_supported(self, prompts: list[str]) -> None:
         for i, prompt in enumerate(prompts):

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from align.data.edit_pairs import edit_pairs_as_pick_a_pic, edit_schema
 from align.data.pairs import (
     MAX_UNREADABLE_EXAMPLES,
     PAIR_COLUMNS,
@@ -117,7 +118,7 @@ def open_pairs(
         raise DataError(f"tie_policy {tie_policy!r} is not valid; choose one of {', '.join(TIE_POLICIES)}")
     if max_pairs is not None and max_pairs < 1:
         raise DataError(f"max_pairs must be a positive number of pairs (or None for all), got {max_pairs}")
-    dataset = _open_table(str(source), split, cache_dir)
+    dataset = edit_pairs_as_pick_a_pic(_open_table(str(source), split, cache_dir), str(source), cache_dir)
     names = list(dataset.column_names)
     missing = [c for c in PAIR_COLUMNS if c not in names]
     if missing:
@@ -235,10 +236,10 @@ def _check_parquet(path: Path) -> int:
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"cannot read {path} as parquet: {err}") from err
     missing = [c for c in PAIR_COLUMNS if c not in names]
-    if missing:
+    if missing and edit_schema(names) is None:
         raise DataError(
             f"preference source {str(path)!r} lacks the Pick-a-Pic columns {', '.join(missing)}; needed: "
-            f"{', '.join(PAIR_COLUMNS)} (found: {', '.join(names)})"
+            f"{', '.join(PAIR_COLUMNS)}, or an edit-pair schema (align/data/edit_pairs.py) (found: {', '.join(names)})"
         )
     return footer.num_rows
 

@@ -33,6 +33,7 @@ from align.api_cost import evaluate_api_plan, guard_api_cost
 from align.cli import ConfigError, die, die_if_disk_full, option, parse_config
 from align.data.prompt_sets import PromptSetError, load_prompt_set
 from align.eval import report
+from align.eval.edit_metrics import edit_change_table
 from align.eval.generation import (
     GenerationCache,
     ModelEntry,
@@ -375,6 +376,8 @@ def evaluate(config: EvalConfig) -> dict:
             ref_emb = embed(reference)
             cmmd_values = {n: metrics.cmmd(ref_emb, embed(images[n])) for n in names}
 
+    edit_change = edit_change_table(sample_prompts, images, names)  # edits: what changed outside the edit
+
     overall = {}
     for name in names if judges else []:
         overall[name] = {
@@ -394,6 +397,7 @@ def evaluate(config: EvalConfig) -> dict:
         "fid": fid,
         "fid_feature": config.fid_feature if config.fid_reference else None,
         "cmmd": cmmd_values,
+        "change_outside_edit": edit_change,
         "overall": overall,
     }
     results["table"] = rank_table(results)
@@ -435,6 +439,8 @@ def rank_table(results: dict) -> list[dict]:
             row[f"FID ({results['fid_feature']})"] = results["fid"][name]
         if results["cmmd"]:
             row["CMMD"] = results["cmmd"][name]
+        if results.get("change_outside_edit"):
+            row["change outside the edit"] = results["change_outside_edit"][name]["mean"]
         rows.append(row)
     return rows
 
