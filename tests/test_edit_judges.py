@@ -16,7 +16,7 @@ from PIL import ImageStat
 import rewards
 from align.cli import ConfigError
 from align.data.pair_stream import open_pairs
-from align.eval.edit_metrics import INSTRUCTION_CELLS, WHOLE_IMAGE, change_outside_edit
+from align.eval.edit_metrics import INSTRUCTION_CELLS, change_outside_edit
 from align.judges import check_judges_take_prompts
 from align.testbed.edit_world import sample_edit_prompts, target_scene_image
 from align.testing.fake_judge_servers import FakeJudgeServer
