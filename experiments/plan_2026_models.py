@@ -6,6 +6,7 @@
 
 The config.json values of Qwen-Image's, FLUX.2 [dev]'s, FLUX.2 [klein] 4B's and Z-Image-Turbo's transformers, their
 text encoders (Qwen2.5-VL-7B-Instruct, Mistral-Small-3.1-24B-Instruct-2503, Qwen3-4B) and VAEs are written out below
+(FLUX.1 Kontext [dev] is FLUX.1 [dev]'s configs, from experiments/plan_big_models.py)
 (where diffusers' class defaults are the released model's config, the class is built with its defaults). Each model
 becomes a pipeline folder of config files only (model_index.json and each component's config), and the trainer's own
 `--dry_run` reads it as it would read the downloaded model's folder: the counts are those of the real classes. The
@@ -24,8 +25,9 @@ import diffusers
 import transformers
 from accelerate import init_empty_weights
 
-from align.train import ddpo
+from align.train import ddpo, dpo
 from align.train.memory_model import parameter_count
+from experiments.plan_big_models import CLIP_L, FLUX_DEV_TRANSFORMER, T5_XXL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,13 +74,18 @@ MODELS = {
         "transformer": ("diffusers", "Flux2Transformer2DModel", FLUX2_KLEIN_4B),
         "vae": ("diffusers", "AutoencoderKLFlux2", {}),
         "text_encoder": ("transformers", "Qwen3ForCausalLM", QWEN3_4B)}),
+    "flux1-kontext-dev": ("FluxKontextPipeline", {  # FLUX.1 [dev]'s transformer, text encoders and VAE
+        "transformer": ("diffusers", "FluxTransformer2DModel", FLUX_DEV_TRANSFORMER),
+        "vae": ("diffusers", "AutoencoderKL", VAE_FLUX1),
+        "text_encoder": ("transformers", "CLIPTextModel", CLIP_L),
+        "text_encoder_2": ("transformers", "T5EncoderModel", T5_XXL)}),
     "z-image-turbo": ("ZImagePipeline", {
         "transformer": ("diffusers", "ZImageTransformer2DModel", {}),
         "vae": ("diffusers", "AutoencoderKL", VAE_FLUX1),
         "text_encoder": ("transformers", "Qwen3Model", QWEN3_4B)}),
 }
 # Published sizes of the trained transformers (model cards): the check on the values above.
-PUBLISHED = {"qwen-image": 20e9, "flux2-dev": 32e9, "flux2-klein-4b": 4e9, "z-image-turbo": 6e9}
+PUBLISHED = {"qwen-image": 20e9, "flux2-dev": 32e9, "flux2-klein-4b": 4e9, "z-image-turbo": 6e9, "flux1-kontext-dev": 12e9}
 # config file -> (trainer, model folder)
 CONFIGS = {
     "qwenimage_grpo_lora_1gpu.yaml": (ddpo, "qwen-image"),
@@ -86,6 +93,7 @@ CONFIGS = {
     "flux2_klein_grpo_lora_1gpu.yaml": (ddpo, "flux2-klein-4b"),
     "flux2_dev_grpo_lora_1gpu.yaml": (ddpo, "flux2-dev"),
     "zimage_grpo_lora_1gpu.yaml": (ddpo, "z-image-turbo"),
+    "kontext_dpo_lora_1gpu.yaml": (dpo, "flux1-kontext-dev"),
 }
 
 
@@ -111,6 +119,9 @@ def write_config_folder(name: str, out: Path) -> Path:
         else:
             module.config.save_pretrained(folder / part)
         index[part] = [library, class_name]
+        if part == "text_encoder_2":  # FLUX's T5 comes with its own tokenizer
+            (folder / "tokenizer_2").mkdir(exist_ok=True)
+            index["tokenizer_2"] = ["transformers", "T5TokenizerFast"]
     (folder / "scheduler").mkdir(exist_ok=True)
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(
         {"_class_name": "FlowMatchEulerDiscreteScheduler", **FLOW_SCHEDULER}))
@@ -119,10 +130,26 @@ def write_config_folder(name: str, out: Path) -> Path:
     return folder
 
 
+def one_pair_file(folder: Path) -> str:
+    """A one-pair Pick-a-Pic parquet (a DPO dry run checks its --dataset before planning)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from align.testbed.edit_world import sample_edit_prompts, target_scene_image
+    from rewards.images import encode_png
+
+    prompt = sample_edit_prompts(1, 0)[0]
+    image = encode_png(target_scene_image(prompt))
+    path = folder / "one_pair.parquet"
+    pq.write_table(pa.Table.from_pylist([{"caption": prompt, "jpg_0": image, "jpg_1": image, "label_0": 1.0,
+                                          "label_1": 0.0}]), path)
+    return str(path)
+
+
 def check_totals() -> None:
     for name, (_, parts) in MODELS.items():
         count = parameter_count(build(*parts["transformer"]))
-        others = sum(parameter_count(build(*parts[p])) for p in ("vae", "text_encoder"))
+        others = sum(parameter_count(build(*spec)) for p, spec in parts.items() if p != "transformer")
         print(f"{name}: transformer {count:,} parameters (published ~{PUBLISHED[name] / 1e9:.0f} B; "
               f"{count / PUBLISHED[name] - 1:+.1%}); text encoder + VAE {others:,}")
         if abs(count / PUBLISHED[name] - 1) > 0.05:
@@ -145,9 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         for config_name, (trainer, name) in CONFIGS.items():
             folder = write_config_folder(name, Path(tmp))
             print(f"\nconfigs/{config_name} (--model: {name}'s config files)", flush=True)
-            # the prompts do not change the plan; the configs' own (hpsv2) would be downloaded
+            # the prompts / pairs do not change the plan; the configs' own (hpsv2, EditReward-Data) would be downloaded
+            data = ["--prompts", "testbed:8:0"] if trainer is ddpo else ["--dataset", one_pair_file(Path(tmp))]
             trainer.main(["--config", str(ROOT / "configs" / config_name), "--model", str(folder), "--dry_run", "true",
-                          "--prompts", "testbed:8:0", "--output_dir", str(Path(tmp) / "run")])
+                          *data, "--output_dir", str(Path(tmp) / "run")])
 
 
 if __name__ == "__main__":
