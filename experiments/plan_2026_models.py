@@ -22,12 +22,16 @@ import tempfile
 from pathlib import Path
 
 import diffusers
+import pyarrow as pa
+import pyarrow.parquet as pq
 import transformers
 from accelerate import init_empty_weights
 
+from align.testbed.edit_world import sample_edit_prompts, target_scene_image
 from align.train import ddpo, dpo
 from align.train.memory_model import parameter_count
 from experiments.plan_big_models import CLIP_L, FLUX_DEV_TRANSFORMER, T5_XXL
+from rewards.images import encode_png
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,12 +136,6 @@ def write_config_folder(name: str, out: Path) -> Path:
 
 def one_pair_file(folder: Path) -> str:
     """A one-pair Pick-a-Pic parquet (a DPO dry run checks its --dataset before planning)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from align.testbed.edit_world import sample_edit_prompts, target_scene_image
-    from rewards.images import encode_png
-
     prompt = sample_edit_prompts(1, 0)[0]
     image = encode_png(target_scene_image(prompt))
     path = folder / "one_pair.parquet"
