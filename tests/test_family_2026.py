@@ -13,6 +13,7 @@ from align.sampling.flow import ode_step
 from align.testing.tiny_flux2 import build_tiny_flux2_dev, build_tiny_flux2_klein
 from align.testing.tiny_qwen import build_tiny_qwenimage
 from align.testing.tiny_zimage import build_tiny_zimage
+from align.train.memory_model import class_units, fsdp_unit_counts
 
 RES = 32
 PROMPTS = ["a red circle", "two blue squares to the left of a large green triangle"]  # token counts differ
@@ -214,3 +215,12 @@ def test_a_step_distilled_klein_never_guides_as_its_pipeline(tmp_path):
     expected = pipeline_images(pipe, latents, 3.0)
     torch.testing.assert_close(family_images(pipe, latents, 3.0), expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(pipeline_images(pipe, latents, 1.0), expected, rtol=0, atol=0)
+
+
+def test_fsdp2_units_are_the_familys_transformer_blocks(pipe):
+    """The family's shard_blocks name its transformer's block classes: FSDP2 wraps each block (the planner counts the
+    same units)."""
+    family = family_of_pipeline(pipe)
+    largest, root = fsdp_unit_counts(pipe.transformer, class_units(family.shard_blocks))
+    blocks = {type(m).__name__ for m in pipe.transformer.modules()}
+    assert set(family.shard_blocks) <= blocks and largest > 0 and root < sum(p.numel() for p in pipe.transformer.parameters())
