@@ -155,6 +155,7 @@ def test_every_online_rl_objective_edits_end_to_end(built, edit_prompts, tmp_pat
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
+@pytest.mark.slow  # about 20 s
 @pytest.mark.parametrize("built", ["dev"], indirect=True)
 def test_evaluate_and_best_of_n_judge_edits_and_report_the_change_outside_them(built, tmp_path):
     """align.evaluate scores the edits with the edit oracle and reports the change outside the edit; best-of-N picks
