@@ -9,6 +9,7 @@ import torch
 import rewards
 from align import metrics
 from align.errors import ConfigError
+from rewards.edit_prompts import is_edit_prompt
 from rewards.spec import split_top_level
 
 
@@ -29,9 +30,14 @@ def check_judge_names(specs, flag: str, allow_mix: bool = False) -> None:
 def check_judges_take_prompts(judges, prompts: list[str], flag: str) -> None:
     """Every judge (or weighted mix: its members) can judge every prompt of ``prompts`` (a rule judge parses its
     captions): one line naming the prompt, before the run folder is written or an image made."""
+    edits = [p for p in prompts if is_edit_prompt(p)]
     for judge in judges:
         for member in getattr(judge, "members", None) or [judge]:
             member_judge = getattr(member, "judge", member)
+            if edits and not getattr(member_judge, "judges_edits", False):
+                raise ConfigError(f"{flag}: judge {getattr(member_judge, 'name', 'judge')!r} cannot judge an edit (it sees "
+                                  f"neither the source image nor the instruction: {edits[0][:60]!r}); judges of edits: "
+                                  "the VLM and API judges, shapes-edit-oracle and the image-only rules")
             check = getattr(member_judge, "check_prompts_supported", None)
             if check is None:
                 continue

@@ -15,6 +15,7 @@ from align.families.base import LORA_WEIGHTS, ModelLoadError, dtype_argument, on
 from align.families.sd import StableDiffusion
 from align.progress import progress_bar
 from align.run_folder import CONFIG_FILE
+from align.testbed.edit_models import edit_testbed_pipeline_dir
 from align.testbed.weights import (
     FLOW_TESTBED_SETTINGS_FILE,
     TESTBED_SETTINGS_FILE,
@@ -29,9 +30,10 @@ DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def resolve_model(model: str) -> str:
-    """'testbed' / 'testbed-flow' -> the bundled shapes-testbed pipelines (SD v1.5 / SD3 architecture);
-    hub ids and local folders pass through."""
-    bundled = {"testbed": testbed_pipeline_dir, "testbed-flow": flow_testbed_pipeline_dir}
+    """'testbed' / 'testbed-flow' / 'testbed-edit' -> the bundled shapes-testbed pipelines (SD v1.5 / SD3 / FLUX.1
+    Kontext architecture); hub ids and local folders pass through."""
+    bundled = {"testbed": testbed_pipeline_dir, "testbed-flow": flow_testbed_pipeline_dir,
+               "testbed-edit": edit_testbed_pipeline_dir}
     if model in bundled:
         try:
             return str(bundled[model]())
@@ -269,20 +271,18 @@ def generate_images(
     ``progress``: the label of a progress bar over the batches (none without it)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    extra = family_of_pipeline(pipe).generation_kwargs(pipe)
+    family = family_of_pipeline(pipe)
     out = []
     for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
         generators = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds[chunk]]
         result = pipe(
-            prompt=list(prompts[chunk]),
             generator=generators,
             num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
             height=height,
             width=width,
             output_type="pt",
-            **extra,
+            **family.call_arguments(pipe, list(prompts[chunk]), guidance_scale, height),  # the prompts and their guidance
         )
         out.append(result.images.float().cpu())
     return torch.cat(out) if out else torch.empty(0, 3, 1, 1)

@@ -25,6 +25,7 @@ _REGISTRY: dict[str, str] = {
     "first-image": "rewards.rules:FirstImageJudge",
     # the shapes testbed
     "shapes-oracle": "rewards.shapes:ShapesOracle",
+    "shapes-edit-oracle": "rewards.shapes_edit_oracle:ShapesEditOracle",
     "shapes-clip": "rewards.clip:shapes_clip",
     # scoring models (MJ-Bench names)
     "clip": "rewards.clip:clip_score",

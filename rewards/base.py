@@ -116,6 +116,9 @@ class Judge:
     # True for judges that may give no answer (an (M)LLM judge's refusal or failed call): their NaN scores are
     # abstentions; for every other judge a NaN score is a fault (check_answers).
     abstains = False
+    # True for judges that can judge an edit prompt ('[source: ...] <instruction>', rewards.edit_prompts): they see
+    # the source image and the instruction (VLM and API judges, the edit oracle) or read the image alone (rules).
+    judges_edits = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

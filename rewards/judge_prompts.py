@@ -217,6 +217,56 @@ def render(question: JudgeQuestion, caption: str) -> str:
     )
 
 
+# The editing question (an edit prompt, rewards.edit_prompts): what "alignment" and "overall" ask of an edit.
+EDIT_CRITERIA: dict[str, str] = {
+    "alignment": (
+        "instruction following and preservation: whether the edited image does exactly what the instruction asks "
+        "of the source image, and leaves everything the instruction does not mention (other objects, their colours, "
+        "shapes, sizes and places, the background, the style) as it was in the source. An edit that is not done, "
+        "is done to the wrong object, or changes anything else lowers the rating."
+    ),
+    "overall": (
+        "overall quality of the edit as a human viewer would judge it: how well the edited image follows the "
+        "instruction, how well it preserves the rest of the source image, and its visual quality."
+    ),
+}
+
+
+def render_edit(question: JudgeQuestion, instruction: str) -> str:
+    """The user message for one question about an edit: IMAGE-1 is the source, then the edited image (single, likert)
+    or the two edits to compare (pair); the answer's fields are those of ``render``."""
+    if question.template is not None:
+        return question.template.format(caption=instruction)
+    criterion = EDIT_CRITERIA.get(question.perspective, question.criterion)
+    lo, hi = (_fmt(b) for b in question.bounds)
+    head = (
+        "You are an expert evaluator of images edited by instruction-following image editing models.\n"
+        f'Instruction: "{instruction}"\n'
+        "IMAGE-1 is the source image, before the edit.\n\n"
+        f"Judge {criterion}\n\n"
+    )
+    if question.mode == "single":
+        return head + (
+            f"IMAGE-2 is the edited image. Rate the edit on a scale from {lo} (worst) to {hi} (best).\n"
+            "Reply with a JSON object only, first a one-sentence analysis, then the rating:\n"
+            f'{{"analysis": "<one sentence>", "rating": <number from {lo} to {hi}>}}'
+        )
+    if question.mode == "likert":
+        labels = ", ".join(f'"{label}"' for label in question.labels)
+        return head + (
+            f"IMAGE-2 is the edited image. Rate the edit with exactly one of these labels, from worst to best: {labels}.\n"
+            "Reply with a JSON object only, first a one-sentence analysis, then the label:\n"
+            '{"analysis": "<one sentence>", "rating": "<one label>"}'
+        )
+    return head + (
+        "IMAGE-2 and IMAGE-3 are two edits of it: edit 1 and edit 2. Rate each edit on a scale from "
+        f"{lo} (worst) to {hi} (best), then name the better edit: 1 or 2, or 0 only if they are equally good.\n"
+        "Reply with a JSON object only (image_1_rating is edit 1's, image_2_rating edit 2's):\n"
+        '{"analysis": "<one or two sentences>", "image_1_rating": <number>, '
+        '"image_2_rating": <number>, "better_image": <0, 1 or 2>}'
+    )
+
+
 def json_schema(question: JudgeQuestion) -> dict:
     """JSON schema of the answer, for APIs with structured output (all fields required)."""
     if question.mode == "pair":

@@ -29,8 +29,9 @@ from PIL import Image
 from rewards.base import Judge, JudgeAnswerError, Preference, check_pair_counts, preference_from_scores
 from rewards.cache import CachedAnswer, JudgeCache, cache_key, image_hash
 from rewards.concurrency import CallStats
+from rewards.edit_prompts import is_edit_prompt, load_source, parse_edit_prompt
 from rewards.images import Images, to_pil
-from rewards.judge_prompts import JudgeQuestion, load_template, render
+from rewards.judge_prompts import JudgeQuestion, load_template, render, render_edit
 from rewards.parsing import FAILED, OK, Parsed, parse_answer
 
 INCONSISTENT_POLICIES = ("tie", "average")
@@ -90,6 +91,7 @@ class MllmJudge(Judge):
     stop_on_invalid_answers: bool = field(default=True, init=False, repr=False)
     last_answers: list = field(default_factory=list, repr=False)
     _cache: JudgeCache | None = field(default=None, init=False, repr=False)
+    judges_edits = True  # an edit prompt is asked the editing question, with the source image first
 
     def __post_init__(self):
         self.use_protocol(self.protocol, self.prompt_template)
@@ -128,6 +130,12 @@ class MllmJudge(Judge):
 
     def check_ready(self) -> None:
         """Fail fast (JudgeNotReadyError) before any expensive work; cheap when ready."""
+
+    def check_prompts_supported(self, prompts: list[str]) -> None:
+        """An edit needs the source image beside the edit: a judge that sees one image per question cannot judge it."""
+        if not getattr(self, "multi_image", True) and any(is_edit_prompt(p) for p in prompts):
+            raise ValueError(f"judge {self.name!r} looks at one image per question, and an edit is judged with its "
+                             "source image beside it; use a model that takes several images")
 
     def parse(self, raw: str | None) -> Parsed:
         """One raw answer -> rating or verdict; judges with their authors' own answer format override this."""
@@ -168,8 +176,13 @@ class MllmJudge(Judge):
         return [reconcile(ab, ba, self.inconsistent, self.one_order) for ab, ba in zip(answers[:n], answers[n:])]
 
     def _request(self, caption: str, images: list[Image.Image]) -> JudgeRequest:
+        edit = parse_edit_prompt(caption)
+        if edit is None:
+            prompt = render(self.question, caption)
+        else:  # an edit: the source image first, then the edit(s), and the editing question
+            images = [load_source(edit.source, images[0].size[0])] + list(images)
+            prompt = render_edit(self.question, edit.instruction)
         hashes = [image_hash(img) for img in images]
-        prompt = render(self.question, caption)
         key = cache_key(self.judge_id, self.question.key(), prompt, hashes, self.decoding())
         return JudgeRequest(caption, prompt, images, hashes, key)
 

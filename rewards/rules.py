@@ -29,6 +29,7 @@ class JpegCompressibility(Judge):
 
     name: str = "jpeg-compressibility"
     quality: int = 95
+    judges_edits = True  # the image alone
 
     def score(self, prompts, images):
         return -jpeg_size_kb(images, self.quality)
@@ -40,6 +41,7 @@ class JpegIncompressibility(Judge):
 
     name: str = "jpeg-incompressibility"
     quality: int = 95
+    judges_edits = True
 
     def score(self, prompts, images):
         return jpeg_size_kb(images, self.quality)
@@ -51,6 +53,7 @@ class RandomJudge(Judge):
 
     name: str = "random"
     seed: int = 0
+    judges_edits = True
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -65,6 +68,7 @@ class FirstImageJudge(Judge):
     """Always prefers the first image shown: what an extreme position bias scores."""
 
     name: str = "first-image"
+    judges_edits = True
 
     def __post_init__(self):
         self.pairwise_native = True

@@ -57,6 +57,8 @@ class UnifiedRewardQuestion:
     """What the local and the server UnifiedReward judge share: the authors' question for the mode (a benchmark's
     --protocol does not change it) and their answer parsing."""
 
+    judges_edits = False  # the authors' question is about a generated image, not an edit of a source
+
     def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
         self.question = _question(self.mode, prompt_template)
         self.protocol, self.prompt_template = "project", None

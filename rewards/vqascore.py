@@ -68,6 +68,8 @@ class VqaScoreQuestion:
     """What the local and the server VQAScore judge share: the authors' question (a benchmark's --protocol does
     not change it) and the probability parsed from the recorded answer."""
 
+    judges_edits = False  # the authors' question is about a generated image, not an edit of a source
+
     def use_protocol(self, protocol: str = "project", prompt_template: str | None = None) -> None:
         self.question = _template_question(self.question_template, prompt_template)
         self.protocol, self.prompt_template = "project", None

@@ -13,6 +13,7 @@ import yaml
 from align.cli import ConfigError
 from align.data.prompt_overlap import check_heldout_disjoint, prompt_overlap, report_overlap
 from align.data.prompt_sets import PromptSetError, load_prompt_list, load_prompt_set
+from align.testbed.edit_world import EVAL_SEED
 from align.testbed.scene import sample_captions
 from align.testbed.split import (
     NOVEL_PAIRS,
@@ -116,7 +117,8 @@ def test_no_bundled_held_out_set_shares_a_caption_with_any_bundled_training_set(
     assert {"testbed-train:256", "testbed-train:512:1"} <= train and len(held_out) >= 5
     trained = [p for spec in sorted(train) for p in load_prompt_list(spec)]
     for spec, count, seed in sorted(held_out, key=str):
-        assert spec.startswith(("testbed-heldout", "testbed-novel")), spec
+        edits = spec.startswith("testbed-edit:") and spec.endswith(f":{EVAL_SEED}")  # the editing world's held-out edits
+        assert spec.startswith(("testbed-heldout", "testbed-novel")) or edits, spec
         prompts = load_prompt_set(spec, count, seed=seed).prompts
         assert prompt_overlap(trained, prompts).shared == 0, spec
 

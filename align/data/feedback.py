@@ -372,7 +372,7 @@ def make_pipeline_generator(
     if batch_size < 1:
         raise DataError(f"batch_size must be a positive number of images, got {batch_size}")
 
-    call_kwargs = {**family_of_pipeline(pipe).generation_kwargs(pipe), **call_kwargs}
+    family = family_of_pipeline(pipe)
 
     def generate_images(prompts: list[str], seeds: list[int]) -> list[Image.Image]:
         if len(prompts) != len(seeds):
@@ -382,15 +382,14 @@ def make_pipeline_generator(
         images: list[Image.Image] = []
         for start in range(0, len(prompts), batch_size):
             chunk_seeds = seeds[start : start + batch_size]
+            arguments = family.call_arguments(pipe, list(prompts[start : start + batch_size]), guidance_scale, height)
             output = pipe(
-                prompt=list(prompts[start : start + batch_size]),
                 generator=[torch.Generator("cpu").manual_seed(int(s)) for s in chunk_seeds],
                 num_inference_steps=num_inference_steps,
-                guidance_scale=guidance_scale,
                 height=height,
                 width=width,
                 output_type="pil",
-                **call_kwargs,
+                **{**arguments, **call_kwargs},
             )
             images.extend(output.images)
         return images

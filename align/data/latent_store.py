@@ -444,15 +444,19 @@ class StoreLatents(torch.utils.data.Dataset):
         handle = self._shard(int(self.where[k]))
         i = int(self.position[k])
         pair = handle.get_slice("latents")[i : i + 1][0, int(flip)].float()
+        names = cond_names(handle.keys())
         if drop:
             if self._empty is None:
                 empty = load_file(str(self.store / EMPTY_TEXT))
                 self._empty = {key: as_float(empty[name]) for name, key in cond_names(empty.keys()).items()}
-            cond = self._empty
+            cond = dict(self._empty)
+            # an editing family's caption also conditions on its source image, which a dropped instruction keeps
+            names = {name: key for name, key in names.items() if key not in cond}
         else:
+            cond = {}
+        if names:
             caption = int(handle.get_slice("caption_index")[i : i + 1][0])
-            cond = {key: as_float(handle.get_slice(name)[caption : caption + 1][0])
-                    for name, key in cond_names(handle.keys()).items()}
+            cond.update({key: as_float(handle.get_slice(name)[caption : caption + 1][0]) for name, key in names.items()})
         return {"latents_w": pair[0], "latents_l": pair[1], **cond}
 
 

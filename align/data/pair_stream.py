@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from align.data.edit_pairs import edit_pairs_as_pick_a_pic, edit_schema
 from align.data.pairs import (
     MAX_UNREADABLE_EXAMPLES,
     PAIR_COLUMNS,
@@ -42,6 +43,8 @@ from align.data.pairs import (
     pair_pixels,
 )
 from align.data.parquet_rows import ParquetRows
+from align.families.base import pad_to_longest
+from rewards.edit_prompts import without_instruction
 from rewards.images import UnreadableImageError, decode_image
 
 
@@ -142,7 +145,7 @@ def open_pairs(
         raise DataError(f"tie_policy {tie_policy!r} is not valid; choose one of {', '.join(TIE_POLICIES)}")
     if max_pairs is not None and max_pairs < 1:
         raise DataError(f"max_pairs must be a positive number of pairs (or None for all), got {max_pairs}")
-    table = _open_table(str(source), split, cache_dir)
+    table = edit_pairs_as_pick_a_pic(_open_table(str(source), split, cache_dir), str(source), cache_dir)
     names = list(table.column_names)
     missing = [c for c in PAIR_COLUMNS if c not in names]
     if missing:
@@ -315,10 +318,10 @@ def _check_parquet(path: Path) -> int:
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"cannot read {path} as parquet: {err}") from err
     missing = [c for c in PAIR_COLUMNS if c not in names]
-    if missing:
+    if missing and edit_schema(names) is None:
         raise DataError(
             f"preference source {str(path)!r} lacks the Pick-a-Pic columns {', '.join(missing)}; needed: "
-            f"{', '.join(PAIR_COLUMNS)} (found: {', '.join(names)})"
+            f"{', '.join(PAIR_COLUMNS)}, or an edit-pair schema (align/data/edit_pairs.py) (found: {', '.join(names)})"
         )
     return footer.num_rows
 
@@ -399,7 +402,7 @@ class PairPixels(torch.utils.data.Dataset):
             pixels_w, pixels_l = self.table.pair_pixels(pair, self.resolution, flip)
         except DataError as err:  # handed to the training process, which stops with this one line
             return {"error": str(err)}
-        return {"pixels_w": pixels_w, "pixels_l": pixels_l, "caption": "" if drop else pair.caption}
+        return {"pixels_w": pixels_w, "pixels_l": pixels_l, "caption": without_instruction(pair.caption) if drop else pair.caption}
 
 
 class PlannedBatches(torch.utils.data.Sampler):
@@ -446,7 +449,8 @@ def _collate(items: list[dict]) -> dict:
     batch = {}
     for key in items[0]:
         values = [item[key] for item in items]
-        batch[key] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
+        # stored conditionings of different token lengths (Qwen-Image, Z-Image) are zero-padded, their masks too
+        batch[key] = torch.stack(pad_to_longest(values, dim=0)) if isinstance(values[0], torch.Tensor) else values
     return batch
 
 

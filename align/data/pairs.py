@@ -27,6 +27,7 @@ from PIL import Image
 
 from align.run_folder import atomic_path
 from align.validation import check_parquet_columns
+from rewards.edit_prompts import without_instruction
 from rewards.images import UnreadableImageError, decode_image, encode_png
 
 if TYPE_CHECKING:
@@ -304,7 +305,7 @@ class PairTransform:
         self, pair: PreferencePair, generator: torch.Generator
     ) -> tuple[str, torch.Tensor, torch.Tensor]:
         drop, flip, u, v = torch.rand(4, generator=generator).tolist()
-        caption = "" if drop < self.caption_dropout else pair.caption
+        caption = without_instruction(pair.caption) if drop < self.caption_dropout else pair.caption  # "" (edits: the source kept)
         if not self.random_crop:
             u = v = 0.5
         pixels_w, pixels_l = _pair_tensors(pair, self.resolution, u, v, self.random_flip and flip < 0.5)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align.cli import ConfigError
+from align.testbed.edit_world import EDIT_SET_PREFIX, edit_kind, parse_edit_set, sample_edit_prompts
 from align.testbed.scene import sample_captions
 from align.testbed.split import sample_split_captions
 from align.validation import read_text_file
@@ -112,6 +113,8 @@ def load_prompt_set(spec: str, num_prompts: int | None = None, seed: int = 0) ->
     """Load a named set or a file (see the module docstring); ``num_prompts`` keeps the first N."""
     if num_prompts is not None and num_prompts < 1:
         raise PromptSetError(f"num_prompts must be at least 1, got {num_prompts}")
+    if spec.startswith(EDIT_SET_PREFIX):  # the editing testbed's prompts (align/testbed/edit_world.py)
+        return _testbed_edits(spec, num_prompts)
     name, sep, numbers = spec.partition(":")
     if sep and name in TESTBED_SETS:  # the trainers' form: testbed-<part>:<count>[:<seed>]
         parts = numbers.split(":")
@@ -170,6 +173,15 @@ def load_prompt_list(spec: str) -> list[str]:
     if not prompts:
         raise ConfigError(f"prompt source {spec!r} holds no prompts")
     return prompts
+
+
+def _testbed_edits(spec: str, num_prompts: int | None) -> PromptSet:
+    try:
+        count, seed = parse_edit_set(spec)
+    except ValueError as err:
+        raise PromptSetError(str(err)) from None
+    prompts = sample_edit_prompts(min(count, num_prompts or count), seed)
+    return PromptSet("testbed-edit", prompts, [edit_kind(p) for p in prompts])
 
 
 def _testbed(name: str, n: int, seed: int) -> PromptSet:

@@ -195,13 +195,9 @@ def latent_shape(pipe, resolution: int | None) -> tuple[int, int, int]:
 
 
 def pipeline_latents(pipe, noise: torch.Tensor) -> torch.Tensor:
-    """``noise`` [B, C, h, w] in the layout the pipeline's ``latents=`` argument takes: FLUX pipelines take
-    latents packed into 2 x 2 patch tokens (what they draw for a seed is this noise, packed), others as is."""
-    pack = getattr(pipe, "_pack_latents", None)
-    if pack is None:
-        return noise
-    batch, channels, height, width = noise.shape
-    return pack(noise, batch, channels, height, width)
+    """``noise`` [B, C, h, w] in the layout the pipeline's ``latents=`` argument takes (the family's: FLUX pipelines
+    take latents packed into 2 x 2 patch tokens, what they draw for a seed being this noise, packed)."""
+    return family_of_pipeline(pipe).pipeline_latents(pipe, noise)
 
 
 def seed_noise(seed: int, shape: tuple) -> torch.Tensor:
@@ -216,18 +212,15 @@ def generate_from_noise(pipe, prompts: list[str], noises: torch.Tensor, settings
     out = []
     family = family_of_pipeline(pipe)
     denoiser = family.denoiser(pipe)
-    extra = family.generation_kwargs(pipe)
     for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
         result = pipe(
-            prompt=list(prompts[chunk]),
             latents=pipeline_latents(pipe, noises[chunk].to(denoiser.device, denoiser.dtype)),
             num_inference_steps=settings["num_inference_steps"],
-            guidance_scale=settings["guidance_scale"],
             height=settings["resolution"],
             width=settings["resolution"],
             output_type="pt",
-            **extra,
+            **family.call_arguments(pipe, list(prompts[chunk]), settings["guidance_scale"], settings["resolution"]),
         )
         out.append(result.images.float().cpu())
     return torch.cat(out)

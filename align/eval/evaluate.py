@@ -46,6 +46,7 @@ from align.declared import (
     SEED,
 )
 from align.eval import report
+from align.eval.edit_metrics import edit_change_table
 from align.eval.generation import (
     GENERATION_DTYPES,
     GenerationCache,
@@ -410,6 +411,8 @@ def evaluate(config: EvalConfig) -> dict:
             ref_emb = embed(reference)
             cmmd_values = {n: metrics.cmmd(ref_emb, embed(images[n])) for n in names}
 
+    edit_change = edit_change_table(sample_prompts, images, names)  # edits: what changed outside the edit
+
     overall = {}
     for name in names if judges else []:
         overall[name] = {
@@ -429,6 +432,7 @@ def evaluate(config: EvalConfig) -> dict:
         "fid": fid,
         "fid_feature": config.fid_feature if config.fid_reference else None,
         "cmmd": cmmd_values,
+        "change_outside_edit": edit_change,
         "overall": overall,
     }
     results["table"] = rank_table(results)
@@ -470,6 +474,8 @@ def rank_table(results: dict) -> list[dict]:
             row[f"FID ({results['fid_feature']})"] = results["fid"][name]
         if results["cmmd"]:
             row["CMMD"] = results["cmmd"][name]
+        if results.get("change_outside_edit"):
+            row["change outside the edit"] = results["change_outside_edit"][name]["mean"]
         rows.append(row)
     return rows
 

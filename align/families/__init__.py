@@ -8,12 +8,18 @@ from pathlib import Path
 
 from align.families.base import ModelFamily
 from align.families.flux import Flux
+from align.families.flux2 import Flux2
+from align.families.flux_kontext import FluxKontext
+from align.families.qwenimage import QwenImage
 from align.families.sd import StableDiffusion
 from align.families.sd3 import StableDiffusion3
 from align.families.sdxl import StableDiffusionXL
+from align.families.zimage import ZImage
 
 # One instance per family; a new family adds its class here.
-FAMILIES: tuple[ModelFamily, ...] = (StableDiffusion(), StableDiffusionXL(), StableDiffusion3(), Flux())
+FAMILIES: tuple[ModelFamily, ...] = (
+    StableDiffusion(), StableDiffusionXL(), StableDiffusion3(), Flux(), QwenImage(), Flux2(), ZImage(), FluxKontext(),
+)
 
 
 class UnknownFamilyError(ValueError):

@@ -63,8 +63,19 @@ def pretrained_pipeline(pipeline_class, model: str, dtype: torch.dtype, family_n
 
 
 def cat_conditioning(parts: list[Conditioning]) -> Conditioning:
-    """The batches of ``parts`` one after the other."""
-    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+    """The batches of ``parts`` one after the other. Token sequences of different lengths (Qwen-Image and Z-Image
+    encode each prompt to its own length) are right-padded with zeros to the longest, as the pipelines pad a batch:
+    the family's ``*_mask`` tensor, padded with zeros too, marks the padding."""
+    return {key: torch.cat(pad_to_longest([part[key] for part in parts])) for key in parts[0]}
+
+
+def pad_to_longest(tensors: list[torch.Tensor], dim: int = 1) -> list[torch.Tensor]:
+    """Tensors whose dimension ``dim`` (the tokens: 1 in a batch, 0 in one item) differs, zero-padded at its end to the
+    longest."""
+    if all(t.ndim <= dim for t in tensors) or len({t.shape[dim] for t in tensors}) == 1:
+        return tensors
+    longest = max(t.shape[dim] for t in tensors)
+    return [torch.nn.functional.pad(t, (0, 0) * (t.ndim - dim - 1) + (0, longest - t.shape[dim])) for t in tensors]
 
 
 def select_conditioning(cond: Conditioning, index) -> Conditioning:
@@ -106,6 +117,9 @@ class ModelFamily:
     pipeline_class_names: tuple[str, ...] = ()  # model_index.json ``_class_name`` values handled
     denoiser_name: str = "unet"  # the pipeline attribute that is trained
     is_flow: bool = False  # flow matching (velocity, σ schedule) rather than DDPM/DDIM
+    # Instruction editing: a prompt is an instruction and a source image (rewards.edit_prompts) whose latents are
+    # conditioning (``source_latents``, the generated image's shape); the trainers, the planner and the judges read it.
+    edits: bool = False
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     # FSDP2's units (align/train/sharding.py): the UNet's transformer blocks and resnet blocks (whole down/up blocks
     # are too coarse: SDXL's first up block alone is ~1 B parameters, gathered whole for its forward)
@@ -216,21 +230,39 @@ class ModelFamily:
         """(noisy latents, regression target of ``predict``) at ``timesteps``."""
         raise NotImplementedError
 
+    # --- guidance and the pipeline's own call ------------------------------------------------------
+    def guided_prediction(self, denoiser, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning,
+                          uncond: Conditioning, guidance_scale: float) -> torch.Tensor:
+        """The prediction the family's pipeline steps with at ``guidance_scale``, in float32: classifier-free
+        guidance in one denoiser call (unconditional half first), the guidance embedding where the denoiser takes one.
+        A family whose pipeline guides otherwise (two calls, a rescaled norm, another scale convention) overrides it.
+
+        Float32 whatever the denoiser's output dtype: accelerate's prepared model returns float32 under
+        fp16/bf16 and a bare one does not, and sampled and re-scored log-probabilities must agree bit for bit.
+        """
+        if self.uses_guidance_embedding(denoiser):
+            guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device)
+            return self.predict(denoiser, latents, timesteps, {**cond, "guidance": guidance}).float()
+        if guidance_scale == 1.0:
+            return self.predict(denoiser, latents, timesteps, cond).float()
+        out = self.predict(
+            denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), cat_conditioning([uncond, cond])
+        )
+        uncond_out, cond_out = out.float().chunk(2)
+        return uncond_out + guidance_scale * (cond_out - uncond_out)
+
+    def call_arguments(self, pipe, prompts: list[str], guidance_scale: float, resolution: int | None = None) -> dict:
+        """The keyword arguments of ``pipe(...)`` that generate ``prompts`` as ``guided_prediction`` samples them at
+        ``guidance_scale`` (with ``generation_kwargs``), images of side ``resolution`` (None: the pipeline's own). A
+        family whose pipeline names its guidance otherwise, or whose prompt carries a source image, overrides it."""
+        return {"prompt": list(prompts), "guidance_scale": guidance_scale, **self.generation_kwargs(pipe)}
+
+    def pipeline_latents(self, pipe, noise: torch.Tensor) -> torch.Tensor:
+        """``noise`` [B, C, h, w] (this family's latents) in the layout the pipeline's ``latents=`` argument takes."""
+        return noise
+
 
 def guided_prediction(family: ModelFamily, denoiser, latents: torch.Tensor, timesteps: torch.Tensor,
                       cond: Conditioning, uncond: Conditioning, guidance_scale: float) -> torch.Tensor:
-    """Classifier-free guidance in one denoiser call (uncond half first), in float32.
-
-    Float32 whatever the denoiser's output dtype: accelerate's prepared model returns float32 under
-    fp16/bf16 and a bare one does not, and sampled and re-scored log-probabilities must agree bit for bit.
-    """
-    if family.uses_guidance_embedding(denoiser):
-        guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device)
-        return family.predict(denoiser, latents, timesteps, {**cond, "guidance": guidance}).float()
-    if guidance_scale == 1.0:
-        return family.predict(denoiser, latents, timesteps, cond).float()
-    out = family.predict(
-        denoiser, torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), cat_conditioning([uncond, cond])
-    )
-    uncond_out, cond_out = out.float().chunk(2)
-    return uncond_out + guidance_scale * (cond_out - uncond_out)
+    """The family's guided prediction (``ModelFamily.guided_prediction``), in float32."""
+    return family.guided_prediction(denoiser, latents, timesteps, cond, uncond, guidance_scale)

@@ -31,20 +31,32 @@ def is_null_component(entry) -> bool:
     return entry is None or (isinstance(entry, (list, tuple)) and all(part is None for part in entry))
 
 
-def trained_max_sequence_length(model: str) -> int | None:
-    """``max_sequence_length`` stored in ``flow_testbed.json`` beside a local pipeline, if any."""
+# The pipeline attribute that holds the image side stored beside the model (set at load; None: the pipeline's default).
+RESOLUTION_ATTRIBUTE = "align_resolution"
+
+
+def stored_setting(model: str, key: str) -> int | None:
+    """An integer setting (``max_sequence_length``, ``resolution``) stored in ``flow_testbed.json`` beside a local
+    pipeline, if any."""
     path = Path(model).expanduser() / FLOW_SETTINGS_FILE
     if not path.is_file():
         return None
-    value = json.loads(path.read_text()).get("max_sequence_length")
+    value = json.loads(path.read_text()).get(key)
     return int(value) if value is not None else None
 
 
+def trained_max_sequence_length(model: str) -> int | None:
+    """``max_sequence_length`` stored in ``flow_testbed.json`` beside a local pipeline, if any."""
+    return stored_setting(model, "max_sequence_length")
+
+
 def finish_loading(pipe, model: str, device, default_max_sequence_length: int):
-    """Progress bars off, the trained T5 length remembered on the pipe, moved to ``device``."""
+    """Progress bars off, the trained T5 length and the stored image side remembered on the pipe, moved to
+    ``device``."""
     pipe.set_progress_bar_config(disable=True)
     stored = trained_max_sequence_length(model)
     setattr(pipe, MAX_SEQUENCE_LENGTH_ATTRIBUTE, stored if stored is not None else default_max_sequence_length)
+    setattr(pipe, RESOLUTION_ATTRIBUTE, stored_setting(model, "resolution"))
     return pipe.to(device)
 
 
@@ -152,6 +164,10 @@ class FlowMatchingFamily(ModelFamily):
     def trained_t5_tokens(self, model: str | None) -> int:
         """The T5 length the model encodes with, from its folder (``flow_testbed.json``) or the pipeline's default."""
         return (trained_max_sequence_length(model) if model else None) or self.default_max_sequence_length
+
+    def native_resolution(self, pipe) -> int:
+        """The image side stored beside the model (a testbed's), else the pipeline's default."""
+        return getattr(pipe, RESOLUTION_ATTRIBUTE, None) or super().native_resolution(pipe)
 
     def encode_images(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
         return encode_shifted(pipe.vae, pixels)

@@ -123,17 +123,28 @@ class Flux(flow_common.FlowMatchingFamily):
             if guidance is None:
                 guidance = torch.full((batch,), TRAINING_GUIDANCE, device=latents.device, dtype=torch.float32)
         prompt_embeds = cond["prompt_embeds"]
-        tokens = denoiser(
-            hidden_states=pack_latents(latents),
+        tokens, ids = pack_latents(latents), latent_image_ids(height, width, latents.device, latents.dtype)
+        reference = self.reference_tokens(cond, latents.dtype)
+        if reference is not None:  # an editing family's source image: its tokens after the latents' (FLUX.1 Kontext)
+            tokens, ids = torch.cat([tokens, reference[0]], dim=1), torch.cat([ids, reference[1]])
+        out = denoiser(
+            hidden_states=tokens,
             timestep=timesteps.to(latents.dtype) / 1000,
             guidance=guidance,
             pooled_projections=cond["pooled_embeds"],
             encoder_hidden_states=prompt_embeds,
             txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=latents.device, dtype=prompt_embeds.dtype),
-            img_ids=latent_image_ids(height, width, latents.device, latents.dtype),
+            img_ids=ids,
             return_dict=False,
         )[0]
-        return unpack_latents(tokens, height, width)
+        return unpack_latents(out[:, : (height // 2) * (width // 2)], height, width)
+
+    def reference_tokens(self, cond: Conditioning, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed tokens, position ids) of images the prediction sees besides its latents; FLUX.1 has none."""
+        return None
+
+    def pipeline_latents(self, pipe, noise: torch.Tensor) -> torch.Tensor:
+        return pack_latents(noise)  # FluxPipeline takes (and draws) its latents as 2x2 patch tokens
 
     def flow_sigmas(self, pipe, num_inference_steps: int, resolution: int) -> torch.Tensor:
         """As FluxPipeline: base σ = linspace(1, 1/N, N) (left to the scheduler when it uses flow sigmas),

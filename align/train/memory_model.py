@@ -171,6 +171,8 @@ def training_forward(family, denoiser, vae_config: dict, batch: int, resolution:
 
     cond = {key: meta(shape) for key, shape in family.conditioning_shapes(config, batch, text_tokens).items()}
     latents = meta((batch, *family.latent_shape_of(config, vae_config, resolution)))
+    if family.edits:  # an editing family's source image: latents of the generated image's shape
+        cond["source_latents"] = meta(latents.shape)
     timesteps = meta((batch,))
     return lambda: family.predict(denoiser, latents, timesteps, cond)
 

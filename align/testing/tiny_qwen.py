@@ -1,0 +1,100 @@
+"""Tiny Qwen-Image pipelines (text-to-image and instruction editing) built from scaled-down configs, for tests.
+
+The classes are the real ones (QwenImageTransformer2DModel, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration,
+Qwen2Tokenizer, Qwen2VLProcessor, FlowMatchEulerDiscreteScheduler) at random weights, saved with ``save_pretrained`` and
+loaded back through ``align.pipeline.load_pipeline`` like real weights. The configs are diffusers' own test configs
+(tests/pipelines/qwenimage) with Qwen-Image's real scheduler config; the tokenizer is byte-level BPE without merges
+(each byte one token) plus Qwen's special tokens, written here, so nothing is downloaded.
+
+Sizes: 32 px images <-> 4 x 8 x 8 latents (the VAE downsamples by 4), 16 packed image tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from tokenizers import pre_tokenizers
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from align.testbed.flow_models import FLOW_SETTINGS_FILE
+
+QWEN_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                       "<|video_pad|>", "<think>", "</think>")
+TEXT_HIDDEN = 16
+Z_DIM = 4
+RESOLUTION = 32
+# Qwen-Image's scheduler_config.json (Qwen/Qwen-Image): exponential time shift with a terminal σ
+QWEN_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                            max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                            time_shift_type="exponential", invert_sigmas=False, stochastic_sampling=False,
+                            use_beta_sigmas=False, use_exponential_sigmas=False, use_karras_sigmas=False)
+
+
+def qwen_tokenizer(chat_template: str | None = None) -> Qwen2Tokenizer:
+    """A Qwen2 byte-level tokenizer: the 256 byte symbols (no merges) and Qwen's special tokens."""
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tiny_qwen25_vl(tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    """Qwen2.5-VL at diffusers' test size, its vision tokens those of ``tokenizer``."""
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": TEXT_HIDDEN, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 2, "vocab_size": len(tokenizer), "rope_theta": 1000000.0,
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": TEXT_HIDDEN},
+        hidden_size=TEXT_HIDDEN, vocab_size=len(tokenizer), bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id, image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"), vision_token_id=ids("<|vision_start|>"),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def tiny_qwen_vae() -> AutoencoderKLQwenImage:
+    """The causal video VAE at diffusers' test size (spatial downsampling 4), with non-trivial latent statistics so
+    that code forgetting them is caught."""
+    return AutoencoderKLQwenImage(base_dim=Z_DIM * 6, z_dim=Z_DIM, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                  temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
+                                  latents_std=[1.5, 0.8, 1.2, 2.0])
+
+
+def tiny_qwen_transformer(num_layers: int = 2) -> QwenImageTransformer2DModel:
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=num_layers,
+                                       attention_head_dim=16, num_attention_heads=3, joint_attention_dim=TEXT_HIDDEN,
+                                       guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+
+
+def build_tiny_qwenimage(folder: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random QwenImagePipeline under ``folder`` and return its folder (``folder/pipeline``)."""
+    torch.manual_seed(seed)
+    tokenizer = qwen_tokenizer()
+    pipe = QwenImagePipeline(transformer=tiny_qwen_transformer(), vae=tiny_qwen_vae(),
+                             scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+                             text_encoder=tiny_qwen25_vl(tokenizer), tokenizer=tokenizer)
+    return save_tiny(pipe, folder)
+
+
+def save_tiny(pipe, folder: str | Path, max_sequence_length: int | None = None) -> Path:
+    """``folder/pipeline`` saved, with ``flow_testbed.json`` saying to sample at 32 px (the pipelines' own default
+    size, 128 latent pixels, would be 512 px here) and, where given, the prompt length to encode with."""
+    out = Path(folder) / "pipeline"
+    pipe.save_pretrained(out, safe_serialization=True)
+    settings = {"resolution": RESOLUTION}
+    if max_sequence_length is not None:
+        settings["max_sequence_length"] = max_sequence_length
+    (out / FLOW_SETTINGS_FILE).write_text(json.dumps(settings))
+    return out
