@@ -67,6 +67,9 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS):
         "step std a·√(σ/(1-σ))·√Δσ (None: 0.7, the authors')", "sampling")
     sampler: str | None = option(None, sampler_help(), "sampling")
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling")
+    cache_prompt_embeddings: bool = option(False, "encode each training prompt once and keep its conditioning on the "
+                                           "CPU (with --offload the text encoders then visit the device only for "
+                                           "prompts not seen before)", "sampling")
     samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling")
     sample_batch_size: int = option(8, "images per process per sampling batch", "sampling")
     images_per_prompt: int = option(1, "images drawn per prompt in a batch (>= 2 for group advantages or "

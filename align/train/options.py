@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from align.cli import ConfigError, option
+from align.train.quantization import NONE, check_scheme_names, choices_help
 
 FINETUNES = ("full", "lora")
 PRECISIONS = (None, "no", "fp16", "bf16")
@@ -53,6 +54,14 @@ class ModelOptions:
     gradient_checkpointing: bool = option(False, "recompute the denoiser's activations in the backward: less memory, "
                                           "slower", "model")
     use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
+    quantize_base: str = option(NONE, "load the frozen denoiser quantized under a LoRA (its adapter and optimiser "
+                                f"states stay fp32; the reference runs through the same weights): none; {choices_help()}",
+                                "model")
+    quantize_text_encoders: str = option(NONE, "load the text encoders quantized: none, or a scheme of --quantize_base",
+                                         "model")
+    offload: bool = option(False, "keep the text encoders and the VAE on the CPU between uses: each moves to the "
+                           "device when it is called and back when the denoiser runs (diffusers' scripts' --offload)",
+                           "model")
     adam_weight_decay: float = option(1e-2, "AdamW weight decay", "optimisation")
     max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation")
 
@@ -65,6 +74,7 @@ class ModelOptions:
             raise ConfigError(f"--lora_rank must be >= 1, got {self.lora_rank}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ConfigError(f"--lora_alpha must be > 0, got {self.lora_alpha}")
+        check_scheme_names(self.quantize_base, self.quantize_text_encoders, self.finetune)
 
 
 @dataclass
