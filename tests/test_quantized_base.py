@@ -105,8 +105,6 @@ def test_a_missing_backend_or_gpu_is_refused_before_the_run_starts(tiny_model, t
 
 def test_each_scheme_is_the_config_diffusers_and_transformers_load_it_with():
     """float8 and NF4 need a GPU for their numbers; their wiring is checked here: the configs the pipeline loads with."""
-    from transformers import PreTrainedModel  # noqa: F401  (transformers' configs: the text encoders')
-
     if importlib.util.find_spec("torchao") is not None:
         mapping = quantization.pipeline_quantization("float8", "int8", "transformer", ["text_encoder"], torch.bfloat16)
         assert type(mapping.quant_mapping["transformer"]).__module__.startswith("diffusers")

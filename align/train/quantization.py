@@ -153,3 +153,28 @@ def keep_dequantized_weights_out_of_autograd(model: torch.nn.Module) -> int:
     for layer in layers:
         layer.forward = functools.partial(_frozen_quantized_forward, layer)
     return len(layers)
+
+
+def quantize_linear_weights(model: torch.nn.Module, scheme: str, dtype: torch.dtype) -> None:
+    """A model built in memory (the GPU benchmark's random weights) quantized as diffusers' TorchAoConfig quantizes one
+    at load: torchao's ``quantize_`` with the scheme's config on every ``nn.Linear`` weight."""
+    from torchao.quantization import quantize_
+
+    quantize_(model, SCHEMES[scheme].config_object("diffusers", dtype).quant_type)
+
+
+def _floating_to(value, dtype: torch.dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def cast_inputs_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A base loaded quantized in the compute dtype takes its floating inputs in that dtype (a forward pre-hook), as
+    diffusers' scripts cast the latents and prompt embeddings to the weight dtype: Diffusion-DPO feeds float32 latents
+    and embeddings (its frozen parts stay float32), which a bf16 base's normalisations refuse on a CPU."""
+    if dtype == torch.float32:
+        return
+
+    def cast(module, args, kwargs):
+        return tuple(_floating_to(a, dtype) for a in args), {k: _floating_to(v, dtype) for k, v in kwargs.items()}
+
+    model.register_forward_pre_hook(cast, with_kwargs=True)

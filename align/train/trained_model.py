@@ -12,7 +12,12 @@ from align.families import UnknownFamilyError, family_of, family_of_pipeline
 from align.families.base import ModelFamily, ModelLoadError, one_line
 from align.pipeline import add_lora, cast_frozen, check_model, frozen_copy, load_pipeline
 from align.train.offload import offload_frozen_parts
-from align.train.quantization import NONE, keep_dequantized_weights_out_of_autograd, pipeline_quantization
+from align.train.quantization import (
+    NONE,
+    cast_inputs_to,
+    keep_dequantized_weights_out_of_autograd,
+    pipeline_quantization,
+)
 from align.train.sharding import (
     is_sharded,
     pipeline_device,
@@ -73,6 +78,7 @@ def load_for_training(run, family, frozen_dtype: torch.dtype):
         raise ConfigError(f"--model {config.model!r} loaded as {family_of_pipeline(pipe).name}, detected as {family.name}")
     if quantized_base:
         keep_dequantized_weights_out_of_autograd(family.denoiser(pipe))
+        cast_inputs_to(family.denoiser(pipe), compute_dtype(config.mixed_precision))
     for module in family.frozen_modules(pipe):
         module.requires_grad_(False)
         cast_frozen(module, frozen_dtype)
