@@ -78,15 +78,18 @@ def check_sampling_steps(model: str, steps: int | None, name: str = "num_inferen
         raise ModelLoadError(f"--{name} {steps} is more than the scheduler's {limit} training timesteps; give at most {limit}")
 
 
-def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_pipeline(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization=None):
     """The model family's pipeline (``align.families``: SD 1.x/2.x with a DDIM scheduler, ...), safety
-    checker off, progress bars off, on ``device``."""
+    checker off, progress bars off, on ``device``; ``quantization``: the components loaded quantized (diffusers'
+    ``PipelineQuantizationConfig``: align/train/quantization.py)."""
     resolved = check_model(model)
     try:
         family = family_of(resolved)
     except (UnknownFamilyError, OSError, ValueError) as err:
         raise ModelLoadError(f"--model {model!r}: {one_line(err)}") from None
-    return family.load_pipeline(resolved, dtype, device)
+    if quantization is None:
+        return family.load_pipeline(resolved, dtype, device)
+    return family.load_pipeline(resolved, dtype, device, quantization=quantization)
 
 
 def testbed_settings(model: str) -> dict:
@@ -134,8 +137,9 @@ def merged_adapter(unet):
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in unet.modules() if isinstance(m, LoraLayer)]
-    if not layers or any(any(m.use_dora.get(a, False) for a in m.active_adapters) for m in layers):
-        yield unet  # nothing to merge, or DoRA (its update is not a plain additive delta)
+    if (not layers or any(any(m.use_dora.get(a, False) for a in m.active_adapters) for m in layers)
+            or any(is_quantized(m.get_base_layer().weight) for m in layers)):
+        yield unet  # nothing to merge, DoRA (its update is not a plain additive delta), or a quantized base
         return
     originals = []
     try:
@@ -152,15 +156,22 @@ def merged_adapter(unet):
             base.weight.data = weight
 
 
+def is_quantized(weight: torch.Tensor) -> bool:
+    """A weight loaded quantized (a torchao tensor, a bitsandbytes 4-bit parameter: a subclass of its own) rather than a
+    plain tensor: nothing is folded into it and it is not cast."""
+    return type(weight) not in (torch.nn.Parameter, torch.Tensor)
+
+
 def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """A loaded frozen part (a text encoder, a VAE) in ``dtype``, as ``from_pretrained(torch_dtype=dtype)`` would
-    load it: the modules its class keeps in fp32 (``_keep_in_fp32_modules``, e.g. T5's ``wo``) stay in fp32."""
+    load it: the modules its class keeps in fp32 (``_keep_in_fp32_modules``, e.g. T5's ``wo``) stay in fp32, and
+    quantized weights stay as they were loaded."""
     if dtype == torch.float32:
         return
     keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
     with torch.no_grad():
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.is_floating_point() and not keep & set(name.split(".")):
+            if tensor.is_floating_point() and not keep & set(name.split(".")) and not is_quantized(tensor):
                 tensor.data = tensor.data.to(dtype)
 
 

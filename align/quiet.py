@@ -30,6 +30,18 @@ _TORCHVISION_FALLBACK = ("transformers.utils.import_utils",
                          r"requires torchvision \(not installed\); falling back to `\w+Pil`")
 
 
+# torchao (--quantize_base) on a machine without CUDA: its CUDA kernels' libraries do not load, which the CPU's int8 /
+# float8 weight-only paths never use; at import it also registers enums with torch's pytree, which torch 2.13 calls
+# deprecated. diffusers 0.42 imports torchao tensor classes that torchao >= 0.17 moved, for torch.load of
+# torchao-serialized files, which this project never loads (weights load from safetensors). Its quantizer also says that
+# integer quantization supports only bf16: a float32 base (the CPU testbeds) loads and trains (tests/test_quantized_base.py).
+_TORCHAO_IMPORT = (("torchao", r"^Failed to load .*\.so"),
+                   ("torch.utils._pytree", r"is an Enum subclass and is now natively supported by torch\.compile"),
+                   ("diffusers.quantizers.torchao.torchao_quantizer", r"Unable to import `torchao` Tensor objects"),
+                   ("diffusers.quantizers.torchao.torchao_quantizer",
+                    r"set torch_dtype to torch\.float32 for integer quantization"))
+
+
 def _drop(logger_name: str, pattern: str) -> None:
     logger = logging.getLogger(logger_name)
     if not any(isinstance(f, _DropMessages) and f.pattern.pattern == pattern for f in logger.filters):
@@ -56,6 +68,8 @@ def _hide_weight_loading_bars() -> None:
 def quiet_output(quiet: bool = False) -> None:
     """Drop the third-party messages listed above; ``quiet``: no progress bars either (``--quiet true``)."""
     _drop(*_TORCHVISION_FALLBACK)
+    for logger_name, pattern in _TORCHAO_IMPORT:
+        _drop(logger_name, pattern)
     # PEFT's get_peft_model reads transformers' deprecated `is_gradient_checkpointing` (peft 0.21 with
     # transformers 5); our code never calls it, so only the one message from that one module is dropped.
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,

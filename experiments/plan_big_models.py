@@ -1,9 +1,11 @@
-"""The memory plan of the 8-GPU full fine-tuning configs, from the real models' config values (no download).
+"""The memory plan of the 8-GPU full fine-tuning configs and of the one-GPU 24 GB recipes, from the real models'
+config values (no download).
 
     python -m experiments.plan_big_models            # every configs/*_8gpu.yaml
+    python -m experiments.plan_big_models --one_gpu  # every configs/*_24gb.yaml: one process, and each quantization choice
     python -m experiments.plan_big_models --check    # only the parameter totals against the published ones
 
-The config.json values of SDXL base 1.0's UNet, SD3.5 Large's and FLUX.1-dev's transformers, their text encoders
+The config.json values of SDXL base 1.0's UNet, SD3.5 Medium's and Large's and FLUX.1-dev's transformers, their text encoders
 (CLIP ViT-L/14, OpenCLIP ViT-bigG/14, T5-v1.1-XXL's encoder) and VAEs are written out below; each part is built on
 the meta device from them (align/train/memory_model.py), so the counts are those of the real classes. The plan
 printed is what `--dry_run` prints for the config on a machine that can read the model's config files; the
@@ -25,8 +27,9 @@ from align.cli import parse_config
 from align.families import family_named
 from align.train.ddpo_config import DDPOConfig
 from align.train.dpo_config import DPOConfig
-from align.train.memory_model import PipelineParts, parameter_count, plan_parts
-from align.train.memory_plan import GIB, ddp_plan, fsdp2_plan, plan_table, total
+from align.train.memory_model import PipelineParts, parameter_count, plan_parts, scheme_quantization
+from align.train.memory_plan import GIB, choices_table, ddp_plan, fsdp2_plan, plan_table, total
+from align.train.quantization import CHOICES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +46,11 @@ SD35_LARGE_TRANSFORMER = {
     "attention_head_dim": 64, "caption_projection_dim": 2432, "in_channels": 16, "joint_attention_dim": 4096,
     "num_attention_heads": 38, "num_layers": 38, "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048,
     "pos_embed_max_size": 192, "qk_norm": "rms_norm", "sample_size": 128,
+}
+SD35_MEDIUM_TRANSFORMER = {
+    "attention_head_dim": 64, "caption_projection_dim": 1536, "dual_attention_layers": list(range(13)), "in_channels": 16,
+    "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 24, "out_channels": 16, "patch_size": 2,
+    "pooled_projection_dim": 2048, "pos_embed_max_size": 384, "qk_norm": "rms_norm", "sample_size": 128,
 }
 FLUX_DEV_TRANSFORMER = {
     "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "guidance_embeds": True, "in_channels": 64,
@@ -87,6 +95,12 @@ def sd35_large_parts() -> PipelineParts:
                          family.text_tokens())
 
 
+def sd35_medium_parts() -> PipelineParts:
+    large = sd35_large_parts()
+    return PipelineParts(large.family, build("diffusers", "SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER), VAE_16,
+                         large.others, large.text_tokens)
+
+
 def flux_dev_parts() -> PipelineParts:
     others = [build("transformers", "CLIPTextModel", CLIP_L), build("transformers", "T5EncoderModel", T5_XXL),
               build("diffusers", "AutoencoderKL", VAE_16)]
@@ -102,7 +116,33 @@ CONFIGS = {
 }
 
 
+# The 24 GB recipes (a quantized frozen base, offloaded encoders): one process each.
+ONE_GPU_CONFIGS = {
+    "sdxl_dpo_lora_24gb.yaml": (DPOConfig, sdxl_parts),
+    "sdxl_ddpo_lora_24gb.yaml": (DDPOConfig, sdxl_parts),
+    "sd35m_dpo_lora_24gb.yaml": (DPOConfig, sd35_medium_parts),
+    "sd35m_grpo_lora_24gb.yaml": (DDPOConfig, sd35_medium_parts),
+    "sd35m_nft_lora_24gb.yaml": (DDPOConfig, sd35_medium_parts),
+    "flux_dpo_lora_24gb.yaml": (DPOConfig, flux_dev_parts),
+    "flux_grpo_lora_24gb.yaml": (DDPOConfig, flux_dev_parts),
+    "flux_nft_lora_24gb.yaml": (DDPOConfig, flux_dev_parts),
+}
+
+
+def plan_config(name: str):
+    """The planned run of ``configs/<name>`` (an 8-GPU or a 24 GB config) from the real config values."""
+    config_class, parts = {**CONFIGS, **ONE_GPU_CONFIGS}[name]
+    return plan_parts(parts(), parse_config(config_class, ["--config", str(ROOT / "configs" / name)]))
+
+
+def one_gpu_total(name: str) -> float:
+    """The planned GiB of the one process of a 24 GB config (what its header quotes)."""
+    return total(ddp_plan(plan_config(name).shape, 1)) / GIB
+
+
 def check_totals() -> None:
+    # SD3.5 Medium is left out: its model card's "2.5 billion parameters" is not its transformer's count (2,243,171,520
+    # from the config above, as diffusers builds it)
     for parts in (sdxl_parts(), sd35_large_parts(), flux_dev_parts()):
         count = parameter_count(parts.denoiser)
         published = PUBLISHED[parts.family.name]
@@ -115,13 +155,22 @@ def check_totals() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check the parameter totals")
+    parser.add_argument("--one_gpu", action="store_true", help="the 24 GB recipes instead of the 8-GPU configs")
     args = parser.parse_args(argv)
     check_totals()
     if args.check:
         return
-    for name, (config_class, parts) in CONFIGS.items():
-        config = parse_config(config_class, ["--config", str(ROOT / "configs" / name)])
-        planned = plan_parts(parts(), config)
+    if args.one_gpu:
+        for name in ONE_GPU_CONFIGS:
+            planned = plan_config(name)
+            print(f"\nconfigs/{name}: {planned.summary}")
+            print(plan_table(planned.shape, [1], sharded=False))
+            print(f"one process: {total(ddp_plan(planned.shape, 1)) / GIB:.1f} GiB; by --quantize_base (and "
+                  "--quantize_text_encoders) and --offload, the rest as configured:")
+            print(choices_table(planned.shape, {scheme: scheme_quantization(scheme) for scheme in CHOICES}))
+        return
+    for name in CONFIGS:
+        planned = plan_config(name)
         print(f"\nconfigs/{name}: {planned.summary}")
         print(plan_table(planned.shape, [1, 2, 4, 8]))
         print(f"per process at 8 processes: DDP {total(ddp_plan(planned.shape, 8)) / GIB:.1f} GiB, "

@@ -36,6 +36,7 @@ import contextlib
 import copy
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +66,20 @@ from align.train.accelerator import adamw_class, make_accelerator
 from align.train.ddpo_config import DDPOConfig
 from align.train.ddpo_order import SAMPLE, epoch_generator
 from align.train.losses import diffusion_dpo_loss, per_sample_mse
+from align.train.memory_model import PipelineParts, plan_parts
+from align.train.memory_plan import GIB, ddp_plan, total
 from align.train.objectives import algorithm
 from align.train.old_policy import OldPolicy
 from align.train.online_update import Epoch, Update, plan_epoch, train_epoch
 from align.train.policy_models import PolicyModels, sampling_merges_lora
+from align.train.quantization import (
+    CHOICES,
+    NONE,
+    SCHEMES,
+    cast_inputs_to,
+    keep_dequantized_weights_out_of_autograd,
+    quantize_linear_weights,
+)
 from align.train.rollout import Rollout
 
 # Peak dense bf16 tensor FLOP/s (no sparsity), from the vendors' data sheets.
@@ -326,6 +337,28 @@ def build_denoiser(arch: Arch, tiny: bool, device):
     return model
 
 
+def quantized_base(model: torch.nn.Module, scheme: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The frozen base of a LoRA benchmark as --quantize_base loads it: its weights in the compute dtype, every
+    nn.Linear weight quantized with the scheme's config (torchao's quantize_, which diffusers' TorchAoConfig applies at
+    load; NF4: the model saved and loaded back through diffusers' BitsAndBytesConfig, which quantizes on a GPU only),
+    and the trainers' backward for quantized linears (align/train/quantization.py). Call it before the LoRA is added."""
+    if scheme == NONE:
+        return model
+    model = cast(model, dtype)
+    if SCHEMES[scheme].backend == "torchao":
+        quantize_linear_weights(model, scheme, dtype)
+        keep_dequantized_weights_out_of_autograd(model)
+        cast_inputs_to(model, dtype)
+        return model
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        device = next(model.parameters()).device
+        model = type(model).from_pretrained(folder, quantization_config=SCHEMES[scheme].config_object("diffusers", dtype),
+                                            torch_dtype=dtype).to(device)
+    cast_inputs_to(model, dtype)
+    return model
+
+
 def family_of_arch(arch: Arch, model):
     """The model family (align.families) whose ``predict`` calls this denoiser."""
     if arch.kind == "unet":
@@ -401,12 +434,12 @@ def optimiser_step(accelerator, params, optimizer) -> None:
 
 
 def family_dpo_bench(arch: Arch, accelerator, tiny: bool, pairs: int, checkpointing: bool, lora_rank: int,
-                     resolution: int | None):
+                     resolution: int | None, quantize: str = NONE):
     """One Diffusion-DPO LoRA step on ``pairs`` cached-latent pairs of an SDXL / SD3-architecture denoiser: the policy's
     error on winner and loser at the same noise and time, the reference's (adapter off) under the same autocast, and
     align.train.losses' loss; epsilon-prediction for the UNet, the velocity target eps - x0 for SD3 (flow-matching DPO)."""
     device = accelerator.device
-    model = build_denoiser(arch, tiny, device)
+    model = quantized_base(build_denoiser(arch, tiny, device), quantize, torch.bfloat16)
     add_lora(model, rank=lora_rank, target_modules=arch.lora_targets)
     model.train()
     params, train_model, optimizer = prepare_training(accelerator, model, checkpointing, lr=1e-6)
@@ -460,12 +493,13 @@ DDPO_OPTIONS = dict(algorithm="ppo", guidance_scale=5.0, eta=1.0, clip_range=1e-
 
 
 def online_rl_config(samples: int, inference_steps: int, precision: str, lora_rank: int, lora_alpha: float | None,
-                     **options) -> DDPOConfig:
+                     quantize: str = NONE, **options) -> DDPOConfig:
     """The trainer's options for an epoch of one sampling batch of ``samples`` images trained in one optimiser step,
     one sample per micro-batch and one timestep per model call (the trainer's least memory)."""
     return DDPOConfig(prompts="bench", mixed_precision=precision, samples_per_epoch=samples, sample_batch_size=samples,
                       train_batch_size=1, gradient_accumulation_steps=samples, timestep_batch=1,
-                      num_inference_steps=inference_steps, lora_rank=lora_rank, lora_alpha=lora_alpha, **options)
+                      num_inference_steps=inference_steps, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                      quantize_base=quantize, **options)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -504,10 +538,12 @@ class OnlineRLStep:
                  latent_shape: tuple[int, int, int], checkpointing: bool, resolution: int):
         config.resolve_for_family(family.is_flow)
         device = accelerator.device
+        denoiser = quantized_base(cast(denoiser, compute_dtype(config.mixed_precision)), config.quantize_base,
+                                  compute_dtype(config.mixed_precision))
+        pipe.unet = pipe.transformer = denoiser
         self.sampler = sampler_entry(config.sampler, family.is_flow).build(config, family, pipe, resolution, device)
         entry = algorithm(config.algorithm)
         self.objective = entry.objective.from_config(self.sampler, config)
-        cast(denoiser, compute_dtype(config.mixed_precision))
         add_lora(denoiser, rank=config.lora_rank, alpha=config.lora_alpha, target_modules=family.lora_targets)
         for p in denoiser.parameters():
             if p.requires_grad:
@@ -552,7 +588,7 @@ class OnlineRLStep:
 
 
 def flow_rl_bench(recipe_name: str, arch: Arch, accelerator, precision: str, tiny: bool, samples: int,
-                  inference_steps: int, checkpointing: bool, resolution: int | None):
+                  inference_steps: int, checkpointing: bool, resolution: int | None, quantize: str = NONE):
     """One online-RL epoch of an SD3 / FLUX-architecture denoiser with the authors' recipe (ONLINE_RL_RECIPES):
     Flow-GRPO (the SDE sampler, PPO with the step log-probabilities; SD3: CFG with both halves differentiated and the
     KL to the adapter-off reference; FLUX: the guidance embedding) or DiffusionNFT (the ODE from the old policy, the
@@ -562,7 +598,7 @@ def flow_rl_bench(recipe_name: str, arch: Arch, accelerator, precision: str, tin
     model = build_denoiser(arch, tiny, device)
     family = family_of_arch(arch, model)
     rank = 4 if tiny else recipe["lora_rank"]
-    config = online_rl_config(samples, inference_steps, precision, rank, 2 * rank, **recipe["options"])
+    config = online_rl_config(samples, inference_steps, precision, rank, 2 * rank, quantize, **recipe["options"])
     dtype = compute_dtype(precision)
     with torch.device(device):
         vae = cast(AutoencoderKL(**(TINY_SD3_VAE if tiny else recipe["vae"])), dtype).eval().requires_grad_(False)
@@ -574,6 +610,56 @@ def flow_rl_bench(recipe_name: str, arch: Arch, accelerator, precision: str, tin
     step = OnlineRLStep(family, model, config, accelerator, pipe, cond, negative,
                         (latent_channels(arch, model), side, side), checkpointing, side * 8)
     return step, step.trained, step.optimizer, vae
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory planner's figure for each benchmark (align/train/memory_plan.py, the --dry_run arithmetic)
+
+
+def on_meta(model_class, config: dict) -> torch.nn.Module:
+    with torch.device("meta"):
+        return model_class(**config) if model_class is not CLIPTextModel else model_class(CLIPTextConfig(**config))
+
+
+def planned_gib(family, denoiser: torch.nn.Module, vae_config: dict, others: list, text_tokens: int, settings) -> float:
+    """What the planner puts in one process for this benchmark's model, adapter, optimiser, frozen parts and activations
+    (``settings``: the trainer options it reads); the conditioning is given (no text encoders) unless ``others`` holds
+    them as the benchmark does."""
+    parts = PipelineParts(family, denoiser, vae_config, others, text_tokens)
+    return total(ddp_plan(plan_parts(parts, settings).shape, 1)) / GIB
+
+
+def plan_settings(finetune: str, rank: int, pairs_or_batch: int, resolution: int, checkpointing: bool, quantize: str,
+                  online=None) -> SimpleNamespace:
+    """The options plan_parts reads: a Diffusion-DPO step's, or an online-RL config's (``online``) with the bench's."""
+    base = dict(model="bench", finetune=finetune, lora_rank=rank, lora_alpha=None, mixed_precision="bf16",
+                use_8bit_adam=False, train_batch_size=pairs_or_batch, quantize_text_encoders=NONE, offload=False)
+    if online is not None:
+        base = {**vars(online), **{k: v for k, v in base.items() if k not in vars(online)}}
+    return SimpleNamespace(**{**base, "gradient_checkpointing": checkpointing, "resolution": resolution,
+                              "quantize_base": quantize})
+
+
+def bench_plan(bench: str, args, tiny: bool, checkpointing: bool, online=None) -> float:
+    """The planner's GiB for one benchmark as main() sets it up."""
+    quantize = NONE if bench == "dpo_full" else args.quantized_base
+    if bench in ("dpo_lora", "dpo_full", "ddpo_lora"):  # SD v1.5: Models keeps its VAE and text encoder resident
+        unet, vae = (TINY_UNET, TINY_VAE) if tiny else (SD15_UNET, SD15_VAE)
+        others = [on_meta(AutoencoderKL, vae), on_meta(CLIPTextModel, TINY_TEXT if tiny else SD15_TEXT)]
+        resolution = unet["sample_size"] * 2 ** (len(vae["block_out_channels"]) - 1)
+        settings = plan_settings(bench.split("_")[1], args.lora_rank, args.pairs, resolution, checkpointing, quantize,
+                                 online)
+        return planned_gib(StableDiffusion(), on_meta(UNet2DConditionModel, unet), vae, others, 77, settings)
+    arch = ARCHS[{"sdxl_dpo_lora": "sdxl", "sd35m_dpo_lora": "sd35m", "flux_grpo_lora": "flux-dev"}.get(bench, "sd35m")]
+    model = build_denoiser(arch, tiny, "meta")
+    side = latent_side(arch, tiny, args.resolution or (None if "dpo" in bench else 512))
+    vae = TINY_SD3_VAE if tiny else (SD15_VAE if arch.kind == "unet" else SD3_VAE)  # what sets the latent side: 8x
+    vae_config = {**vae, "block_out_channels": (1, 2, 3, 4)}  # planner's downsampling 8 (tiny latents: side x 8 pixels)
+    others = [] if online is None else [on_meta(AutoencoderKL, vae)]
+    settings = plan_settings("lora", online.lora_rank if online is not None else args.lora_rank, args.pairs, side * 8,
+                             checkpointing, quantize, online)
+    tokens = arch.tiny_text_tokens if tiny else arch.text_tokens
+    return planned_gib(family_of_arch(arch, model), model, vae_config, others, tokens, settings)
 
 
 def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak: float | None, work: str,
@@ -605,10 +691,12 @@ def measure(name: str, step, steps: int, warmup: int, device: torch.device, peak
     return result
 
 
-def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpointing: bool, lora_rank: int):
+def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpointing: bool, lora_rank: int,
+              quantize: str = NONE):
     """One Diffusion-DPO optimiser step on ``pairs`` pairs, as align/dpo.py's loop computes it."""
     unet = models.fresh_unet()
     if finetune == "lora":
+        unet = quantized_base(unet, quantize, torch.bfloat16)
         add_lora(unet, rank=lora_rank)
         reference = None
     else:
@@ -641,11 +729,11 @@ def dpo_bench(models: Models, accelerator, finetune: str, pairs: int, checkpoint
 
 
 def ddpo_bench(models: Models, accelerator, precision: str, samples: int, inference_steps: int, checkpointing: bool,
-               lora_rank: int):
+               lora_rank: int, quantize: str = NONE):
     """One DDPO epoch (OnlineRLStep): sample ``samples`` images with stochastic DDIM (CFG 5, eta 1, LoRA), decode them,
     then one PPO update on every sampled timestep (both halves of the guided prediction differentiated)."""
     unet = models.fresh_unet()
-    config = online_rl_config(samples, inference_steps, precision, lora_rank, None, **DDPO_OPTIONS)
+    config = online_rl_config(samples, inference_steps, precision, lora_rank, None, quantize, **DDPO_OPTIONS)
     dtype = compute_dtype(precision)
     vae = cast(copy.deepcopy(models.vae), dtype)  # the trainer's VAE is in the compute dtype; the DPO benches keep theirs
     gen = torch.Generator().manual_seed(2)
@@ -697,6 +785,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--grpo_inference_steps", type=int, default=10, help="SDE steps per Flow-GRPO sample (authors: 10)")
     parser.add_argument("--nft_samples", type=int, default=4, help="DiffusionNFT images sampled and trained per step")
     parser.add_argument("--nft_inference_steps", type=int, default=10, help="ODE steps per DiffusionNFT sample (authors: 10)")
+    parser.add_argument("--quantized_base", choices=CHOICES, default=NONE,
+                        help="the LoRA benchmarks' frozen base quantized as --quantize_base loads it (int8, float8: torchao; "
+                             "nf4: bitsandbytes, a CUDA GPU); the planner's peak beside the measured one either way")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--count_forward", nargs="?", const="sd15:512", default=None, metavar="ARCH:PX,...",
                         help="only count one denoiser forward per image on the meta device (any machine) and exit; "
@@ -727,7 +818,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if bench in ("sdxl_dpo_lora", "sd35m_dpo_lora"):
             arch = ARCHS[bench.split("_")[0]]
             step, *held = family_dpo_bench(arch, accelerator, args.tiny, args.pairs, checkpointing, args.lora_rank,
-                                           args.resolution)
+                                           args.resolution, args.quantized_base)
             side = latent_side(arch, args.tiny, args.resolution)
             work = (f"{args.pairs} pairs at {side}x{side} latents (policy fwd+bwd and reference fwd on {2 * args.pairs} "
                     "images, cached latents)")
@@ -735,7 +826,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             arch = ARCHS["sd35m" if bench == "sd35m_grpo_lora" else "flux-dev"]
             recipe = "sd3_grpo" if arch.kind == "sd3" else "flux_grpo"
             step, *held = flow_rl_bench(recipe, arch, accelerator, precision, args.tiny, args.grpo_samples,
-                                        args.grpo_inference_steps, checkpointing, args.resolution or 512)
+                                        args.grpo_inference_steps, checkpointing, args.resolution or 512,
+                                        args.quantized_base)
             side = latent_side(arch, args.tiny, args.resolution or 512)
             how = ("with CFG", "policy with CFG, both halves with gradient, + adapter-off reference for the KL") \
                 if arch.kind == "sd3" else ("with the guidance embedding", "policy only: no CFG, no KL")
@@ -745,25 +837,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
         elif bench == "sd35m_nft_lora":
             arch = ARCHS["sd35m"]
             step, *held = flow_rl_bench("sd3_nft", arch, accelerator, precision, args.tiny, args.nft_samples,
-                                        args.nft_inference_steps, checkpointing, args.resolution or 512)
+                                        args.nft_inference_steps, checkpointing, args.resolution or 512,
+                                        args.quantized_base)
             side = latent_side(arch, args.tiny, args.resolution or 512)
             work = (f"{args.nft_samples} images x {args.nft_inference_steps} ODE steps at {side}x{side} latents sampled by "
                     f"the old policy (no CFG), decoded, then trained on {max(1, int(args.nft_inference_steps * 0.99))} "
                     "steps each (policy fwd+bwd, old-policy and adapter-off reference fwd at the noised final latents)")
         elif bench in ("dpo_lora", "dpo_full"):
-            step, *held = dpo_bench(models, accelerator, bench.split("_")[1], args.pairs, checkpointing, args.lora_rank)
+            step, *held = dpo_bench(models, accelerator, bench.split("_")[1], args.pairs, checkpointing, args.lora_rank,
+                                    args.quantized_base)
             work = f"{args.pairs} pairs (policy fwd+bwd and reference fwd on {2 * args.pairs} images)"
         elif bench == "ddpo_lora":
             step, *held = ddpo_bench(models, accelerator, precision, args.ddpo_samples, args.ddpo_inference_steps,
-                                     checkpointing, args.lora_rank)
+                                     checkpointing, args.lora_rank, args.quantized_base)
             work = (f"{args.ddpo_samples} images x {args.ddpo_inference_steps} DDIM steps sampled with CFG, decoded, "
                     "then trained on every step (CFG, both halves with gradient)")
         trained = accelerator.unwrap_model(held[0])
         result = measure(bench, step, steps, warmup, device, peak, work, accelerator, trained, checkpointing)
+        result["quantized_base"] = NONE if bench == "dpo_full" else args.quantized_base
+        result["planned_memory_gb"] = bench_plan(bench, args, args.tiny, checkpointing, getattr(step, "config", None))
         results.append(result)
         utilisation = f" | MFU {100 * result['mfu']:.1f}% | HFU {100 * result['hfu']:.1f}%" if "mfu" in result else ""
-        memory = f" | peak memory {result['peak_memory_gb']:.1f} GiB" if "peak_memory_gb" in result else ""
-        print(f"[bench] {bench}: {result['steps_per_s']:.3f} steps/s | GFLOP per step: {result['model_flops_per_step'] / 1e9:,.4g} "
+        memory = f" | planned peak {result['planned_memory_gb']:.3g} GiB"
+        if "peak_memory_gb" in result:
+            memory += (f", measured {result['peak_memory_gb']:.3g} GiB "
+                       f"({result['peak_memory_gb'] / result['planned_memory_gb']:.2f}x the plan)")
+        print(f"[bench] {bench}{'' if result['quantized_base'] == NONE else ' (' + result['quantized_base'] + ' base)'}: {result['steps_per_s']:.3f} steps/s | GFLOP per step: {result['model_flops_per_step'] / 1e9:,.4g} "
               f"model, {result['hardware_flops_per_step'] / 1e9:,.4g} hardware, {result['flops_per_step'] / 1e9:,.4g} counted "
               f"| {result['model_tflops']:.4g} model TFLOP/s{memory}{utilisation} | step = {work}", flush=True)
         del step, held, trained

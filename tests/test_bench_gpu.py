@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -75,6 +76,25 @@ def test_tiny_benchmark_runs_and_counts_the_work_of_each_step(tmp_path, capsys):
         decode = bench_gpu.count_flops(lambda: models.vae.decode(torch.zeros(2, 4, 16, 16)))
     policy = unet_forward_flops(models, 1, lora_rank=8)
     assert by_name["ddpo_lora"]["model_flops_per_step"] == 8 * policy + 2 * 2 * 3 * 2 * policy + decode
+
+
+TINY_ARGS = ["--tiny", "--steps", "1", "--warmup", "0", "--pairs", "2", "--ddpo_samples", "2", "--ddpo_inference_steps", "2",
+             "--grpo_samples", "2", "--grpo_inference_steps", "3", "--nft_samples", "2", "--nft_inference_steps", "3"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+def test_quantized_base_variants_run_and_the_planner_predicts_each_peak(capsys):
+    only = ["--only", "dpo_lora,dpo_full,sd35m_grpo_lora"]
+    plain = {r["bench"]: r for r in bench_gpu.main(TINY_ARGS + only)}
+    quantized = {r["bench"]: r for r in bench_gpu.main(TINY_ARGS + only + ["--quantized_base", "int8"])}
+    printed = capsys.readouterr().out
+    assert "dpo_lora (int8 base)" in printed and "dpo_full (int8 base)" not in printed and "planned peak" in printed
+    assert quantized["dpo_full"]["quantized_base"] == "none"  # a full fine-tuning has no frozen base
+    for bench in ("dpo_lora", "sd35m_grpo_lora"):
+        assert quantized[bench]["quantized_base"] == "int8" and quantized[bench]["steps_per_s"] > 0
+        # an int8 base plans less than the plain one (DPO's frozen base is fp32, the online-RL trainer's bf16)
+        assert 0 < quantized[bench]["planned_memory_gb"] < plain[bench]["planned_memory_gb"]
+    assert quantized["dpo_full"]["planned_memory_gb"] == plain["dpo_full"]["planned_memory_gb"]
 
 
 def unet_forward_flops(models, batch: int, lora_rank: int | None = None) -> int:

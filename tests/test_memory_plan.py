@@ -4,6 +4,8 @@ real forward at the training batch and resolution; and the dry run itself."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import types
 from pathlib import Path
 
@@ -11,19 +13,22 @@ import pytest
 import torch
 
 from align.families import family_of_pipeline
-from align.pipeline import add_lora, frozen_copy, load_pipeline
+from align.pipeline import add_lora, frozen_copy, is_quantized, load_pipeline
+from align.testing.tiny_flow import build_tiny_sd3
 from align.train import ddpo, dpo
 from align.train.memory_model import SavedStorages, plan_run
 from align.train.memory_plan import RunShape, ddp_plan, fsdp2_plan, total
-from experiments.plan_big_models import check_totals
+from align.train.quantization import pipeline_quantization
+from align.train.trained_model import text_encoder_names
+from experiments.plan_big_models import ONE_GPU_CONFIGS, check_totals, one_gpu_total
 
 TOLERANCE = 0.15
 
 
-def dpo_settings(model: str, finetune: str, checkpointing: bool = False):
+def dpo_settings(model: str, finetune: str, checkpointing: bool = False, **quantization):
     return types.SimpleNamespace(model=model, finetune=finetune, lora_rank=4, lora_alpha=None, mixed_precision="no",
                                  use_8bit_adam=False, gradient_checkpointing=checkpointing, train_batch_size=2,
-                                 resolution=None)
+                                 resolution=None, **quantization)
 
 
 def nbytes(tensors) -> int:
@@ -165,3 +170,56 @@ def test_dry_run_with_a_bad_model_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_big_models_config_values_give_the_published_parameter_totals():
     check_totals()  # exits with a message when a total is more than 2% off the published one
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds; a quantized one (a torchao tensor subclass) holds its inner tensors (data, scales)."""
+    if is_quantized(tensor) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(held_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@pytest.mark.parametrize("scheme", ["int8", "float8"])
+def test_plan_counts_quantized_frozen_parts_and_offloading_as_loaded(scheme, tmp_path):
+    model = str(build_tiny_sd3(tmp_path, t5=True))  # CLIP-L/G with projections and T5: what transformers leaves whole
+    quantization = pipeline_quantization(scheme, scheme, "transformer", text_encoder_names(model), torch.float32)
+    pipe = load_pipeline(model, quantization=quantization)
+    family = family_of_pipeline(pipe)
+    parts = [sum(held_bytes(p) for p in part.parameters()) for part in family.frozen_modules(pipe)]
+    base = sum(held_bytes(p) for p in family.denoiser(pipe).parameters())
+    assert sum(held_bytes(p) for p in load_pipeline(model).transformer.parameters()) > 2 * base  # it is quantized
+    for offload in (False, True):
+        planned = plan_run(dpo_settings(model, "lora", quantize_base=scheme, quantize_text_encoders=scheme, offload=offload))
+        plan = ddp_plan(planned.shape, 1)
+        assert_close(plan["frozen denoiser weights"], base, f"{scheme} base")
+        assert_close(plan["text encoders + VAE"], max(parts) if offload else sum(parts), f"{scheme} frozen parts")
+
+
+def test_dry_run_prints_each_quantization_and_offload_choice(tiny_model, tmp_path, capsys):
+    ddpo.main(["--model", tiny_model, "--quantize_base", "nf4", "--dry_run", "true", "--reward", "shapes-oracle",
+               "--prompts", "testbed:8:0", "--output_dir", str(tmp_path / "run"), "--mixed_precision", "bf16"])
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.split()}
+    assert "--quantize_base nf4" in out and "FSDP2" not in out  # a quantized base is not sharded
+    totals = {name: [float(cell) for cell in lines[name].split()[1:]] for name in ("none", "int8", "float8", "nf4")}
+    assert totals["none"][0] > totals["int8"][0] > totals["nf4"][0]  # what the frozen base costs, by scheme
+    assert all(row[1] <= row[0] and row[3] <= row[2] <= row[0] for row in totals.values())  # offloading, encoders
+    assert not (tmp_path / "run").exists()
+
+
+CARD_MARGIN_GIB = 3  # what the planner leaves out on a GPU: CUDA's context, the allocator's slack, the judge
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[] if name == "sd35m_nft_lora_24gb.yaml" else [pytest.mark.slow])
+                                  for name in ONE_GPU_CONFIGS])
+def test_each_24gb_recipe_fits_its_card_and_its_header_quotes_the_plan(name):
+    """The planner from the real config values (experiments/plan_big_models.py): one config in the default suite, the
+    others (5-15 s each on the meta device) with the slow tests."""
+    planned = one_gpu_total(name)
+    text = (Path(__file__).resolve().parent.parent / "configs" / name).read_text()
+    header = " ".join(line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#"))
+    card = int(re.search(r"Card: (\d+) GB", header).group(1))
+    assert f"{planned:.1f} GiB for the one process" in header
+    assert planned + CARD_MARGIN_GIB <= min(card, 24)

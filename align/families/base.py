@@ -51,11 +51,15 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def pretrained_pipeline(pipeline_class, model: str, dtype: torch.dtype, family_name: str, **components):
+def pretrained_pipeline(pipeline_class, model: str, dtype: torch.dtype, family_name: str, quantization=None,
+                        **components):
     """``pipeline_class.from_pretrained`` whose failures (a missing folder, an unknown hub id, a truncated
-    or corrupt weights file) are one ModelLoadError line."""
+    or corrupt weights file) are one ModelLoadError line. ``quantization``: diffusers' ``PipelineQuantizationConfig``
+    of the components loaded quantized (align/train/quantization.py), or None."""
     from safetensors import SafetensorError  # a truncated weights file raises this, not an OSError
 
+    if quantization is not None:
+        components["quantization_config"] = quantization
     try:
         return pipeline_class.from_pretrained(model, **dtype_argument(dtype), **components)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as err:
@@ -129,9 +133,11 @@ class ModelFamily:
     text_tokens_clip: int = 77  # CLIP's padded prompt length
 
     # --- loading and saving -------------------------------------------------------------------
-    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+    def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
         """The family's diffusers pipeline from a local folder or hub id, progress bars off, on ``device``
-        (UNet families with a DDIM scheduler, as the trainers sample with DDIM)."""
+        (UNet families with a DDIM scheduler, as the trainers sample with DDIM). ``dtype`` may be a dict by component
+        name (diffusers' ``{"transformer": torch.bfloat16, "default": torch.float32}``); ``quantization`` goes to
+        ``pretrained_pipeline`` (a quantized frozen base: align/train/quantization.py)."""
         raise NotImplementedError
 
     def denoiser(self, pipe) -> torch.nn.Module:

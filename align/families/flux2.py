@@ -92,12 +92,12 @@ class Flux2(flow_common.FlowMatchingFamily):
         return getattr(diffusers, class_name)
 
     # --- loading and saving -------------------------------------------------------------------
-    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+    def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
         try:
             index = flow_common.model_index(model)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
-        pipe = pretrained_pipeline(self.pipeline_class(index["_class_name"]), model, dtype, self.title)
+        pipe = pretrained_pipeline(self.pipeline_class(index["_class_name"]), model, dtype, self.title, quantization)
         # a step-distilled [klein] pipeline never guides; its transformer carries the flag for guided_prediction
         setattr(pipe.transformer, DISTILLED_ATTRIBUTE, bool(getattr(pipe.config, "is_distilled", False)))
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)

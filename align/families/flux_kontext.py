@@ -40,12 +40,12 @@ class FluxKontext(Flux):
 
         return FluxKontextPipeline
 
-    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+    def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
         try:
             flow_common.model_index(model)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title)
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization)
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 
     # --- conditioning -------------------------------------------------------------------------

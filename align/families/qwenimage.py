@@ -62,12 +62,12 @@ class QwenImage(flow_common.FlowMatchingFamily):
         return QwenImagePipeline
 
     # --- loading and saving -------------------------------------------------------------------
-    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+    def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
         try:
             flow_common.model_index(model)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title)
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization)
         if pipe.transformer.config.guidance_embeds:
             raise ModelLoadError(f"{model!r}: a guidance-distilled {self.title} transformer (guidance_embeds) is not "
                                  "supported; Qwen-Image's own transformer guides with two calls")

@@ -35,10 +35,10 @@ class StableDiffusion(ModelFamily):
 
         return StableDiffusionPipeline
 
-    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+    def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
         from diffusers import DDIMScheduler
 
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title,
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization,
                                    safety_checker=None, requires_safety_checker=False)
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
         pipe.set_progress_bar_config(disable=True)

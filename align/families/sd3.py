@@ -39,7 +39,7 @@ class StableDiffusion3(flow_common.FlowMatchingFamily):
         return StableDiffusion3Pipeline
 
     # --- loading and saving -------------------------------------------------------------------
-    def load_pipeline(self, model: str, dtype: torch.dtype, device):
+    def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
         try:
             index = flow_common.model_index(model)
         except (OSError, ValueError) as err:
@@ -47,7 +47,7 @@ class StableDiffusion3(flow_common.FlowMatchingFamily):
         # diffusers refuses a null T5 entry unless it is passed as None (SD3 without T5, the flow testbed)
         no_t5 = {name: None for name in ("text_encoder_3", "tokenizer_3")
                  if flow_common.is_null_component(index.get(name))}
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, **no_t5)
+        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization, **no_t5)
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:

@@ -17,6 +17,7 @@ from align.run_folder import (
 )
 from align.train.accelerator import adamw_class
 from align.train.dry_run import print_memory_plan
+from align.train.quantization import check_backends
 from align.validation import check_weight_files
 
 # A bad input: config, run folder, model files or data; each error's message names the input.
@@ -64,10 +65,12 @@ def run_trainer(config_class: type, train: Callable, argv: list[str] | None, des
 
 
 def check_config_and_model(config) -> None:
-    """The first checks of a diffusion trainer: the config's own rules, the 8-bit optimiser when asked for, and the
-    model's weight files (a truncated one is named here, before anything loads)."""
+    """The first checks of a diffusion trainer: the config's own rules, the 8-bit optimiser and the quantization
+    backends when asked for, and the model's weight files (a truncated one is named here, before anything loads)."""
     config.validate()
     adamw_class(config.use_8bit_adam)  # bitsandbytes present when asked for
+    if not getattr(config, "dry_run", False):  # a dry run plans any scheme on any machine
+        check_backends(config.quantize_base, config.quantize_text_encoders)  # torchao / bitsandbytes and its GPU
     try:
         check_weight_files("--model", check_model(config.model))
         check_sampling_steps(config.model, getattr(config, "num_inference_steps", None))

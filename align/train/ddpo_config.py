@@ -83,6 +83,9 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS, *SAMPLER_OP
     sampler: str | None = option(None, sampler_help(), "sampling", choices=sampler_names)
     resolution: int | None = option(None, "image side in pixels (None: the model's native size)", "sampling",
                                     within=RESOLUTION)
+    cache_prompt_embeddings: bool = option(False, "encode each training prompt once and keep its conditioning on the "
+                                           "CPU (with --offload the text encoders then visit the device only for "
+                                           "prompts not seen before)", "sampling")
     samples_per_epoch: int = option(256, "samples drawn per epoch over all processes (the paper: 256)", "sampling",
                                     within=COUNT)
     sample_batch_size: int = option(8, "images per process per sampling batch", "sampling", within=BATCH)
@@ -141,6 +144,7 @@ class DDPOConfig(RunOptions, ModelOptions, HeldOutOptions, *OPTIONS, *SAMPLER_OP
     def validate(self) -> None:
         """Cheap checks, before any model or judge is loaded."""
         check_common_inputs(self)  # every value against its declaration: types, ranges, choices, paths, what applies
+        self.check_model_options()
         self.check_held_out_options()
         if not self.prompts:
             raise ConfigError("--prompts is required (a text file, a dataset column, or testbed:<n>)")

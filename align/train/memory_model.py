@@ -25,8 +25,17 @@ from align.families import family_named
 from align.families.base import ModelLoadError, one_line
 from align.pipeline import add_lora, check_model
 from align.train.accelerator import resolve_mixed_precision
-from align.train.memory_plan import FP32, RunShape, compute_bytes, optimizer_bytes_per_parameter
+from align.train.memory_plan import (
+    FP32,
+    PLAIN,
+    FrozenPart,
+    Quantization,
+    RunShape,
+    compute_bytes,
+    optimizer_bytes_per_parameter,
+)
 from align.train.objectives import algorithm
+from align.train.quantization import NONE, SCHEMES
 
 FROZEN_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -68,6 +77,37 @@ def fsdp_unit_counts(model: torch.nn.Module, is_unit) -> tuple[int, int]:
         else:
             root += p.numel()
     return max(owned.values(), default=0), root
+
+
+def not_converted(module: torch.nn.Module) -> list[str]:
+    """The modules a quantization config leaves whole, as the library that loads ``module`` decides: transformers'
+    defaults (tied weights, the last module, the output embeddings) for a transformers model, the class's
+    ``_keep_in_fp32_modules`` for a diffusers one."""
+    from transformers import PreTrainedModel
+
+    if isinstance(module, PreTrainedModel):
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        return get_keys_to_not_convert(module)
+    return list(getattr(module, "_keep_in_fp32_modules", None) or ())
+
+
+def frozen_part(module: torch.nn.Module, quantizable: bool = True) -> FrozenPart:
+    """A frozen module's counts (align/train/memory_plan.py): its parameters, and the ``nn.Linear`` weights a
+    quantization config would quantize (every linear but those ``not_converted`` names) with their rows."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skipped = not_converted(module) if quantizable else []
+    linears = [m for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and should_convert_module(name, skipped)]
+    return FrozenPart(parameter_count(module), sum(m.weight.numel() for m in linears),
+                      sum(m.out_features for m in linears), quantizable)
+
+
+def scheme_quantization(name: str) -> Quantization:
+    """A --quantize_* value as the planner counts it."""
+    scheme = SCHEMES.get(name)
+    return PLAIN if scheme is None else Quantization(scheme.weight_bits, scheme.row_scale_bytes)
 
 
 def class_units(class_names):
@@ -227,10 +267,15 @@ def plan_run(config) -> PlannedRun:
 
 def plan_parts(parts: PipelineParts, config) -> PlannedRun:
     """The RunShape of a trainer's config for a pipeline's parts (the denoiser gets the run's LoRA and dtype)."""
+    from transformers import PreTrainedModel
+
     online = hasattr(config, "algorithm")
     precision = resolve_mixed_precision(config.mixed_precision)
     family, denoiser, vae_config, others = parts.family, parts.denoiser, parts.vae_config, parts.others
     denoiser_params = parameter_count(denoiser)
+    base_part = frozen_part(denoiser)  # before the adapter: LoRA's frozen base
+    quantize_base = getattr(config, "quantize_base", NONE)
+    quantize_text = getattr(config, "quantize_text_encoders", NONE)
     largest_unit, root = fsdp_unit_counts(denoiser, class_units(family.shard_blocks))
     lora = config.finetune == "lora"
     if lora:
@@ -240,7 +285,8 @@ def plan_parts(parts: PipelineParts, config) -> PlannedRun:
     # Frozen weights' dtype as the trainers load them: DPO the whole pipeline in fp32; the online-RL trainer its text
     # encoders and VAE in the compute dtype, the denoiser's frozen weights (LoRA's base) too, a full fine-tuning's
     # reference copy in fp32.
-    frozen = compute if online and lora else FP32
+    # A quantized base loads in the compute dtype in both trainers (align/train/trained_model.py).
+    frozen = compute if (online and lora) or quantize_base != NONE else FP32
     others_bytes = compute if online else FP32
     if online:
         cfg_rows = 2 if config.guidance_scale != 1.0 and not family.uses_guidance_embedding(denoiser) else 1
@@ -260,11 +306,15 @@ def plan_parts(parts: PipelineParts, config) -> PlannedRun:
         other_params=sum(parameter_count(part) for part in others), other_bytes=others_bytes,
         optimizer_bytes=optimizer_bytes_per_parameter(config.use_8bit_adam), reference_copies=reference,
         old_policy_copies=old_policy, compute_bytes=compute, largest_unit_params=largest_unit, root_params=root,
-        activation_bytes=activations,
+        activation_bytes=activations, base_part=base_part, base_quantization=scheme_quantization(quantize_base),
+        other_parts=tuple(frozen_part(part, quantizable=isinstance(part, PreTrainedModel)) for part in others),
+        text_quantization=scheme_quantization(quantize_text), offload=bool(getattr(config, "offload", False)),
     )
     what = f"--algorithm {config.algorithm}" if online else "Diffusion-DPO"
     summary = (f"{what}, {family.name} ({denoiser_params:,} denoiser parameters, {trained:,} trained, "
                f"{shape.other_params:,} in text encoders + VAE), --finetune {config.finetune}, mixed precision "
                f"{precision}, {forward_batch} samples per forward at {resolution} px, gradient checkpointing "
-               f"{'on' if config.gradient_checkpointing else 'off'}")
+               f"{'on' if config.gradient_checkpointing else 'off'}, --quantize_base {quantize_base}, "
+               f"--quantize_text_encoders {quantize_text}, --offload {'on' if shape.offload else 'off'}, "
+               f"{'8-bit AdamW' if config.use_8bit_adam else 'AdamW'}")
     return PlannedRun(shape, family.name, resolution, forward_batch, precision, summary)

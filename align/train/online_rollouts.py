@@ -19,6 +19,7 @@ from align.train.ddpo_order import SAMPLE, epoch_generator, gathered_slots, glob
 from align.train.ddpo_rewards import RewardError
 from align.train.heldout import save_image_row
 from align.train.policy_models import PolicyModels
+from align.train.prompt_cache import PromptEmbeddingCache
 from align.train.rollout import Rollout
 
 
@@ -39,6 +40,16 @@ class Sampling:
     process: int
     num_processes: int
 
+    def __post_init__(self):
+        self.prompt_cache = (PromptEmbeddingCache(self.family, self.pipe, self.resolution)
+                             if getattr(self.config, "cache_prompt_embeddings", False) else None)
+
+    def conditioning(self, prompts: list[str]) -> dict:
+        """The prompts' conditioning: encoded by the family, or from the cache (--cache_prompt_embeddings)."""
+        if self.prompt_cache is not None:
+            return self.prompt_cache.conditioning(prompts)
+        return self.family.encode_prompts(self.pipe, prompts, self.resolution)
+
 
 def draw_prompts(prompts: list[str], config, gen: torch.Generator) -> list[str]:
     """sample_batch_size prompts: uniform draws (with replacement), each repeated images_per_prompt times (a group)."""
@@ -58,7 +69,7 @@ def collect_rollouts(sampling: Sampling, models: PolicyModels, epoch: int, backg
             # keyed by the global batch: N processes draw what one process with N times the batches draws
             gen = epoch_generator(config.seed, epoch, SAMPLE, global_batch(b, sampling.process, sampling.num_processes), 0)
             batch_prompts = draw_prompts(sampling.prompts, config, gen)
-            cond = family.encode_prompts(pipe, batch_prompts, sampling.resolution)
+            cond = sampling.conditioning(batch_prompts)
             embeds = cond["prompt_embeds"]
             noise = torch.randn((len(batch_prompts), *sampling.latent_shape), generator=gen).to(embeds.device, embeds.dtype)
             if config.group_shared_noise:  # a group's images are consecutive (draw_prompts): its first one's noise

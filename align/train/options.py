@@ -20,6 +20,7 @@ from align.declared import (
     WEIGHT_DECAY,
 )
 from align.judges import check_judge_names
+from align.train.quantization import CHOICES, NONE, check_scheme_names, choices_help
 
 FINETUNES = ("full", "lora")
 LORA_RANKS = "[1, 4096]"
@@ -70,11 +71,21 @@ class ModelOptions:
     gradient_checkpointing: bool = option(False, "recompute the denoiser's activations in the backward: less memory, "
                                           "slower", "model")
     use_8bit_adam: bool = option(False, "bitsandbytes' 8-bit AdamW (needs bitsandbytes)", "optimisation")
+    quantize_base: str = option(NONE, "load the frozen denoiser quantized under a LoRA (its adapter and optimiser "
+                                f"states stay fp32; the reference runs through the same weights): none; {choices_help()}",
+                                "model", choices=CHOICES)
+    quantize_text_encoders: str = option(NONE, "load the text encoders quantized: none, or a scheme of --quantize_base",
+                                         "model", choices=CHOICES)
+    offload: bool = option(False, "keep the text encoders and the VAE on the CPU between uses: each moves to the "
+                           "device when it is called and back when the denoiser runs (diffusers' scripts' --offload)",
+                           "model")
     adam_weight_decay: float = option(1e-2, "AdamW weight decay", "optimisation", within=WEIGHT_DECAY)
     max_grad_norm: float = option(1.0, "gradient-norm clipping (0: none)", "optimisation", within=COEFFICIENT)
 
     def check_model_options(self) -> None:
-        """Declared, checked with every field (align.validation.check_config_values)."""
+        """Ranges and choices declared, checked with every field (align.validation.check_config_values); a quantized
+        base needs a LoRA."""
+        check_scheme_names(self.quantize_base, self.quantize_text_encoders, self.finetune)
 
 
 @dataclass
