@@ -31,7 +31,7 @@ from rewards.shapes_edit import (
 EDIT_SET_PREFIX = "testbed-edit:"
 MAX_EDIT_PROMPTS = 100_000
 EVAL_SEED = 4242  # the held-out prompts the bundled model's build leaves out of its training edits
-EVAL_POOL = 1000  # the held-out edits: the first EVAL_POOL of EVAL_SEED's stream
+EVAL_POOL = 2000  # the held-out edits: the first EVAL_POOL of EVAL_SEED's stream (the build's --held-out)
 
 
 def sample_edit_prompts(n: int, seed: int) -> list[str]:
