@@ -7,7 +7,7 @@ models).
     python -m experiments.overoptimisation summarise --testbed sd --out runs/overopt  # table + figure (experiments/notes/)
 
 ``run`` trains each algorithm from its shipped testbed config (configs/testbed_*.yaml: the authors' settings) with the
-same overrides: --reward shapes-clip, --eval_second_judge shapes-oracle, the held-out captions testbed:200:1000 x 2
+same overrides: --reward shapes-clip, --eval_second_judge shapes-oracle, the unseen held-out captions testbed-heldout:200:1000 x 2
 seeds (400 images, the trainers' check), an evaluation every third of the run, and a number of epochs that gives each
 algorithm about the same CPU time (BUDGETS, from measured CPU seconds per epoch). A finished run is skipped, an
 interrupted one resumed (--resume latest), so the command can be rerun. ``summarise`` reads each run's eval_before.json,
@@ -39,11 +39,13 @@ NOTES = REPO / "experiments" / "notes"
 BUDGETS = {
     "sd": {"ppo": ("testbed_ddpo.yaml", 20), "nft": ("testbed_nft.yaml", 12), "awm": ("testbed_awm.yaml", 16),
            "draft": ("testbed_draft.yaml", 48), "draft-lv": ("testbed_draft_lv.yaml", 20),
-           "alignprop": ("testbed_alignprop.yaml", 18), "refl": ("testbed_refl.yaml", 24)},
+           "alignprop": ("testbed_alignprop.yaml", 18), "refl": ("testbed_refl.yaml", 24),
+           "dgpo": ("testbed_dgpo.yaml", 19)},
     "flow": {"ppo": ("testbed_flow_grpo.yaml", 32), "nft": ("testbed_flow_nft.yaml", 20),
              "awm": ("testbed_flow_awm.yaml", 26), "draft": ("testbed_draft.yaml", 36),
              "draft-lv": ("testbed_draft_lv.yaml", 32), "alignprop": ("testbed_alignprop.yaml", 32),
-             "refl": ("testbed_refl.yaml", 36)},
+             "refl": ("testbed_refl.yaml", 36), "dgpo": ("testbed_flow_dgpo.yaml", 43),
+             "grpo-guard": ("testbed_flow_grpo_guard.yaml", 29)},
 }
 # The SD testbed's reward-backpropagation configs on the flow testbed: its model, its 10 training steps (the flow
 # configs'), its 20-step evaluation, ReFL's last quarter of the chain.
