@@ -300,11 +300,11 @@ def test_a_latent_store_path_that_cannot_be_a_folder_is_one_line(tiny_model, pai
     out = tmp_path / "run"
     _main_fails(capsys, ["--model", tiny_model, "--dataset", pair_parquet, "--latent_store", str(store), "--output_dir",
                          str(out), "--report_to", "none", "--max_steps", "1", "--resolution", "16"],
-                "latent store", "file")
+                "--latent_store", "folder")
     assert not out.exists()
     with pytest.raises(SystemExit) as exit_:
         precompute.main(["--model", tiny_model, "--dataset", pair_parquet, "--output", str(store)])
-    assert exit_.value.code == 2 and "file" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "folder" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ a key in a variable of any name
