@@ -15,6 +15,7 @@ from align.pipeline import add_lora
 bench_gpu = load_script("bench_gpu")
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_tiny_benchmark_runs_and_counts_the_work_of_each_step(tmp_path, capsys):
     out = tmp_path / "bench.json"
     results = bench_gpu.main(["--tiny", "--steps", "1", "--warmup", "0", "--pairs", "2", "--ddpo_samples", "2",

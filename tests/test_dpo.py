@@ -364,7 +364,7 @@ def test_cli_script_reports_bad_input_without_traceback(tiny_model, prompt_file,
     assert "unknown judge 'nonexistent-judge'" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("feedback", ["dataset", "online-rounds"])
+@pytest.mark.parametrize("feedback", ["dataset", pytest.param("online-rounds", marks=pytest.mark.slow)])  # time budget
 def test_two_process_cpu_run(tiny_model, pair_parquet, prompts4, tmp_path, feedback):
     out = tmp_path / "ddp"
     source = (["--dataset", pair_parquet] if feedback == "dataset" else

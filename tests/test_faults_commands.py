@@ -281,6 +281,7 @@ def test_judgebench_killed_at_a_random_moment_finishes_bit_identical_with_overwr
     _no_leftovers(out)
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_train_reward_killed_before_its_first_checkpoint_finishes_with_resume_latest(reward_inputs, reward_straight, tmp_path):
     """The earliest moment: its config written, no checkpoint yet (--resume latest used to refuse this run)."""
     straight, _ = reward_straight

@@ -190,6 +190,7 @@ def test_bundled_flow_testbed_loads_through_its_family_with_its_recorded_setting
     assert (images[0] - images[1]).abs().mean() > 0.01  # the same seed, another caption: another image
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_unet_flow_probe_trains_velocity_scores_and_measures_the_gradient(capsys):
     probe = load_experiment("unet_flow_probe")
     probe.main(["--minutes", "0.02", "--num-scenes", "64", "--eval-captions", "4", "--estimates", "2", "--samples", "16"])
@@ -201,6 +202,7 @@ def test_unet_flow_probe_trains_velocity_scores_and_measures_the_gradient(capsys
     assert -1.0 <= float(cosine.split(": ")[1].split()[0]) <= 1.0
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_unet_flow_probe_samples_the_epsilon_unet_with_ddim_steps_in_flow_coordinates(capsys):
     probe = load_experiment("unet_flow_probe")
     probe.main(["--epsilon", "--ddim-grid", "--step", "ddim", "--eval-captions", "4", "--estimates", "2", "--samples", "16"])

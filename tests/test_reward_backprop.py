@@ -42,8 +42,12 @@ def lora(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "final" / "pytorch_lora_weights.safetensors"))
 
 
-@pytest.mark.parametrize("algorithm, kind", [("draft", "sd"), ("alignprop", "sd"), ("draft-lv", "sd3"), ("refl", "flux"),
-                                             ("draft", "sdxl")])
+SLOW = pytest.mark.slow  # the suite's time budget: make test-all runs every pair
+
+
+@pytest.mark.parametrize("algorithm, kind", [("draft", "sd"), pytest.param("alignprop", "sd", marks=SLOW),
+                                             pytest.param("draft-lv", "sd3", marks=SLOW), ("refl", "flux"),
+                                             pytest.param("draft", "sdxl", marks=SLOW)])
 def test_reward_backpropagation_trains_every_family(family_models, tiny_model, tmp_path, algorithm, kind):
     model = tiny_model if kind == "sd" else family_models(kind)
     run = ddpo.train(config(model, tmp_path / f"{algorithm}-{kind}", algorithm=algorithm))

@@ -91,7 +91,8 @@ def test_lora_dpo_starts_at_ln2_and_its_lora_loads_in_the_familys_pipeline(kind,
     assert (diffusers_images(model, None, guidance) - diffusers_images(model, run / "final", guidance)).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("kind", ["qwenimage", *(pytest.param(k, marks=pytest.mark.slow) for k in sorted(BUILDERS) if k != "qwenimage")])
+@pytest.mark.slow  # the suite's time budget (FLUX.1 Kontext's ppo runs in the default suite: test_family_kontext.py)
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
 def test_every_online_rl_objective_runs_and_its_lora_loads(kind, models, prompt_file, tmp_path):
     model = models(kind)
     guidance = 3.0
