@@ -283,6 +283,8 @@ def generate_images(
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     family = family_of_pipeline(pipe)
+    if family.edits and height is None and width is None:  # the size the family resizes the sources to (else the
+        height = width = family.native_resolution(pipe)    # editing pipeline warns that it adjusted its default size)
     out = []
     for start in progress_bar(range(0, len(prompts), batch_size), desc=progress, unit="batch", enabled=progress is not None):
         chunk = slice(start, start + batch_size)
