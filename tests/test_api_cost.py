@@ -130,6 +130,7 @@ def test_evaluation_and_best_of_n_over_the_cap_stop_before_generating_or_asking(
     assert server.calls == [] and not (tmp_path / "bon").exists()
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_two_ddpo_processes_both_stop_when_the_main_ones_evaluation_judge_is_over_the_cap(tiny_model, prompt_file, server, tmp_path):
     # only the main process loads the evaluation judge: the other must learn the verdict, not wait for ever
 

@@ -357,6 +357,7 @@ def test_bad_inputs_fail_fast_with_one_clear_message(tiny_model, prompt_file, pa
     assert not (tmp_path / "out").exists()  # nothing was written for any bad input
 
 
+@pytest.mark.slow  # time budget; the fuzzer's sample runs the same refusals through main()
 def test_cli_script_reports_bad_input_without_traceback(tiny_model, prompt_file, tmp_path):
     args = ["--model", tiny_model, "--output-dir", str(tmp_path / "o"), "--reward", "nonexistent-judge", "--prompts", prompt_file]
     result = run_cli(args)

@@ -135,6 +135,7 @@ def test_evaluate_killed_at_a_random_moment_finishes_bit_identical(testbed_model
     _no_leftovers(out)
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_evaluate_rerun_removes_the_temporary_files_of_a_killed_write(testbed_model, eval_straight, tmp_path):
     straight, _ = eval_straight
     out = tmp_path / "eval"
@@ -189,6 +190,7 @@ def _plant_interrupted_writes(out: Path, finished: list[str]) -> None:
         (target.parent / f".{target.name}.k1ll3d.tmp").write_bytes(b"half a file")
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_best_of_n_rerun_removes_the_temporary_files_of_a_killed_write(testbed_model, bon_straight, tmp_path):
     """Wherever the kill lands: here inside the writes of a chosen image, a candidate and results.json."""
     straight, _ = bon_straight

@@ -84,6 +84,7 @@ def test_deepspeed_and_fsdp1_are_refused_with_what_works(monkeypatch, tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.slow  # the suite's time budget on the 2-core CI machine
 def test_a_cpu_launch_of_several_processes_that_runs_one_is_refused(tiny_model, pairs, tmp_path):
     """`accelerate launch --cpu --num_processes 2` starts the script once (accelerate's simple launcher): a run that
     silently trains one process with half the pairs per step was issue 49's "two processes != one process"."""
