@@ -88,8 +88,8 @@ def generated(pipe, record: dict, steps: int, guidance: float, count: int | None
     return generate_images(pipe, prompts, seeds, num_inference_steps=steps, guidance_scale=guidance, batch_size=32)
 
 
-def gain(before: list[float], after: list[float], repeats: int) -> dict:
-    return paired_gain(before, after, repeats)  # image i is caption i mod C: the trainers' held-out layout
+def gain(before: list[float], after: list[float], prompts: list[str]) -> dict:
+    return paired_gain(before, after, prompts)  # per image and clustered by caption
 
 
 def line(label: str, g: dict) -> str:
@@ -133,13 +133,13 @@ def main(argv=None) -> dict:
     results = {
         "testbed": args.testbed, "recipe": config, "held_out": f"{len(before['scores'])} images, "
         f"{len(set(before['prompts']))} prompts x {repeats} seeds from {before['seeds'][0]}",
-        "full_precision_gain": gain(before["scores"], after["scores"], repeats),
-        "int8_gain_as_run": gain(q_before["scores"], q_after["scores"], repeats),
-        "int8_lora_on_full_precision_base_gain": gain(before["scores"], deployed["scores"], repeats),
+        "full_precision_gain": gain(before["scores"], after["scores"], before["prompts"]),
+        "int8_gain_as_run": gain(q_before["scores"], q_after["scores"], before["prompts"]),
+        "int8_lora_on_full_precision_base_gain": gain(before["scores"], deployed["scores"], before["prompts"]),
         "int8_minus_full_precision_gain": gain(
             [a - b for a, b in zip(after["scores"], before["scores"])],
-            [a - b for a, b in zip(q_after["scores"], q_before["scores"])], repeats),
-        "int8_base_score_change": gain(before["scores"], q_before["scores"], repeats),
+            [a - b for a, b in zip(q_after["scores"], q_before["scores"])], before["prompts"]),
+        "int8_base_score_change": gain(before["scores"], q_before["scores"], before["prompts"]),
         "int8_base_mean_abs_pixel_change": float((full - quantized).abs().mean()),
         "pixel_images": n,
         "command_cpu_minutes": {name: round(json.loads(Path(f"{run}.cpu.json").read_text())["cpu_seconds"] / 60, 1)
