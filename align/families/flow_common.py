@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from align.families.base import LORA_WEIGHTS, ModelFamily, lora_metadata
+from align.families.base import LORA_WEIGHTS, ModelFamily, ModelLoadError, lora_metadata, one_line
 from align.testbed.flow_models import FLOW_SETTINGS_FILE
 
 # The pipeline attribute that holds the T5 length the model was trained with (set at load).
@@ -24,6 +24,14 @@ def model_index(model: str) -> dict:
     from diffusers import DiffusionPipeline
 
     return DiffusionPipeline.load_config(model)
+
+
+def loadable_model_index(model: str) -> dict:
+    """``model_index`` for a family's loader: a folder or hub id whose index cannot be read is one ModelLoadError line."""
+    try:
+        return model_index(model)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
 
 
 def is_null_component(entry) -> bool:

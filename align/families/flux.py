@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline, vae_scale_factor
+from align.families.base import Conditioning, pretrained_pipeline, vae_scale_factor
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__ / encode_prompt default
 TRAINING_GUIDANCE = 3.5  # train_dreambooth_lora_flux.py --guidance_scale default (FLUX.1-dev is guidance-distilled)
@@ -73,10 +73,7 @@ class Flux(flow_common.FlowMatchingFamily):
 
     # --- loading and saving -------------------------------------------------------------------
     def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
-        try:
-            flow_common.model_index(model)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
+        flow_common.loadable_model_index(model)
         pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization)
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 

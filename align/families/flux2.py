@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline, vae_scale_factor
+from align.families.base import Conditioning, pretrained_pipeline, vae_scale_factor
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # Flux2Pipeline / Flux2KleinPipeline's
 TRAINING_GUIDANCE = 3.5  # train_dreambooth_lora_flux2.py --guidance_scale default (FLUX.2 [dev] is guidance-distilled)
@@ -93,10 +93,7 @@ class Flux2(flow_common.FlowMatchingFamily):
 
     # --- loading and saving -------------------------------------------------------------------
     def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
-        try:
-            index = flow_common.model_index(model)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
+        index = flow_common.loadable_model_index(model)
         pipe = pretrained_pipeline(self.pipeline_class(index["_class_name"]), model, dtype, self.title, quantization)
         # a step-distilled [klein] pipeline never guides; its transformer carries the flag for guided_prediction
         setattr(pipe.transformer, DISTILLED_ATTRIBUTE, bool(getattr(pipe.config, "is_distilled", False)))

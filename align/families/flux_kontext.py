@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline
+from align.families.base import Conditioning, pretrained_pipeline
 from align.families.edit_common import SOURCE_KEY, source_images, split_edit_prompts, with_source
 from align.families.flux import Flux, latent_image_ids, pack_latents
 
@@ -41,10 +41,7 @@ class FluxKontext(Flux):
         return FluxKontextPipeline
 
     def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
-        try:
-            flow_common.model_index(model)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
+        flow_common.loadable_model_index(model)
         pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization)
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 

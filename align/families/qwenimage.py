@@ -23,7 +23,6 @@ from align.families.base import (
     Conditioning,
     ModelLoadError,
     expand_conditioning,
-    one_line,
     pretrained_pipeline,
 )
 from align.families.flux import pack_latents, unpack_latents
@@ -63,10 +62,7 @@ class QwenImage(flow_common.FlowMatchingFamily):
 
     # --- loading and saving -------------------------------------------------------------------
     def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
-        try:
-            flow_common.model_index(model)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
+        flow_common.loadable_model_index(model)
         pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization)
         if pipe.transformer.config.guidance_embeds:
             raise ModelLoadError(f"{model!r}: a guidance-distilled {self.title} transformer (guidance_embeds) is not "

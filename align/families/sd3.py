@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelLoadError, one_line, pretrained_pipeline
+from align.families.base import Conditioning, pretrained_pipeline
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__ / encode_prompt default
 
@@ -40,10 +40,7 @@ class StableDiffusion3(flow_common.FlowMatchingFamily):
 
     # --- loading and saving -------------------------------------------------------------------
     def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
-        try:
-            index = flow_common.model_index(model)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
+        index = flow_common.loadable_model_index(model)
         # diffusers refuses a null T5 entry unless it is passed as None (SD3 without T5, the flow testbed)
         no_t5 = {name: None for name in ("text_encoder_3", "tokenizer_3")
                  if flow_common.is_null_component(index.get(name))}

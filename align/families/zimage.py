@@ -24,9 +24,7 @@ import torch
 from align.families import flow_common
 from align.families.base import (
     Conditioning,
-    ModelLoadError,
     cat_conditioning,
-    one_line,
     pretrained_pipeline,
     vae_scale_factor,
 )
@@ -67,10 +65,7 @@ class ZImage(flow_common.FlowMatchingFamily):
         return ZImagePipeline
 
     def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
-        try:
-            flow_common.model_index(model)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot read the model_index.json of {model!r}: {one_line(err)}") from err
+        flow_common.loadable_model_index(model)
         pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization)
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
 
