@@ -5,35 +5,17 @@ tests/test_grpo_guard_reference.py, tests/test_dgpo_reference.py, tests/test_gdp
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
+from test_online_rl import config, epochs
+from test_online_rl import prompt_file as shared_prompt_file
 
 from align.cli import ConfigError, build_parser
 from align.sampling import dance_sampler, mix_sampler
 from align.train import ddpo
 from align.train.ddpo_config import DDPOConfig
 
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    path.write_text("a red circle\na blue square\n")
-    return str(path)
-
-
-def config(model, prompt_file, out, **overrides) -> DDPOConfig:
-    settings = dict(model=model, reward="jpeg-compressibility", prompts=prompt_file, output_dir=str(out), report_to="none",
-                    num_inference_steps=4, resolution=32, samples_per_epoch=4, sample_batch_size=4, images_per_prompt=2,
-                    advantage="global-std", train_batch_size=2, gradient_accumulation_steps=1, timestep_fraction=0.5,
-                    num_epochs=2, checkpointing_epochs=1, learning_rate=3e-2, guidance_scale=3.0, lora_alpha=8.0)
-    return DDPOConfig(**{**settings, **overrides})
-
-
-def epochs(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+prompt_file = shared_prompt_file  # test_online_rl's fixture, for this module's tests
 
 
 def test_dance_sde_trains_a_flow_model_on_policy_from_group_shared_noise(family_models, prompt_file, tmp_path,
