@@ -22,9 +22,11 @@ Adaptations, each the least that lets their code run on our testbed on a CPU:
    testbed was trained and as our trainer encodes) where theirs leaves the pipeline's default of 256 zero tokens, which
    the testbed never saw (and which would make its joint attention 4x longer).
 2. The reward is the shapes oracle (``rewards.load("shapes-oracle")``) in their ``PointwiseRewardModel`` interface.
-3. Their data: the 256 captions of ``testbed:256`` (seed 0) as train.txt; their evaluation is off (eval_freq 0) and
-   their checkpoints too; we score their final LoRA (merged into the transformer) on our held-out images: the
-   config's ``testbed:200:1000`` x 2 seeds from 1234, the pipeline's sampler at 20 steps, as our runs' eval_after.
+3. Their data: the 256 training captions of ``testbed-train:256`` as train.txt; their evaluation is off (eval_freq 0)
+   and their checkpoints too; we score their final LoRA (merged into the transformer) on our held-out images: the
+   config's unseen captions ``testbed-heldout:200:1000`` x 2 seeds from 1234, the pipeline's sampler at 20 steps, as
+   our runs' eval_before/eval_after, and save the merged pipeline (OUT/pipeline) for
+   ``python -m experiments.paired_heldout --base testbed-flow OUT/pipeline ...`` on 4,000 unseen images.
 4. Timing: ``time.process_time()`` (this process, all threads) around their trainer's ``sample()``,
    ``prepare_feedback()`` and ``optimize()``, one JSON line per epoch.
 
@@ -51,7 +53,7 @@ from align.data.prompt_sets import load_prompt_list
 from align.pipeline import generate_images, load_pipeline, resolve_model, testbed_settings
 
 COMMIT = "a0b2bc5a2b4fbf9125429b3fb70c0c5d7631047c"
-HELD_OUT, HELD_OUT_REPEATS, EVAL_SEED, EVAL_STEPS = "testbed:200:1000", 2, 1234, 20
+TRAIN, HELD_OUT, HELD_OUT_REPEATS, EVAL_SEED, EVAL_STEPS = "testbed-train:256", "testbed-heldout:200:1000", 2, 1234, 20
 
 
 def common_settings(data_dir: Path, save_dir: Path) -> dict:
@@ -158,11 +160,13 @@ def timed(trainer, records: list[dict]) -> None:
         setattr(trainer, phase, wrapped)
 
 
-def held_out_scores(trainer) -> list[float]:
-    """Their final LoRA merged into the testbed transformer, sampled by the pipeline on our held-out images."""
+def held_out_scores(trainer, pipeline_dir: Path) -> list[float]:
+    """Their final LoRA merged into the testbed transformer, saved as a pipeline and sampled on our held-out images."""
     transformer = trainer.accelerator.unwrap_model(trainer.adapter.transformer).merge_and_unload()
     pipe = load_pipeline("testbed-flow")
     pipe.transformer = transformer.float().eval()
+    pipe.save_pretrained(pipeline_dir)
+    (pipeline_dir / "flow_testbed.json").write_text(json.dumps(testbed_settings("testbed-flow")))
     prompts = load_prompt_list(HELD_OUT) * HELD_OUT_REPEATS
     seeds = [EVAL_SEED + i for i in range(len(prompts))]
     images = generate_images(pipe, prompts, seeds, num_inference_steps=EVAL_STEPS,
@@ -188,7 +192,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "data"
     data.mkdir(exist_ok=True)
-    (data / "train.txt").write_text("\n".join(load_prompt_list("testbed:256")) + "\n")
+    (data / "train.txt").write_text("\n".join(load_prompt_list(TRAIN)) + "\n")
     settings = common_settings(data, args.out / "saves")
     settings["train"], settings["scheduler"] = train_section(args.trainer, args.epochs)
     (args.out / "their_config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
@@ -208,7 +212,7 @@ def main(argv=None) -> None:
     print(f"Flow-Factory {args.trainer} @ {COMMIT[:7]}: {len(records)} epochs in {total:.1f} CPU-s; per epoch after the "
           f"first: " + ", ".join(f"{k.removesuffix('_cpu_seconds')} {v:.2f} s" for k, v in mean.items()), flush=True)
     if not args.no_heldout:
-        scores = held_out_scores(trainer)
+        scores = held_out_scores(trainer, args.out / "pipeline")
         (args.out / "heldout.json").write_text(json.dumps({"prompts": HELD_OUT, "repeats": HELD_OUT_REPEATS,
                                                            "first_seed": EVAL_SEED, "scores": scores}))
         print(f"held-out ({HELD_OUT} x {HELD_OUT_REPEATS}): mean oracle score {sum(scores) / len(scores):.4f}")
