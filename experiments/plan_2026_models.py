@@ -6,7 +6,8 @@
 
 The config.json values of Qwen-Image's, FLUX.2 [dev]'s, FLUX.2 [klein] 4B's and Z-Image-Turbo's transformers, their
 text encoders (Qwen2.5-VL-7B-Instruct, Mistral-Small-3.1-24B-Instruct-2503, Qwen3-4B) and VAEs are written out below
-(FLUX.1 Kontext [dev] is FLUX.1 [dev]'s configs, from experiments/plan_big_models.py)
+(FLUX.1 Kontext [dev] is FLUX.1 [dev]'s configs, from experiments/plan_big_models.py; Qwen-Image-Edit is Qwen-Image's
+configs plus the processor that hands the source image to the text encoder)
 (where diffusers' class defaults are the released model's config, the class is built with its defaults). Each model
 becomes a pipeline folder of config files only (model_index.json and each component's config), and the trainer's own
 `--dry_run` reads it as it would read the downloaded model's folder: the counts are those of the real classes. The
@@ -70,6 +71,10 @@ MODELS = {
         "transformer": ("diffusers", "QwenImageTransformer2DModel", {}),
         "vae": ("diffusers", "AutoencoderKLQwenImage", {}),
         "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)}),
+    "qwen-image-edit": ("QwenImageEditPipeline", {  # Qwen-Image's transformer, text encoder and VAE, and a processor
+        "transformer": ("diffusers", "QwenImageTransformer2DModel", {}),
+        "vae": ("diffusers", "AutoencoderKLQwenImage", {}),
+        "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)}),
     "flux2-dev": ("Flux2Pipeline", {
         "transformer": ("diffusers", "Flux2Transformer2DModel", {}),
         "vae": ("diffusers", "AutoencoderKLFlux2", {}),
@@ -89,7 +94,7 @@ MODELS = {
         "text_encoder": ("transformers", "Qwen3Model", QWEN3_4B)}),
 }
 # Published sizes of the trained transformers (model cards): the check on the values above.
-PUBLISHED = {"qwen-image": 20e9, "flux2-dev": 32e9, "flux2-klein-4b": 4e9, "z-image-turbo": 6e9, "flux1-kontext-dev": 12e9}
+PUBLISHED = {"qwen-image": 20e9, "qwen-image-edit": 20e9, "flux2-dev": 32e9, "flux2-klein-4b": 4e9, "z-image-turbo": 6e9, "flux1-kontext-dev": 12e9}
 # config file -> (trainer, model folder)
 CONFIGS = {
     "qwenimage_grpo_lora_1gpu.yaml": (ddpo, "qwen-image"),
@@ -98,6 +103,7 @@ CONFIGS = {
     "flux2_dev_grpo_lora_1gpu.yaml": (ddpo, "flux2-dev"),
     "zimage_grpo_lora_1gpu.yaml": (ddpo, "z-image-turbo"),
     "kontext_dpo_lora_1gpu.yaml": (dpo, "flux1-kontext-dev"),
+    "qwen_image_edit_dpo_lora_1gpu.yaml": (dpo, "qwen-image-edit"),
 }
 
 
@@ -130,6 +136,9 @@ def write_config_folder(name: str, out: Path) -> Path:
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(
         {"_class_name": "FlowMatchEulerDiscreteScheduler", **FLOW_SCHEDULER}))
     (folder / "tokenizer").mkdir(exist_ok=True)
+    if pipeline_class == "QwenImageEditPipeline":  # the processor that hands the source image to the text encoder
+        (folder / "processor").mkdir(exist_ok=True)
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
     (folder / "model_index.json").write_text(json.dumps(index, indent=1))
     return folder
 

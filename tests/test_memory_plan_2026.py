@@ -1,6 +1,7 @@
 """The memory planner (--dry_run) on the 2026 families' tiny pipelines: the activations autograd keeps in one real
 training forward (with and without gradient checkpointing) and the whole DPO setup, within 15% of the plan; and the
-dry run from Qwen-Image's, FLUX.2's, Z-Image's and FLUX.1 Kontext's real config files (experiments/plan_2026_models.py)."""
+dry run from Qwen-Image's, Qwen-Image-Edit's, FLUX.2's, Z-Image's and FLUX.1 Kontext's real config files
+(experiments/plan_2026_models.py)."""
 
 from __future__ import annotations
 
@@ -100,11 +101,13 @@ def test_planned_lora_setup_is_the_measured(tiny):
 
 def test_real_configs_give_the_published_sizes():
     check_totals()  # exits when a transformer is more than 5% off its published size
-    assert set(MODELS) == {"qwen-image", "flux2-dev", "flux2-klein-4b", "z-image-turbo", "flux1-kontext-dev"}
+    assert set(MODELS) == {"qwen-image", "qwen-image-edit", "flux2-dev", "flux2-klein-4b", "z-image-turbo",
+                           "flux1-kontext-dev"}
 
 
-@pytest.mark.slow  # about a minute: six dry runs on the real models' meta-device parts
+@pytest.mark.slow  # about a minute: seven dry runs on the real models' meta-device parts
 def test_dry_run_of_every_2026_config_from_the_real_config_files(capsys):
     main([])
     out = capsys.readouterr().out
-    assert out.count("[dry run] this launch") == 6 and "qwenimage (20,430,401,088 denoiser parameters" in out
+    assert out.count("[dry run] this launch") == 7 and "qwenimage (20,430,401,088 denoiser parameters" in out
+    assert "qwenimage-edit (20,430,401,088 denoiser parameters" in out

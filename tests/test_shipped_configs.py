@@ -69,6 +69,7 @@ CONFIG_CLASSES = {
     "flux2_dev_grpo_lora_1gpu.yaml": DDPOConfig,
     "zimage_grpo_lora_1gpu.yaml": DDPOConfig,
     "kontext_dpo_lora_1gpu.yaml": DPOConfig,
+    "qwen_image_edit_dpo_lora_1gpu.yaml": DPOConfig,
     "testbed_edit_dpo.yaml": DPOConfig,
     "testbed_edit_nft.yaml": DDPOConfig,
     "sdxl_dpo_lora_24gb.yaml": DPOConfig,

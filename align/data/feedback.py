@@ -373,6 +373,8 @@ def make_pipeline_generator(
         raise DataError(f"batch_size must be a positive number of images, got {batch_size}")
 
     family = family_of_pipeline(pipe)
+    if family.edits and height is None and width is None:  # the size the family samples (an editing pipeline's own
+        height = width = family.native_resolution(pipe)      # default follows the source's size instead)
 
     def generate_images(prompts: list[str], seeds: list[int]) -> list[Image.Image]:
         if len(prompts) != len(seeds):

@@ -51,7 +51,8 @@ COND_PREFIX = "cond."  # a conditioning key's tensor name in the files and in th
 MANIFEST = "manifest.json"
 EMPTY_TEXT = "empty_text.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FINGERPRINTED_PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
+FINGERPRINTED_PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3",
+                       "processor")  # Qwen-Image-Edit's processor: how the source image reaches the text encoder
 
 
 def shard_name(index: int) -> str:

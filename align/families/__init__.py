@@ -11,6 +11,7 @@ from align.families.flux import Flux
 from align.families.flux2 import Flux2
 from align.families.flux_kontext import FluxKontext
 from align.families.qwenimage import QwenImage
+from align.families.qwenimage_edit import QwenImageEdit
 from align.families.sd import StableDiffusion
 from align.families.sd3 import StableDiffusion3
 from align.families.sdxl import StableDiffusionXL
@@ -19,6 +20,7 @@ from align.families.zimage import ZImage
 # One instance per family; a new family adds its class here.
 FAMILIES: tuple[ModelFamily, ...] = (
     StableDiffusion(), StableDiffusionXL(), StableDiffusion3(), Flux(), QwenImage(), Flux2(), ZImage(), FluxKontext(),
+    QwenImageEdit(),
 )
 
 

@@ -122,7 +122,7 @@ class ModelFamily:
     denoiser_name: str = "unet"  # the pipeline attribute that is trained
     is_flow: bool = False  # flow matching (velocity, σ schedule) rather than DDPM/DDIM
     # Instruction editing: a prompt is an instruction and a source image (rewards.edit_prompts) whose latents are
-    # conditioning (``source_latents``, the generated image's shape); the trainers, the planner and the judges read it.
+    # conditioning (``source_latents``, of ``source_latent_shape_of``); the trainers, the planner and the judges read it.
     edits: bool = False
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     # FSDP2's units (align/train/sharding.py): the UNet's transformer blocks and resnet blocks (whole down/up blocks
@@ -195,6 +195,11 @@ class ModelFamily:
         """(C, H, W) of the denoiser's latents for a square image of side ``resolution``."""
         side = int(resolution) // vae_scale_factor(vae_config)
         return (denoiser_config["in_channels"], side, side)
+
+    def source_latent_shape_of(self, denoiser_config, vae_config, resolution: int) -> tuple[int, int, int]:
+        """Editing families: (C, H, W) of the source image's latents in a run at ``resolution``; by default the generated
+        image's (the source resized to the run's side)."""
+        return self.latent_shape_of(denoiser_config, vae_config, resolution)
 
     def text_tokens(self, model: str | None = None) -> int:
         """The prompt's token count in the conditioning (the memory planner's attention sizes) of the pipeline in folder

@@ -155,11 +155,12 @@ class QwenImage(flow_common.FlowMatchingFamily):
 
     def call_arguments(self, pipe, prompts: list[str], guidance_scale: float, resolution: int | None = None) -> dict:
         """QwenImagePipeline guides through ``true_cfg_scale`` with a negative prompt (its ``guidance_scale`` is for
-        guidance-distilled transformers only)."""
-        guided = guidance_scale > 1.0
-        return {"prompt": list(prompts), "true_cfg_scale": guidance_scale,
-                "negative_prompt": [self.negative_prompt] * len(prompts) if guided else None,
-                **self.generation_kwargs(pipe)}
+        guidance-distilled transformers only); None: the pipeline's default (no negative prompt: unguided)."""
+        arguments = {"prompt": list(prompts), **self.generation_kwargs(pipe)}
+        if guidance_scale is not None:
+            arguments["true_cfg_scale"] = guidance_scale
+            arguments["negative_prompt"] = [self.negative_prompt] * len(prompts) if guidance_scale > 1.0 else None
+        return arguments
 
     def pipeline_latents(self, pipe, noise: torch.Tensor) -> torch.Tensor:
         return pack_latents(noise)  # the pipeline draws [B, C, 1, H, W] and packs it: the same values in this order

@@ -7,10 +7,18 @@ loaded back through ``align.pipeline.load_pipeline`` like real weights. The conf
 (each byte one token) plus Qwen's special tokens, written here, so nothing is downloaded.
 
 Sizes: 32 px images <-> 4 x 8 x 8 latents (the VAE downsamples by 4), 16 packed image tokens.
+
+The editing pipeline (QwenImageEditPipeline) adds the processor that hands the source image to the text encoder: a
+Qwen2VLProcessor written in the hub layout (tokenizer, ``preprocessor_config.json`` of Qwen2VLImageProcessor resizing
+to at most 112 x 112 px, ``processor_config.json``) without instantiating the class, whose video processor transformers
+builds only with torchvision; the family loads it without one where torchvision is missing. The pipeline resizes every
+source to about 1024 x 1024 px, 16,384 source tokens here: ``small_sources`` scales that area down to 64 x 64 px (64
+source tokens) for the family and the pipeline alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -18,11 +26,14 @@ import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
+    QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from tokenizers import pre_tokenizers
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from align.testbed.flow_models import FLOW_SETTINGS_FILE
 
@@ -31,6 +42,7 @@ QWEN_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|visi
 TEXT_HIDDEN = 16
 Z_DIM = 4
 RESOLUTION = 32
+SOURCE_AREA_DIVISOR = 256  # small_sources: the editing pipeline's 1024 x 1024 px sources at 64 x 64 px
 # Qwen-Image's scheduler_config.json (Qwen/Qwen-Image): exponential time shift with a terminal σ
 QWEN_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
                             max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
@@ -98,3 +110,40 @@ def save_tiny(pipe, folder: str | Path, max_sequence_length: int | None = None) 
         settings["max_sequence_length"] = max_sequence_length
     (out / FLOW_SETTINGS_FILE).write_text(json.dumps(settings))
     return out
+
+
+def build_tiny_qwen_edit(folder: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random QwenImageEditPipeline under ``folder`` and return its folder (``folder/pipeline``)."""
+    torch.manual_seed(seed)
+    tokenizer = qwen_tokenizer()
+    pipe = QwenImageEditPipeline(transformer=tiny_qwen_transformer(), vae=tiny_qwen_vae(),
+                                 scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+                                 text_encoder=tiny_qwen25_vl(tokenizer), tokenizer=tokenizer, processor=None)
+    out = save_tiny(pipe, folder)
+    # the processor in the hub layout: Qwen2.5-VL's 14 px patches merged 2x2, images resized to 56-112 px a side
+    tokenizer.save_pretrained(out / "processor")
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, temporal_patch_size=2,
+                             merge_size=2).save_pretrained(out / "processor")
+    (out / "processor" / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    index = json.loads((out / "model_index.json").read_text())
+    (out / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]},
+                                                     indent=2))
+    return out
+
+
+@contextlib.contextmanager
+def small_sources():
+    """QwenImageEditPipeline's source size (``calculate_dimensions(1024 * 1024, ratio)``) scaled down to 64 x 64 px, for
+    the pipeline and the family (which sizes sources with the same function); yields the list of the areas the callers
+    asked for (the pipeline's own 1024 * 1024)."""
+    asked, original = [], pipeline_qwenimage_edit.calculate_dimensions
+
+    def scaled(target_area, ratio):
+        asked.append(target_area)
+        return original(target_area // SOURCE_AREA_DIVISOR, ratio)
+
+    pipeline_qwenimage_edit.calculate_dimensions = scaled
+    try:
+        yield asked
+    finally:
+        pipeline_qwenimage_edit.calculate_dimensions = original

@@ -211,8 +211,8 @@ def training_forward(family, denoiser, vae_config: dict, batch: int, resolution:
 
     cond = {key: meta(shape) for key, shape in family.conditioning_shapes(config, batch, text_tokens).items()}
     latents = meta((batch, *family.latent_shape_of(config, vae_config, resolution)))
-    if family.edits:  # an editing family's source image: latents of the generated image's shape
-        cond["source_latents"] = meta(latents.shape)
+    if family.edits:  # an editing family's source image: its latents' shape (the family's rule)
+        cond["source_latents"] = meta((batch, *family.source_latent_shape_of(config, vae_config, resolution)))
     timesteps = meta((batch,))
     return lambda: family.predict(denoiser, latents, timesteps, cond)
 

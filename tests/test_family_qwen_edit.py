@@ -1,0 +1,242 @@
+"""Qwen-Image-Edit (instruction editing) against its diffusers pipeline on a tiny pipeline of the real classes
+(align/testing/tiny_qwen.py: QwenImageEditPipeline with a Qwen2.5-VL text encoder that sees the source), and the
+trainers on it: Diffusion-DPO from AI feedback on edits (the latent store, dropped instructions) and DDPO with the edit
+oracle, end to end. The pipeline resizes every source to about 1024 x 1024 px; ``small_sources`` scales that to 64 x 64
+px for the pipeline and the family alike (and records the area the pipeline asks for)."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImageEditPipeline
+from test_dpo import small_config
+from test_memory_plan import assert_close
+
+from align.eval import best_of_n as bon
+from align.eval import evaluate as ev
+from align.families import family_of_pipeline
+from align.families.base import cat_conditioning, guided_prediction
+from align.families.qwenimage_edit import SOURCE_AREA
+from align.pipeline import add_lora, generate_images, load_pipeline, load_trained
+from align.sampling.flow import ode_step
+from align.testbed.edit_world import sample_edit_prompts
+from align.testing.tiny_qwen import build_tiny_qwen_edit, small_sources
+from align.train import ddpo, dpo
+from align.train.ddpo_config import DDPOConfig
+from align.train.memory_model import SavedStorages, plan_run
+from rewards.edit_prompts import parse_edit_prompt, without_instruction
+
+RES = 32
+PROMPTS = sample_edit_prompts(2, seed=11)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def asked_areas():
+    with small_sources() as asked:
+        yield asked
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return str(build_tiny_qwen_edit(tmp_path_factory.mktemp("qwen_edit")))
+
+
+@pytest.fixture()
+def pipe(built):
+    return load_pipeline(built)
+
+
+def latents_of(pipe, seed=0):
+    shape = family_of_pipeline(pipe).latent_shape(pipe, RES)
+    return torch.randn(len(PROMPTS), *shape, generator=torch.Generator().manual_seed(seed))
+
+
+def pipeline_images(pipe, latents, guidance_scale, steps=3):
+    family = family_of_pipeline(pipe)
+    return pipe(latents=family.pipeline_latents(pipe, latents), num_inference_steps=steps, output_type="pt", height=RES,
+                width=RES, **family.call_arguments(pipe, PROMPTS, guidance_scale, RES)).images
+
+
+def family_images(pipe, latents, guidance_scale, steps=3):
+    family = family_of_pipeline(pipe)
+    cond, uncond = family.encode_prompts(pipe, PROMPTS, RES), family.unconditional(pipe, len(PROMPTS), RES)
+    sigmas = family.flow_sigmas(pipe, steps, RES)
+    x = latents
+    with torch.no_grad():
+        for i in range(steps):
+            v = guided_prediction(family, pipe.transformer, x, (sigmas[i] * 1000).expand(len(x)), cond, uncond,
+                                  guidance_scale)
+            x = ode_step(x, v, sigmas[i], sigmas[i + 1])
+    return family.decode_latents(pipe, x)
+
+
+def predict(pipe, cond, rows=slice(None)):
+    """The family's prediction at t = 500 from ``latents_of``'s ``rows``."""
+    latents = latents_of(pipe)[rows]
+    with torch.no_grad():
+        return family_of_pipeline(pipe).predict(pipe.transformer, latents, torch.full((len(latents),), 500.0), cond)
+
+
+def test_detected_as_an_editing_family(pipe):
+    family = family_of_pipeline(pipe)
+    assert isinstance(pipe, QwenImageEditPipeline) and family.name == "qwenimage-edit" and family.edits
+    assert family.native_resolution(pipe) == RES and family.latent_shape(pipe, RES) == (4, 8, 8)
+    assert tuple(pipe.config["processor"]) == ("transformers", "Qwen2VLProcessor")  # as a save_pretrained would write it
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+def test_editing_through_the_family_equals_the_pipelines(pipe, guidance_scale, asked_areas):
+    latents = latents_of(pipe)
+    asked_areas.clear()
+    expected = pipeline_images(pipe, latents, guidance_scale)
+    assert set(asked_areas) == {SOURCE_AREA}  # the pipeline sizes its sources with the family's area
+    torch.testing.assert_close(family_images(pipe, latents, guidance_scale), expected, rtol=0, atol=1e-5)
+
+
+def test_the_instruction_and_the_source_are_encoded_as_the_pipeline_does(pipe):
+    family = family_of_pipeline(pipe)
+    cond = family.encode_prompts(pipe, PROMPTS, RES)
+    arguments = family.call_arguments(pipe, PROMPTS, 1.0, RES)
+    assert cond["source_latents"].shape == (2, 4, 16, 16)  # the pipeline's source size (64 px here), not the run's
+    with torch.no_grad():
+        pixels = pipe.image_processor.preprocess(arguments["image"], 64, 64)
+        torch.testing.assert_close(cond["source_latents"], pipe._encode_vae_image(pixels[:, :, None], None)[:, :, 0],
+                                   rtol=0, atol=1e-6)
+        embeds, mask = pipe.encode_prompt(arguments["prompt"], image=arguments["image"])
+    torch.testing.assert_close(cond["prompt_embeds"], embeds, rtol=0, atol=0)
+    assert mask is None or torch.equal(cond["prompt_embeds_mask"], mask)
+    # the text encoder sees the source: the same instruction on another source is another text conditioning
+    swapped = [f"[source: {parse_edit_prompt(PROMPTS[1]).source}] {parse_edit_prompt(PROMPTS[0]).instruction}"] * 2
+    other = family.encode_prompts(pipe, swapped, RES)
+    length = min(cond["prompt_embeds"].shape[1], other["prompt_embeds"].shape[1])
+    assert (cond["prompt_embeds"][0, :length] - other["prompt_embeds"][0, :length]).abs().max() > 1e-4
+    assert (predict(pipe, cond)[0] - predict(pipe, other)[0]).abs().max() > 1e-4
+
+
+def test_a_plain_prompt_is_refused_in_one_line(pipe):
+    family = family_of_pipeline(pipe)
+    for call in (lambda: family.encode_prompts(pipe, ["a red circle"], RES),
+                 lambda: family.call_arguments(pipe, ["a red circle"], 2.0, RES),
+                 lambda: family.encode_prompts(pipe, [PROMPTS[0], "a red circle"], RES)):
+        with pytest.raises(ValueError, match=r"Qwen-Image-Edit edits: .*'\[source: <image>\] <instruction>'") as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
+def test_a_dropped_instruction_is_the_negative_prompt_on_its_own_source(pipe):
+    """Caption dropout from pixels ('[source: ...] ') and from a latent store (the empty prompt's conditioning, the
+    ``unconditional`` flag, over the caption's) predict the same: the unconditional side of the pipeline's guidance."""
+    family = family_of_pipeline(pipe)
+    dropped = family.encode_prompts(pipe, [without_instruction(p) for p in PROMPTS], RES)
+    captions = family.encode_prompts(pipe, PROMPTS, RES)
+    stored = {**captions, **family.encode_prompts(pipe, [""], RES)}
+    stored["unconditional"] = stored["unconditional"].expand(2)
+    torch.testing.assert_close(predict(pipe, stored), predict(pipe, dropped), rtol=0, atol=1e-5)
+    # a batch mixing a dropped row and a kept one predicts each row as alone
+    rows = [{k: v[i : i + 1] for k, v in cond.items()} for i, cond in ((0, stored), (1, captions))]
+    mixed = predict(pipe, cat_conditioning(rows))
+    torch.testing.assert_close(mixed[0], predict(pipe, rows[0], slice(0, 1))[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(mixed[1], predict(pipe, rows[1], slice(1, 2))[0], rtol=0, atol=1e-5)
+    assert (predict(pipe, captions) - predict(pipe, dropped)).abs().max() > 1e-4
+
+
+def test_lora_loads_with_the_pipelines_own_loader(built, pipe, tmp_path):
+    family = family_of_pipeline(pipe)
+    latents = latents_of(pipe)
+    base = pipeline_images(pipe, latents, 2.0, steps=2)
+    add_lora(pipe.transformer, rank=4, target_modules=family.lora_targets)
+    with torch.no_grad():
+        for name, param in pipe.transformer.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.3)
+    in_memory = pipeline_images(pipe, latents, 2.0, steps=2)
+    family.save_lora(pipe.transformer, tmp_path / "lora")
+    fresh = load_pipeline(built)
+    fresh.load_lora_weights(str(tmp_path / "lora"))  # the pipeline's own loader
+    torch.testing.assert_close(pipeline_images(fresh, latents, 2.0, steps=2), in_memory, rtol=0, atol=1e-5)
+    assert (in_memory - base).abs().max() > 1e-3
+    torch.testing.assert_close(pipeline_images(load_trained(str(tmp_path / "lora"), base=built), latents, 2.0, steps=2),
+                               in_memory, rtol=0, atol=1e-5)
+
+
+def test_seeded_edits_depend_on_their_prompt_and_seed_only(pipe):
+    together = generate_images(pipe, PROMPTS, [3, 4], num_inference_steps=2, guidance_scale=2.0)
+    alone = generate_images(pipe, PROMPTS[1:], [4], num_inference_steps=2, guidance_scale=2.0)
+    assert together.shape == (2, 3, RES, RES)  # the run's side, not the source's
+    torch.testing.assert_close(alone[0], together[1], rtol=0, atol=1e-5)
+
+
+def test_planned_activations_count_the_source_tokens(built):
+    """The planner's training forward (the family's shapes: the prompt, the source's image tokens in it, the source
+    latents at the pipeline's size) keeps what one real forward keeps."""
+    settings = types.SimpleNamespace(model=built, finetune="full", lora_rank=4, lora_alpha=None, mixed_precision="no",
+                                     use_8bit_adam=False, gradient_checkpointing=False, train_batch_size=2, resolution=RES)
+    planned = plan_run(settings)
+    pipe = load_pipeline(built)
+    family = family_of_pipeline(pipe)
+    config, samples = dict(pipe.transformer.config), planned.forward_batch
+    tokens = family.text_tokens(built)
+    assert tokens > 256  # the prompt's and the source's image tokens
+    cond = {key: torch.randn(shape) for key, shape in family.conditioning_shapes(config, samples, tokens).items()}
+    cond["source_latents"] = torch.randn(samples, *family.source_latent_shape_of(config, dict(pipe.vae.config), RES))
+    kept = SavedStorages(list(pipe.transformer.parameters()))
+    with kept.hooks():
+        out = family.predict(pipe.transformer, torch.randn(samples, 4, 8, 8), torch.rand(samples) * 1000, cond)
+    out.square().mean().backward()
+    assert_close(planned.shape.activation_bytes, kept.total, "activations")
+
+
+@pytest.fixture(scope="module")
+def edit_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "edits.txt"
+    path.write_text("\n".join(sample_edit_prompts(4, seed=5)) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("latent_store", ["run", "none"])
+def test_dpo_from_ai_feedback_on_edits_with_dropped_instructions(built, edit_prompts, tmp_path, latent_store):
+    """The random tiny model's edits all score 0 with the oracle (only ties): a rule judge labels them here. With the
+    run's latent store (dropped captions: the empty prompt's flag over the caption's conditioning) and without one."""
+    run = dpo.train(small_config(built, tmp_path / "run", reward="jpeg-compressibility", prompts=edit_prompts,
+                                 eval_prompts=edit_prompts, max_steps=2, caption_dropout=0.5, guidance_scale=2.0,
+                                 latent_store=latent_store))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-4) and records[1]["model_mse"] != records[1]["ref_mse"]
+    before, after = (json.loads((run / f"eval_{when}.json").read_text()) for when in ("before", "after"))
+    assert len(before["scores"]) == 4 and before["scores"] != after["scores"]
+    fresh = load_trained(str(run / "final"), base=built)
+    assert isinstance(fresh, QwenImageEditPipeline)
+
+
+def test_ddpo_edits_end_to_end(built, edit_prompts, tmp_path):
+    config = DDPOConfig(model=built, reward="shapes-edit-oracle", prompts=edit_prompts, output_dir=str(tmp_path / "ppo"),
+                        report_to="none", algorithm="ppo", num_inference_steps=3, samples_per_epoch=4, sample_batch_size=4,
+                        images_per_prompt=2, advantage="group", train_batch_size=4, gradient_accumulation_steps=1,
+                        timestep_fraction=0.67, num_epochs=2, checkpointing_epochs=2, learning_rate=3e-2,
+                        guidance_scale=2.0)
+    run = ddpo.train(config)
+    epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs)
+    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_evaluate_and_best_of_n_judge_edits(built, tmp_path):
+    """align.evaluate and best-of-N generate edits through the pipeline at the run's side and judge them with the edit
+    oracle (which sees the source); no --guidance_scale: the pipeline's default (no negative prompt: unguided)."""
+    out = tmp_path / "eval"
+    ev.main(["--models", f"base={built}", "--judges", "shapes-edit-oracle,jpeg-compressibility", "--prompts",
+             "testbed-edit:3:2", "--num_inference_steps", "2", "--resolution", "32", "--device", "cpu",
+             "--output_dir", str(out), "--quiet"])
+    saved = json.loads((out / "results.json").read_text())
+    assert 0 < saved["change_outside_edit"]["base"]["mean"] <= 1
+    bon_out = tmp_path / "bon"
+    bon.main(["--model", built, "--reward", "shapes-edit-oracle", "--eval_judges", "jpeg-compressibility",
+              "--prompts", "testbed-edit:2:2", "--n", "2", "--num_inference_steps", "2", "--resolution", "32",
+              "--device", "cpu", "--output_dir", str(bon_out), "--quiet"])
+    results = json.loads((bon_out / "results.json").read_text())
+    assert np.array(results["scores"]["shapes-edit-oracle"]).shape == (2, 2)
