@@ -1,7 +1,7 @@
 """Qwen-Image-Edit (instruction editing) against its diffusers pipeline on a tiny pipeline of the real classes
 (align/testing/tiny_qwen.py: QwenImageEditPipeline with a Qwen2.5-VL text encoder that sees the source), and the
 trainers on it: Diffusion-DPO from AI feedback on edits (the latent store, dropped instructions) and DDPO with the edit
-oracle, end to end. The pipeline resizes every source to about 1024 x 1024 px; ``small_sources`` scales that to 64 x 64
+oracle (every rollout objective; all but Flow-GRPO among the slow tests), end to end. The pipeline resizes every source to about 1024 x 1024 px; ``small_sources`` scales that to 64 x 64
 px for the pipeline and the family alike (and records the area the pipeline asks for)."""
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ from align.testing.tiny_qwen import build_tiny_qwen_edit, small_sources
 from align.train import ddpo, dpo
 from align.train.ddpo_config import DDPOConfig
 from align.train.memory_model import SavedStorages, plan_run
+from align.train.objectives import ALGORITHMS
 from rewards.edit_prompts import parse_edit_prompt, without_instruction
 
 RES = 32
+# reward backpropagation's objectives need a differentiable judge: tests/test_reward_backprop.py runs them per family
+ROLLOUT_ALGORITHMS = [a.name for a in ALGORITHMS if not a.samples_with_gradients]
 PROMPTS = sample_edit_prompts(2, seed=11)
 
 
@@ -213,9 +216,11 @@ def test_dpo_from_ai_feedback_on_edits_with_dropped_instructions(built, edit_pro
     assert isinstance(fresh, QwenImageEditPipeline)
 
 
-def test_ddpo_edits_end_to_end(built, edit_prompts, tmp_path):
-    config = DDPOConfig(model=built, reward="shapes-edit-oracle", prompts=edit_prompts, output_dir=str(tmp_path / "ppo"),
-                        report_to="none", algorithm="ppo", num_inference_steps=3, samples_per_epoch=4, sample_batch_size=4,
+@pytest.mark.parametrize("name", ["ppo", *(pytest.param(n, marks=pytest.mark.slow) for n in ROLLOUT_ALGORITHMS if n != "ppo")])
+def test_every_online_rl_objective_edits_end_to_end(built, edit_prompts, tmp_path, name):
+    """Flow-GRPO by default; the other objectives among the slow tests."""
+    config = DDPOConfig(model=built, reward="shapes-edit-oracle", prompts=edit_prompts, output_dir=str(tmp_path / name),
+                        report_to="none", algorithm=name, num_inference_steps=3, samples_per_epoch=4, sample_batch_size=4,
                         images_per_prompt=2, advantage="group", train_batch_size=4, gradient_accumulation_steps=1,
                         timestep_fraction=0.67, num_epochs=2, checkpointing_epochs=2, learning_rate=3e-2,
                         guidance_scale=2.0)
