@@ -67,6 +67,16 @@ def family_images(pipe, latents, guidance_scale, steps=3):
     return family.decode_latents(pipe, x)
 
 
+def test_no_guidance_value_leaves_the_pipelines_default(pipe):
+    """guidance_scale None (align.evaluate without --guidance_scale): the pipeline's own default, with or without the
+    guidance embedding, and the pipeline generates with it."""
+    arguments = family_of_pipeline(pipe).call_arguments(pipe, PROMPTS, None, RES)
+    assert "guidance_scale" not in arguments and "true_cfg_scale" not in arguments
+    images = pipe(latents=family_of_pipeline(pipe).pipeline_latents(pipe, latents_of(pipe)), num_inference_steps=2,
+                  output_type="pt", **arguments).images
+    assert images.shape == (len(PROMPTS), 3, RES, RES) and torch.isfinite(images).all()
+
+
 def test_detected_as_an_editing_family(pipe):
     family = family_of_pipeline(pipe)
     assert family.name == "flux-kontext" and family.edits and family.native_resolution(pipe) == RES

@@ -84,8 +84,11 @@ class FluxKontext(Flux):
         if sources is None:
             raise ValueError(f"{self.title} edits: give prompts '[source: <image>] <instruction>'")
         side = resolution or self.native_resolution(pipe)
-        arguments = {"prompt": instructions, "image": source_images(sources, side), "guidance_scale": guidance_scale,
-                     "max_area": side * side, "_auto_resize": False, **self.generation_kwargs(pipe)}
+        arguments = {"prompt": instructions, "image": source_images(sources, side), "max_area": side * side,
+                     "_auto_resize": False, **self.generation_kwargs(pipe)}
+        if guidance_scale is None:  # the pipeline's own default
+            return arguments
+        arguments["guidance_scale"] = guidance_scale
         if not self.uses_guidance_embedding(pipe.transformer) and guidance_scale > 1.0:
             # no guidance embedding: the pipeline's true CFG against the empty instruction on the same source
             arguments.update(negative_prompt=[""] * len(prompts), true_cfg_scale=guidance_scale)
