@@ -144,11 +144,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("run", "summarise", "commands"))
     parser.add_argument("--testbed", choices=tuple(BUDGETS), default="sd")
-    parser.add_argument("--algorithms", default=",".join(BUDGETS["sd"]))
+    parser.add_argument("--algorithms", default=None, help="comma-separated (default: every algorithm of the testbed)")
     parser.add_argument("--out", type=Path, default=Path("runs/overopt"))
     parser.add_argument("--notes", type=Path, default=NOTES)
     args = parser.parse_args(argv)
-    algorithms = [a for a in args.algorithms.split(",") if a]
+    algorithms = [a for a in (args.algorithms or ",".join(BUDGETS[args.testbed])).split(",") if a]
+    unknown = sorted(set(algorithms) - set(BUDGETS[args.testbed]))
+    if unknown:
+        parser.error(f"--algorithms: no budget on the {args.testbed} testbed for {', '.join(unknown)}; "
+                     f"known: {', '.join(BUDGETS[args.testbed])}")
     if args.action == "run":
         run(args.testbed, algorithms, args.out)
     elif args.action == "commands":
