@@ -15,15 +15,15 @@ import pytest
 import torch
 from diffusers import QwenImageEditPipeline
 from test_dpo import small_config
+from test_family_kontext import PROMPTS, RES, family_images, latents_of  # the same edits, the same ODE
 from test_memory_plan import assert_close
 
 from align.eval import best_of_n as bon
 from align.eval import evaluate as ev
 from align.families import family_of_pipeline
-from align.families.base import cat_conditioning, guided_prediction
+from align.families.base import cat_conditioning
 from align.families.qwenimage_edit import SOURCE_AREA
 from align.pipeline import add_lora, generate_images, load_pipeline, load_trained
-from align.sampling.flow import ode_step
 from align.testbed.edit_world import sample_edit_prompts
 from align.testing.tiny_qwen import build_tiny_qwen_edit, small_sources
 from align.train import ddpo, dpo
@@ -32,10 +32,8 @@ from align.train.memory_model import SavedStorages, plan_run
 from align.train.objectives import ALGORITHMS
 from rewards.edit_prompts import parse_edit_prompt, without_instruction
 
-RES = 32
 # reward backpropagation's objectives need a differentiable judge: tests/test_reward_backprop.py runs them per family
 ROLLOUT_ALGORITHMS = [a.name for a in ALGORITHMS if not a.samples_with_gradients]
-PROMPTS = sample_edit_prompts(2, seed=11)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,28 +52,10 @@ def pipe(built):
     return load_pipeline(built)
 
 
-def latents_of(pipe, seed=0):
-    shape = family_of_pipeline(pipe).latent_shape(pipe, RES)
-    return torch.randn(len(PROMPTS), *shape, generator=torch.Generator().manual_seed(seed))
-
-
 def pipeline_images(pipe, latents, guidance_scale, steps=3):
     family = family_of_pipeline(pipe)
     return pipe(latents=family.pipeline_latents(pipe, latents), num_inference_steps=steps, output_type="pt", height=RES,
                 width=RES, **family.call_arguments(pipe, PROMPTS, guidance_scale, RES)).images
-
-
-def family_images(pipe, latents, guidance_scale, steps=3):
-    family = family_of_pipeline(pipe)
-    cond, uncond = family.encode_prompts(pipe, PROMPTS, RES), family.unconditional(pipe, len(PROMPTS), RES)
-    sigmas = family.flow_sigmas(pipe, steps, RES)
-    x = latents
-    with torch.no_grad():
-        for i in range(steps):
-            v = guided_prediction(family, pipe.transformer, x, (sigmas[i] * 1000).expand(len(x)), cond, uncond,
-                                  guidance_scale)
-            x = ode_step(x, v, sigmas[i], sigmas[i + 1])
-    return family.decode_latents(pipe, x)
 
 
 def predict(pipe, cond, rows=slice(None)):
