@@ -107,22 +107,30 @@ def test_the_source_is_conditioning_and_changes_the_edit(pipe):
         family.encode_prompts(pipe, [PROMPTS[0], "a red circle"], RES)
 
 
-def test_lora_loads_with_the_pipelines_own_loader(built, pipe, tmp_path):
+def assert_lora_loads_with_the_pipelines_own_loader(pipe, model: str, images, tmp_path):
+    """A random LoRA on ``pipe``'s transformer, saved by the family and loaded into a fresh pipeline of ``model`` with
+    its own ``load_lora_weights``, gives the in-memory images (``images(pipe, latents)``), which differ from the base's.
+    Returns the fresh pipeline, the latents and the in-memory images."""
     family = family_of_pipeline(pipe)
     latents = latents_of(pipe)
-    base = pipeline_images(pipe, latents, 2.0, steps=2)
+    base = images(pipe, latents, 2.0, steps=2)
     add_lora(pipe.transformer, rank=4, target_modules=family.lora_targets)
     with torch.no_grad():
         for name, param in pipe.transformer.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.3)
-    in_memory = pipeline_images(pipe, latents, 2.0, steps=2)
+    in_memory = images(pipe, latents, 2.0, steps=2)
     family.save_lora(pipe.transformer, tmp_path / "lora")
-    fresh = load_pipeline(built[1])  # a fresh FluxKontextPipeline (with the tiny model's stored T5 length)
-    assert isinstance(fresh, FluxKontextPipeline)
+    fresh = load_pipeline(model)
     fresh.load_lora_weights(str(tmp_path / "lora"))  # the pipeline's own loader
-    torch.testing.assert_close(pipeline_images(fresh, latents, 2.0, steps=2), in_memory, rtol=0, atol=1e-5)
+    torch.testing.assert_close(images(fresh, latents, 2.0, steps=2), in_memory, rtol=0, atol=1e-5)
     assert (in_memory - base).abs().max() > 1e-3
+    return fresh, latents, in_memory
+
+
+def test_lora_loads_with_the_pipelines_own_loader(built, pipe, tmp_path):
+    fresh, latents, in_memory = assert_lora_loads_with_the_pipelines_own_loader(pipe, built[1], pipeline_images, tmp_path)
+    assert isinstance(fresh, FluxKontextPipeline)  # with the tiny model's stored T5 length
     torch.testing.assert_close(pipeline_images(load_trained(str(tmp_path / "lora"), base=built[1]), latents, 2.0, steps=2),
                                in_memory, rtol=0, atol=1e-5)
 

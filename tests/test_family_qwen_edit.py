@@ -15,7 +15,13 @@ import pytest
 import torch
 from diffusers import QwenImageEditPipeline
 from test_dpo import small_config
-from test_family_kontext import PROMPTS, RES, family_images, latents_of  # the same edits, the same ODE
+from test_family_kontext import (  # the same edits, the same ODE, the same LoRA round trip
+    PROMPTS,
+    RES,
+    assert_lora_loads_with_the_pipelines_own_loader,
+    family_images,
+    latents_of,
+)
 from test_memory_plan import assert_close
 
 from align.eval import best_of_n as bon
@@ -23,7 +29,7 @@ from align.eval import evaluate as ev
 from align.families import family_of_pipeline
 from align.families.base import cat_conditioning
 from align.families.qwenimage_edit import SOURCE_AREA
-from align.pipeline import add_lora, generate_images, load_pipeline, load_trained
+from align.pipeline import generate_images, load_pipeline, load_trained
 from align.testbed.edit_world import sample_edit_prompts
 from align.testing.tiny_qwen import build_tiny_qwen_edit, small_sources
 from align.train import ddpo, dpo
@@ -129,20 +135,7 @@ def test_a_dropped_instruction_is_the_negative_prompt_on_its_own_source(pipe):
 
 
 def test_lora_loads_with_the_pipelines_own_loader(built, pipe, tmp_path):
-    family = family_of_pipeline(pipe)
-    latents = latents_of(pipe)
-    base = pipeline_images(pipe, latents, 2.0, steps=2)
-    add_lora(pipe.transformer, rank=4, target_modules=family.lora_targets)
-    with torch.no_grad():
-        for name, param in pipe.transformer.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.3)
-    in_memory = pipeline_images(pipe, latents, 2.0, steps=2)
-    family.save_lora(pipe.transformer, tmp_path / "lora")
-    fresh = load_pipeline(built)
-    fresh.load_lora_weights(str(tmp_path / "lora"))  # the pipeline's own loader
-    torch.testing.assert_close(pipeline_images(fresh, latents, 2.0, steps=2), in_memory, rtol=0, atol=1e-5)
-    assert (in_memory - base).abs().max() > 1e-3
+    _, latents, in_memory = assert_lora_loads_with_the_pipelines_own_loader(pipe, built, pipeline_images, tmp_path)
     torch.testing.assert_close(pipeline_images(load_trained(str(tmp_path / "lora"), base=built), latents, 2.0, steps=2),
                                in_memory, rtol=0, atol=1e-5)
 
