@@ -160,11 +160,9 @@ def test_dpo_from_ai_feedback_on_edits_with_dropped_instructions(built, edit_pro
     assert len(before["scores"]) == 4 and before["scores"] != after["scores"]
 
 
-@pytest.mark.parametrize("built", ["no_guidance_embedding"], indirect=True)
-@pytest.mark.parametrize("name", ["ppo", *(pytest.param(n, marks=pytest.mark.slow) for n in ROLLOUT_ALGORITHMS if n != "ppo")])
-def test_every_online_rl_objective_edits_end_to_end(built, edit_prompts, tmp_path, name):
-    """DDPO / Flow-GRPO by default; the other objectives among the slow tests."""
-    config = DDPOConfig(model=built[1], reward="shapes-edit-oracle", prompts=edit_prompts, output_dir=str(tmp_path / name),
+def assert_online_rl_edits_end_to_end(model: str, edit_prompts: str, output_dir, name: str) -> None:
+    """Two epochs of ``--algorithm name`` with the edit oracle: finite losses, a final LoRA."""
+    config = DDPOConfig(model=model, reward="shapes-edit-oracle", prompts=edit_prompts, output_dir=str(output_dir),
                         report_to="none", algorithm=name, num_inference_steps=3, samples_per_epoch=4, sample_batch_size=4,
                         images_per_prompt=2, advantage="group", train_batch_size=4, gradient_accumulation_steps=1,
                         timestep_fraction=0.67, num_epochs=2, checkpointing_epochs=2, learning_rate=3e-2,
@@ -173,6 +171,13 @@ def test_every_online_rl_objective_edits_end_to_end(built, edit_prompts, tmp_pat
     epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs)
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("built", ["no_guidance_embedding"], indirect=True)
+@pytest.mark.parametrize("name", ["ppo", *(pytest.param(n, marks=pytest.mark.slow) for n in ROLLOUT_ALGORITHMS if n != "ppo")])
+def test_every_online_rl_objective_edits_end_to_end(built, edit_prompts, tmp_path, name):
+    """DDPO / Flow-GRPO by default; the other objectives among the slow tests."""
+    assert_online_rl_edits_end_to_end(built[1], edit_prompts, tmp_path / name, name)
 
 
 @pytest.mark.slow  # about 20 s

@@ -19,6 +19,7 @@ from test_family_kontext import (  # the same edits, the same ODE, the same LoRA
     PROMPTS,
     RES,
     assert_lora_loads_with_the_pipelines_own_loader,
+    assert_online_rl_edits_end_to_end,
     family_images,
     latents_of,
 )
@@ -32,8 +33,7 @@ from align.families.qwenimage_edit import SOURCE_AREA
 from align.pipeline import generate_images, load_pipeline, load_trained
 from align.testbed.edit_world import sample_edit_prompts
 from align.testing.tiny_qwen import build_tiny_qwen_edit, small_sources
-from align.train import ddpo, dpo
-from align.train.ddpo_config import DDPOConfig
+from align.train import dpo
 from align.train.memory_model import SavedStorages, plan_run
 from align.train.objectives import ALGORITHMS
 from rewards.edit_prompts import parse_edit_prompt, without_instruction
@@ -192,15 +192,7 @@ def test_dpo_from_ai_feedback_on_edits_with_dropped_instructions(built, edit_pro
 @pytest.mark.parametrize("name", ["ppo", *(pytest.param(n, marks=pytest.mark.slow) for n in ROLLOUT_ALGORITHMS if n != "ppo")])
 def test_every_online_rl_objective_edits_end_to_end(built, edit_prompts, tmp_path, name):
     """Flow-GRPO by default; the other objectives among the slow tests."""
-    config = DDPOConfig(model=built, reward="shapes-edit-oracle", prompts=edit_prompts, output_dir=str(tmp_path / name),
-                        report_to="none", algorithm=name, num_inference_steps=3, samples_per_epoch=4, sample_batch_size=4,
-                        images_per_prompt=2, advantage="group", train_batch_size=4, gradient_accumulation_steps=1,
-                        timestep_fraction=0.67, num_epochs=2, checkpointing_epochs=2, learning_rate=3e-2,
-                        guidance_scale=2.0)
-    run = ddpo.train(config)
-    epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs)
-    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert_online_rl_edits_end_to_end(built, edit_prompts, tmp_path / name, name)
 
 
 def test_evaluate_and_best_of_n_judge_edits(built, tmp_path):
