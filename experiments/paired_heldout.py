@@ -1,6 +1,8 @@
 """Is a run's gain real, and is it on captions it never saw? Runs against their base on large sets, paired.
 
     python -m experiments.paired_heldout --base testbed-flow runs/flow-grpo runs/flow-nft --out runs/paired
+    python -m experiments.paired_heldout --base testbed-edit runs/edit-nft --judge shapes-edit-oracle \
+        --sets unseen=testbed-edit:2000:4242 --images-per-prompt 2        # the editing testbed's held-out edits
 
 Every model draws the same images of each set, each with its own starting noise: caption c's k-th image has seed
 ``first_seed + K·c + k`` (``--trainers-layout``: image i is caption i mod C with seed ``first_seed + i``, the trainers'
@@ -46,25 +48,27 @@ from align.eval.generation import sampling_settings
 from align.metrics import paired_change
 from align.pipeline import generate_images, load_trained
 from align.run_folder import CONFIG_FILE
+from align.testbed.edit_world import edit_kind
 from align.testbed.split import part_of_prompt
+from rewards.edit_prompts import is_edit_prompt
 from rewards.shapes_grammar import parse_caption
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SETS = ("unseen=testbed-heldout:1000:4242@50000", "novel=testbed-novel:500:4343@60000",
                 "seen=testbed-train:256@70000")
-BUNDLED = ("testbed", "testbed-flow")
+BUNDLED = ("testbed", "testbed-flow", "testbed-edit")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="+", help="run folders or pipelines to compare with the base")
-    p.add_argument("--base", required=True, help="the base pipeline ('testbed', 'testbed-flow' or a folder)")
+    p.add_argument("--base", required=True, help="the base pipeline ('testbed', 'testbed-flow', 'testbed-edit' or a folder)")
     p.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS),
                    help="NAME=SPEC[@FIRST_SEED]: the prompt sets to score (first seed default 50000)")
     p.add_argument("--images-per-prompt", type=int, default=4)
     p.add_argument("--trainers-layout", action="store_true",
                    help="image i is caption i mod C (the trainers' held-out layout) instead of captions one after another")
-    p.add_argument("--by-category", action="store_true", help="also the gain within each caption category")
+    p.add_argument("--by-category", action="store_true", help="also the gain within each caption category (an edit's kind on the editing testbed)")
     p.add_argument("--judge", default="shapes-oracle")
     p.add_argument("--out", type=Path, default=None, help="folder for each model's scores (JSON)")
     args = p.parse_args(argv)
@@ -157,6 +161,11 @@ def scores_of(model: str, name: str, captions: list[str], seeds: list[int], judg
     return scores
 
 
+def caption_category(caption: str) -> str:
+    """A generation caption's category (object, count, ...) or an edit's kind (recolour, move, remove)."""
+    return edit_kind(caption) if is_edit_prompt(caption) else parse_caption(caption).category
+
+
 def describe(g: dict) -> str:
     return (f"gain {g['gain']:+.4f} ± {g['paired_sem_images']:.4f} per image, ± {g['paired_sem_captions']:.4f} by caption "
             f"({g['clustered_se_ratio']:.1f} SE by caption; {g['num_images']} images, {g['num_captions']} captions); "
@@ -199,7 +208,7 @@ def main(argv=None) -> dict:
             summary[name]["models"][model] = {"mean": sum(after) / len(after), **gain}
             print(f"  {model}: {sum(after) / len(after):.4f}  {describe(gain)}", flush=True)
             if args.by_category:
-                categories = [parse_caption(c).category for c in captions]
+                categories = [caption_category(c) for c in captions]
                 for category in sorted(set(categories)):
                     rows = [i for i, c in enumerate(categories) if c == category]
                     part = paired_gain([base[i] for i in rows], [after[i] for i in rows], [captions[i] for i in rows])

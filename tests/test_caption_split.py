@@ -147,3 +147,13 @@ def test_testbed_set_names_and_their_errors():
     for bad in ("testbed-heldout:x", "testbed-train:5:1:2", "testbed-novel:0"):
         with pytest.raises((PromptSetError, ConfigError), match="testbed-"):
             load_prompt_set(bad)
+
+
+def test_paired_heldout_groups_edits_by_their_kind_and_captions_by_their_category():
+    category_of = load_experiment("paired_heldout").caption_category
+    edits = load_prompt_list(f"testbed-edit:60:{EVAL_SEED}")
+    assert {category_of(edit) for edit in edits} == {"recolour", "move", "remove"}
+    assert category_of("[source: shapes:red circle 0,1] make the red circle blue") == "recolour"
+    captions = load_prompt_list("testbed-heldout:40:1")
+    assert [category_of(c) for c in captions] == [parse_caption(c).category for c in captions]
+    assert set(map(category_of, captions)) <= set(CATEGORIES)
