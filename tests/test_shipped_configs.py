@@ -72,6 +72,7 @@ CONFIG_CLASSES = {
     "qwen_image_edit_dpo_lora_1gpu.yaml": DPOConfig,
     "testbed_edit_dpo.yaml": DPOConfig,
     "testbed_edit_nft.yaml": DDPOConfig,
+    "testbed_edit_dgpo.yaml": DDPOConfig,
     "sdxl_dpo_lora_24gb.yaml": DPOConfig,
     "sdxl_ddpo_lora_24gb.yaml": DDPOConfig,
     "sd35m_dpo_lora_24gb.yaml": DPOConfig,
