@@ -127,9 +127,10 @@ def test_position_bias_is_caught_by_order_swapping(monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 def test_faults_every_label_obtained_or_abstained(kind, monkeypatch):
     a, b = pairs(4)
-    with serve(kind, monkeypatch, timeout_sleep=1.0) as server:
-        # concurrency 1: request k is the k-th call, so each fault hits a known request
-        judge = load(kind, server, concurrency=1, max_retries=4, timeout=0.4)
+    with serve(kind, monkeypatch, timeout_sleep=3.0) as server:
+        # concurrency 1: request k is the k-th call, so each fault hits a known request. The client's timeout leaves an
+        # ordinary request a second on a loaded machine (at 0.4 s, beside five CPU-bound jobs, the count was once 11)
+        judge = load(kind, server, concurrency=1, max_retries=4, timeout=1.0)
         server.inject("429", "500", "timeout", "malformed", None, "refusal", None, "garbage")
         prefs = judge.compare(["x"] * 4, a, b)
     faults = [c["fault"] for c in server.calls]
