@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,11 @@ from script_loader import load_script
 from align.cli import parse_config
 from align.eval.evaluate import EvalConfig
 from align.judgebench.benchmark import JudgeBenchConfig
+from align.train import dpo
 from align.train.ddpo import DDPOConfig
 from align.train.dpo import DPOConfig
 from align.train.reward_model import RewardTrainConfig
+from experiments.plan_2026_models import one_pair_file, write_config_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 CompareConfig = load_script("compare_judges").CompareConfig
@@ -70,6 +73,7 @@ CONFIG_CLASSES = {
     "zimage_grpo_lora_1gpu.yaml": DDPOConfig,
     "kontext_dpo_lora_1gpu.yaml": DPOConfig,
     "qwen_image_edit_dpo_lora_1gpu.yaml": DPOConfig,
+    "qwen_image_edit_plus_dpo_lora_1gpu.yaml": DPOConfig,
     "testbed_edit_dpo.yaml": DPOConfig,
     "testbed_edit_nft.yaml": DDPOConfig,
     "testbed_edit_dgpo.yaml": DDPOConfig,
@@ -116,3 +120,20 @@ def test_one_gpu_recipes_name_an_accelerate_config_that_exists():
     for recipe in (ROOT / "configs").glob("*_1gpu.yaml"):
         named = [w for w in recipe.read_text().split() if w.startswith("configs/accelerate/")]
         assert named and all((ROOT / w).is_file() for w in named), recipe.name
+
+
+def test_dry_run_of_the_qwen_image_edit_plus_recipe_from_the_real_config_files(tmp_path, capsys):
+    """configs/qwen_image_edit_plus_dpo_lora_1gpu.yaml's --dry_run (seconds: meta-device parts) on Qwen-Image-Edit's
+    config files (experiments/plan_2026_models.py) with model_index.json naming QwenImageEditPlusPipeline (2509 and 2511
+    keep Qwen-Image's transformer, text encoder and VAE): the plan its header quotes. (The other 2026 recipes' dry runs:
+    tests/test_memory_plan_2026.py.)"""
+    folder = write_config_folder("qwen-image-edit", tmp_path)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
+    dpo.main(["--config", str(ROOT / "configs" / "qwen_image_edit_plus_dpo_lora_1gpu.yaml"), "--model", str(folder),
+              "--dry_run", "true", "--dataset", one_pair_file(tmp_path), "--output_dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "qwenimage-edit-plus (20,430,401,088 denoiser parameters" in out
+    assert "56.2 GiB" in (ROOT / "configs" / "qwen_image_edit_plus_dpo_lora_1gpu.yaml").read_text()
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert float(total.split()[1]) == pytest.approx(56.2, abs=0.05)

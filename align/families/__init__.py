@@ -12,6 +12,7 @@ from align.families.flux2 import Flux2
 from align.families.flux_kontext import FluxKontext
 from align.families.qwenimage import QwenImage
 from align.families.qwenimage_edit import QwenImageEdit
+from align.families.qwenimage_edit_plus import QwenImageEditPlus
 from align.families.sd import StableDiffusion
 from align.families.sd3 import StableDiffusion3
 from align.families.sdxl import StableDiffusionXL
@@ -20,7 +21,7 @@ from align.families.zimage import ZImage
 # One instance per family; a new family adds its class here.
 FAMILIES: tuple[ModelFamily, ...] = (
     StableDiffusion(), StableDiffusionXL(), StableDiffusion3(), Flux(), QwenImage(), Flux2(), ZImage(), FluxKontext(),
-    QwenImageEdit(),
+    QwenImageEdit(), QwenImageEditPlus(),
 )
 
 

@@ -13,7 +13,8 @@ Qwen2VLProcessor written in the hub layout (tokenizer, ``preprocessor_config.jso
 to at most 112 x 112 px, ``processor_config.json``) without instantiating the class, whose video processor transformers
 builds only with torchvision; the family loads it without one where torchvision is missing. The pipeline resizes every
 source to about 1024 x 1024 px, 16,384 source tokens here: ``small_sources`` scales that area down to 64 x 64 px (64
-source tokens) for the family and the pipeline alike.
+source tokens) for the family and the pipeline alike. QwenImageEditPlusPipeline (Qwen-Image-Edit-2509/2511) has the
+same components; its text encoder's ~384 x 384 px sources are scaled to 32 x 32 px the same way.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from tokenizers import pre_tokenizers
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -112,13 +114,14 @@ def save_tiny(pipe, folder: str | Path, max_sequence_length: int | None = None) 
     return out
 
 
-def build_tiny_qwen_edit(folder: str | Path, seed: int = 0) -> Path:
-    """Save a tiny random QwenImageEditPipeline under ``folder`` and return its folder (``folder/pipeline``)."""
+def build_tiny_qwen_edit(folder: str | Path, seed: int = 0, pipeline_class=QwenImageEditPipeline) -> Path:
+    """Save a tiny random QwenImageEditPipeline (or ``pipeline_class``, which takes the same components) under
+    ``folder`` and return its folder (``folder/pipeline``)."""
     torch.manual_seed(seed)
     tokenizer = qwen_tokenizer()
-    pipe = QwenImageEditPipeline(transformer=tiny_qwen_transformer(), vae=tiny_qwen_vae(),
-                                 scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
-                                 text_encoder=tiny_qwen25_vl(tokenizer), tokenizer=tokenizer, processor=None)
+    pipe = pipeline_class(transformer=tiny_qwen_transformer(), vae=tiny_qwen_vae(),
+                          scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+                          text_encoder=tiny_qwen25_vl(tokenizer), tokenizer=tokenizer, processor=None)
     out = save_tiny(pipe, folder)
     # the processor in the hub layout: Qwen2.5-VL's 14 px patches merged 2x2, images resized to 56-112 px a side
     tokenizer.save_pretrained(out / "processor")
@@ -131,19 +134,31 @@ def build_tiny_qwen_edit(folder: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def build_tiny_qwen_edit_plus(folder: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random QwenImageEditPlusPipeline (Qwen-Image-Edit-2509/2511's class: the same components as
+    QwenImageEditPipeline) under ``folder`` and return its folder (``folder/pipeline``)."""
+    return build_tiny_qwen_edit(folder, seed, pipeline_class=QwenImageEditPlusPipeline)
+
+
 @contextlib.contextmanager
 def small_sources():
-    """QwenImageEditPipeline's source size (``calculate_dimensions(1024 * 1024, ratio)``) scaled down to 64 x 64 px, for
-    the pipeline and the family (which sizes sources with the same function); yields the list of the areas the callers
-    asked for (the pipeline's own 1024 * 1024)."""
-    asked, original = [], pipeline_qwenimage_edit.calculate_dimensions
+    """The editing pipelines' source sizes (``calculate_dimensions`` of 1024 * 1024 px, and QwenImageEditPlusPipeline's
+    384 * 384 px for its text encoder) scaled down 256 times in area (64 x 64 px, 32 x 32 px), for the pipelines and the
+    families (which size sources with the same functions); yields the list of the areas the callers asked for (the
+    pipelines' own)."""
+    asked, modules = [], (pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus)
+    originals = [module.calculate_dimensions for module in modules]
 
-    def scaled(target_area, ratio):
-        asked.append(target_area)
-        return original(target_area // SOURCE_AREA_DIVISOR, ratio)
+    def scaled(original):
+        def calculate_dimensions(target_area, ratio):
+            asked.append(target_area)
+            return original(target_area // SOURCE_AREA_DIVISOR, ratio)
+        return calculate_dimensions
 
-    pipeline_qwenimage_edit.calculate_dimensions = scaled
+    for module, original in zip(modules, originals):
+        module.calculate_dimensions = scaled(original)
     try:
         yield asked
     finally:
-        pipeline_qwenimage_edit.calculate_dimensions = original
+        for module, original in zip(modules, originals):
+            module.calculate_dimensions = original
