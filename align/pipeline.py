@@ -297,5 +297,5 @@ def generate_images(
             output_type="pt",
             **family.call_arguments(pipe, list(prompts[chunk]), guidance_scale, height),  # the prompts and their guidance
         )
-        out.append(result.images.float().cpu())
+        out.append(result.images[:, :3].float().cpu())  # Qwen-Image 2.1's pipeline returns RGBA; judges read RGB
     return torch.cat(out) if out else torch.empty(0, 3, 1, 1)

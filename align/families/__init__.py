@@ -11,6 +11,7 @@ from align.families.flux import Flux
 from align.families.flux2 import Flux2
 from align.families.flux_kontext import FluxKontext
 from align.families.qwenimage import QwenImage
+from align.families.qwenimage21 import QwenImage21
 from align.families.qwenimage_edit import QwenImageEdit
 from align.families.qwenimage_edit_plus import QwenImageEditPlus
 from align.families.sd import StableDiffusion
@@ -21,7 +22,7 @@ from align.families.zimage import ZImage
 # One instance per family; a new family adds its class here.
 FAMILIES: tuple[ModelFamily, ...] = (
     StableDiffusion(), StableDiffusionXL(), StableDiffusion3(), Flux(), QwenImage(), Flux2(), ZImage(), FluxKontext(),
-    QwenImageEdit(), QwenImageEditPlus(),
+    QwenImageEdit(), QwenImageEditPlus(), QwenImage21(),
 )
 
 

@@ -23,6 +23,7 @@ from align.families.base import (
     Conditioning,
     ModelLoadError,
     expand_conditioning,
+    one_line,
     pretrained_pipeline,
 )
 from align.families.flux import pack_latents, unpack_latents
@@ -68,6 +69,21 @@ class QwenImage(flow_common.FlowMatchingFamily):
             raise ModelLoadError(f"{model!r}: a guidance-distilled {self.title} transformer (guidance_embeds) is not "
                                  "supported; Qwen-Image's own transformer guides with two calls")
         return flow_common.finish_loading(pipe, model, device, self.default_max_sequence_length)
+
+    def pretrained_with_processor(self, model: str, dtype: torch.dtype, quantization, load_processor):
+        """The pipeline from ``model`` with its VLM processor from ``load_processor(model)`` where torchvision is
+        missing (transformers builds the processors' video part only with it; Qwen-Image-Edit and Qwen-Image 2.1)."""
+        from transformers.utils import is_torchvision_available
+
+        flow_common.loadable_model_index(model)
+        components = {}
+        if not is_torchvision_available():
+            try:
+                components["processor"] = load_processor(model)
+            except (OSError, ValueError, TypeError) as err:
+                raise ModelLoadError(f"cannot load a {self.title} pipeline's processor from {model!r}: "
+                                     f"{one_line(err)}") from err
+        return pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization, **components)
 
     def frozen_modules(self, pipe) -> list[torch.nn.Module]:
         return [pipe.vae, pipe.text_encoder]

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from align.families import flow_common
-from align.families.base import Conditioning, ModelLoadError, one_line, pad_to_longest, pretrained_pipeline
+from align.families.base import Conditioning, ModelLoadError, pad_to_longest
 from align.families.edit_common import SOURCE_KEY, source_images, split_edit_prompts
 from align.families.flux import pack_latents, unpack_latents
 from align.families.qwenimage import QwenImage
@@ -96,17 +96,7 @@ class QwenImageEdit(QwenImage):
 
     # --- loading ------------------------------------------------------------------------------
     def load_pipeline(self, model: str, dtype: torch.dtype, device, quantization=None):
-        from transformers.utils import is_torchvision_available
-
-        flow_common.loadable_model_index(model)
-        components = {}
-        if not is_torchvision_available():
-            try:
-                components["processor"] = image_only_processor(model)
-            except (OSError, ValueError, TypeError) as err:
-                raise ModelLoadError(f"cannot load a {self.title} pipeline's processor from {model!r}: "
-                                     f"{one_line(err)}") from err
-        pipe = pretrained_pipeline(self.pipeline_class(), model, dtype, self.title, quantization, **components)
+        pipe = self.pretrained_with_processor(model, dtype, quantization, image_only_processor)
         if pipe.transformer.config.guidance_embeds:
             raise ModelLoadError(f"{model!r}: a guidance-distilled {self.title} transformer (guidance_embeds) is not "
                                  "supported; Qwen-Image-Edit's own transformer guides with two calls")
