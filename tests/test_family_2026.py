@@ -48,12 +48,12 @@ def pipeline_images(pipe, latents, guidance_scale, steps=3, prompts=PROMPTS):
                 output_type="pt", **family.call_arguments(pipe, prompts[: len(latents)], guidance_scale)).images
 
 
-def family_images(pipe, latents, guidance_scale, steps=3, prompts=PROMPTS):
+def family_images(pipe, latents, guidance_scale, steps=3, prompts=PROMPTS, resolution=RES):
     """Euler over the family's σ with its guided prediction, decoded by the family."""
     family = family_of_pipeline(pipe)
-    cond = family.encode_prompts(pipe, prompts[: len(latents)], RES)
-    uncond = family.unconditional(pipe, len(latents), RES)
-    sigmas = family.flow_sigmas(pipe, steps, RES)
+    cond = family.encode_prompts(pipe, prompts[: len(latents)], resolution)
+    uncond = family.unconditional(pipe, len(latents), resolution)
+    sigmas = family.flow_sigmas(pipe, steps, resolution)
     x = latents
     with torch.no_grad():
         for i in range(steps):

@@ -14,19 +14,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from test_dpo import _png, small_config
+from test_family_2026 import PROMPTS
+from test_family_2026 import family_images as family_images_at
 
 from align.families import family_of, family_of_pipeline
-from align.families.base import cat_conditioning, expand_conditioning, guided_prediction
+from align.families.base import cat_conditioning, expand_conditioning
 from align.pipeline import add_lora, generate_images, load_pipeline, load_trained
-from align.sampling.flow import ode_step
 from align.testing.tiny_qwen import build_tiny_qwenimage
 from align.testing.tiny_qwen21 import RESOLUTION as RES
 from align.testing.tiny_qwen21 import build_tiny_qwen21
 from align.train import ddpo, dpo
 from align.train.ddpo_config import DDPOConfig
 from align.train.memory_model import class_units, fsdp_unit_counts
-
-PROMPTS = ["a red circle", "two blue squares to the left of a large green triangle"]  # token counts differ
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +51,7 @@ def pipeline_images(pipe, latents, guidance_scale, steps=3, prompts=PROMPTS, **e
 
 
 def family_images(pipe, latents, guidance_scale, steps=3, prompts=PROMPTS):
-    family = family_of_pipeline(pipe)
-    cond = family.encode_prompts(pipe, prompts[: len(latents)], RES)
-    uncond = family.unconditional(pipe, len(latents), RES)
-    sigmas = family.flow_sigmas(pipe, steps, RES)
-    x = latents
-    with torch.no_grad():
-        for i in range(steps):
-            v = guided_prediction(family, family.denoiser(pipe), x, (sigmas[i] * 1000).expand(len(x)), cond, uncond,
-                                  guidance_scale)
-            x = ode_step(x, v, sigmas[i], sigmas[i + 1])
-    return family.decode_latents(pipe, x)
+    return family_images_at(pipe, latents, guidance_scale, steps, prompts, resolution=RES)
 
 
 def test_detected_from_model_index_and_loaded_with_its_frozen_parts(built, pipe, tmp_path):

@@ -25,6 +25,7 @@ from test_family_kontext import (  # the same edits, the same ODE, the same LoRA
     family_images,
     latents_of,
 )
+from test_family_qwen_edit import predict  # the family's prediction at t = 500
 from test_memory_plan import assert_close
 
 from align.eval import best_of_n as bon
@@ -68,12 +69,6 @@ def pipeline_images(pipe, latents, guidance_scale, steps=3):
         rows.append(QwenImageEditPlusPipeline.__call__(pipe, latents=packed[i : i + 1], num_inference_steps=steps,
                                                        output_type="pt", height=RES, width=RES, **row).images)
     return torch.cat(rows)
-
-
-def predict(pipe, cond):
-    latents = latents_of(pipe)
-    with torch.no_grad():
-        return family_of_pipeline(pipe).predict(pipe.transformer, latents, torch.full((len(latents),), 500.0), cond)
 
 
 def test_detected_from_the_model_index(built, pipe, tmp_path):
