@@ -152,12 +152,17 @@ def test_images_encode_to_the_latents_the_pipelines_use(pipe):
 
 
 def test_training_draw_is_uniform_and_the_target_the_velocity(pipe):
+    assert_training_draw_is_uniform_and_the_target_the_velocity(pipe)
+
+
+def assert_training_draw_is_uniform_and_the_target_the_velocity(pipe, resolution=RES):
+    """The training draw as the diffusers LoRA scripts (uniform over the scheduler's table) and the flow target."""
     family = family_of_pipeline(pipe)
     draw = family.draw_training_timesteps(pipe.scheduler, 64, torch.Generator().manual_seed(3))
     table = type(pipe.scheduler).from_config(pipe.scheduler.config)
     u = torch.rand(64, generator=torch.Generator().manual_seed(3))  # the scripts' weighting_scheme "none"
     torch.testing.assert_close(draw, table.timesteps[(u * 1000).long()], rtol=0, atol=0)
-    x0, noise = torch.randn(2, 4, *family.latent_shape(pipe, RES)).unbind(0)
+    x0, noise = torch.randn(2, 4, *family.latent_shape(pipe, resolution)).unbind(0)
     noisy, target = family.noisy_and_target(pipe.scheduler, x0, noise, draw[:4])
     sigma = (draw[:4] / 1000).reshape(-1, 1, 1, 1)
     torch.testing.assert_close(noisy, (1 - sigma) * x0 + sigma * noise, rtol=0, atol=1e-6)

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from test_dpo import _png, small_config
-from test_family_2026 import PROMPTS
+from test_family_2026 import PROMPTS, assert_training_draw_is_uniform_and_the_target_the_velocity
 from test_family_2026 import family_images as family_images_at
 
 from align.families import family_of, family_of_pipeline
@@ -112,16 +112,7 @@ def test_images_encode_to_the_latents_the_pipelines_use(pipe):
 
 
 def test_training_draw_is_uniform_and_the_target_the_velocity(pipe):
-    family = family_of_pipeline(pipe)
-    draw = family.draw_training_timesteps(pipe.scheduler, 64, torch.Generator().manual_seed(3))
-    table = type(pipe.scheduler).from_config(pipe.scheduler.config)
-    u = torch.rand(64, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(draw, table.timesteps[(u * 1000).long()], rtol=0, atol=0)
-    x0, noise = torch.randn(2, 4, *family.latent_shape(pipe, RES)).unbind(0)
-    noisy, target = family.noisy_and_target(pipe.scheduler, x0, noise, draw[:4])
-    sigma = (draw[:4] / 1000).reshape(-1, 1, 1, 1)
-    torch.testing.assert_close(noisy, (1 - sigma) * x0 + sigma * noise, rtol=0, atol=1e-6)
-    torch.testing.assert_close(target, noise - x0, rtol=0, atol=0)
+    assert_training_draw_is_uniform_and_the_target_the_velocity(pipe, RES)
 
 
 def test_lora_saved_by_the_family_loads_with_the_pipelines_own_loader(built, pipe, tmp_path):
