@@ -5,7 +5,8 @@
     python -m experiments.plan_2026_models --write DIR     # write the config-only pipeline folders to DIR and stop
 
 The config.json values of Qwen-Image's, FLUX.2 [dev]'s, FLUX.2 [klein] 4B's and Z-Image-Turbo's transformers, their
-text encoders (Qwen2.5-VL-7B-Instruct, Mistral-Small-3.1-24B-Instruct-2503, Qwen3-4B) and VAEs are written out below
+text encoders (Qwen2.5-VL-7B-Instruct, Mistral-Small-3.1-24B-Instruct-2503, Qwen3-4B, and Qwen-Image 2.1's
+Qwen3-VL-8B-Instruct) and VAEs are written out below
 (FLUX.1 Kontext [dev] is FLUX.1 [dev]'s configs, from experiments/plan_big_models.py; Qwen-Image-Edit is Qwen-Image's
 configs plus the processor that hands the source image to the text encoder)
 (where diffusers' class defaults are the released model's config, the class is built with its defaults). Each model
@@ -55,6 +56,15 @@ MISTRAL_SMALL_31 = {
     "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                       "num_attention_heads": 16, "head_dim": 64, "patch_size": 14, "image_size": 1540, "num_channels": 3},
 }
+QWEN3_VL_8B = {  # Qwen3-VL-8B-Instruct: 8,767,123,696 parameters built (its card: 8.77 B)
+    "model_type": "qwen3_vl", "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                    "rope_theta": 5000000, "max_position_embeddings": 262144},
+    "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                      "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "deepstack_visual_indexes": [8, 16, 24]},
+}
 QWEN3_4B = {"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
             "tie_word_embeddings": True, "max_position_embeddings": 40960, "rope_theta": 1000000}
@@ -71,6 +81,10 @@ MODELS = {
         "transformer": ("diffusers", "QwenImageTransformer2DModel", {}),
         "vae": ("diffusers", "AutoencoderKLQwenImage", {}),
         "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)}),
+    "qwen-image-2.1": ("QwenImage21Pipeline", {  # diffusers' class defaults are the 7 B transformer and its VAE
+        "transformer": ("diffusers", "QwenImage21Transformer2DModel", {}),
+        "vae": ("diffusers", "AutoencoderKLQwenImage21", {}),
+        "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration", QWEN3_VL_8B)}),
     "qwen-image-edit": ("QwenImageEditPipeline", {  # Qwen-Image's transformer, text encoder and VAE, and a processor
         "transformer": ("diffusers", "QwenImageTransformer2DModel", {}),
         "vae": ("diffusers", "AutoencoderKLQwenImage", {}),
@@ -93,12 +107,15 @@ MODELS = {
         "vae": ("diffusers", "AutoencoderKL", VAE_FLUX1),
         "text_encoder": ("transformers", "Qwen3Model", QWEN3_4B)}),
 }
-# Published sizes of the trained transformers (model cards): the check on the values above.
-PUBLISHED = {"qwen-image": 20e9, "qwen-image-edit": 20e9, "flux2-dev": 32e9, "flux2-klein-4b": 4e9, "z-image-turbo": 6e9, "flux1-kontext-dev": 12e9}
+# Published sizes of the trained transformers (model cards; Qwen-Image 2.x's "7 billion" from third-party pages, no
+# card of 2.1 being readable here): the check on the values above.
+PUBLISHED = {"qwen-image": 20e9, "qwen-image-2.1": 7e9, "qwen-image-edit": 20e9, "flux2-dev": 32e9, "flux2-klein-4b": 4e9, "z-image-turbo": 6e9, "flux1-kontext-dev": 12e9}
 # config file -> (trainer, model folder)
 CONFIGS = {
     "qwenimage_grpo_lora_1gpu.yaml": (ddpo, "qwen-image"),
     "qwenimage_nft_full_8gpu.yaml": (ddpo, "qwen-image"),
+    "qwenimage21_grpo_lora_1gpu.yaml": (ddpo, "qwen-image-2.1"),
+    "qwenimage21_grpo_lora_24gb.yaml": (ddpo, "qwen-image-2.1"),
     "flux2_klein_grpo_lora_1gpu.yaml": (ddpo, "flux2-klein-4b"),
     "flux2_dev_grpo_lora_1gpu.yaml": (ddpo, "flux2-dev"),
     "zimage_grpo_lora_1gpu.yaml": (ddpo, "z-image-turbo"),
@@ -139,6 +156,9 @@ def write_config_folder(name: str, out: Path) -> Path:
     if pipeline_class == "QwenImageEditPipeline":  # the processor that hands the source image to the text encoder
         (folder / "processor").mkdir(exist_ok=True)
         index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    if pipeline_class == "QwenImage21Pipeline":  # its prompts go through a Qwen3-VL processor
+        (folder / "processor").mkdir(exist_ok=True)
+        index["processor"] = ["transformers", "Qwen3VLProcessor"]
     (folder / "model_index.json").write_text(json.dumps(index, indent=1))
     return folder
 

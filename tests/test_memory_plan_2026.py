@@ -1,6 +1,6 @@
 """The memory planner (--dry_run) on the 2026 families' tiny pipelines: the activations autograd keeps in one real
 training forward (with and without gradient checkpointing) and the whole DPO setup, within 15% of the plan; and the
-dry run from Qwen-Image's, Qwen-Image-Edit's, FLUX.2's, Z-Image's and FLUX.1 Kontext's real config files
+dry run from Qwen-Image's, Qwen-Image 2.1's, Qwen-Image-Edit's, FLUX.2's, Z-Image's and FLUX.1 Kontext's real config files
 (experiments/plan_2026_models.py)."""
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from align.families import family_of_pipeline
 from align.pipeline import add_lora, load_pipeline
 from align.testing.tiny_flux2 import build_tiny_flux2_klein
 from align.testing.tiny_qwen import build_tiny_qwenimage
+from align.testing.tiny_qwen21 import build_tiny_qwen21
 from align.testing.tiny_zimage import build_tiny_zimage
 from align.train.memory_model import SavedStorages, plan_run
 from align.train.memory_plan import ddp_plan, total
 from experiments.plan_2026_models import MODELS, check_totals, main
 
-BUILDERS = {"qwenimage": build_tiny_qwenimage, "flux2": build_tiny_flux2_klein, "zimage": build_tiny_zimage}
+BUILDERS = {"qwenimage": build_tiny_qwenimage, "qwenimage21": build_tiny_qwen21, "flux2": build_tiny_flux2_klein,
+            "zimage": build_tiny_zimage}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -101,13 +103,14 @@ def test_planned_lora_setup_is_the_measured(tiny):
 
 def test_real_configs_give_the_published_sizes():
     check_totals()  # exits when a transformer is more than 5% off its published size
-    assert set(MODELS) == {"qwen-image", "qwen-image-edit", "flux2-dev", "flux2-klein-4b", "z-image-turbo",
+    assert set(MODELS) == {"qwen-image", "qwen-image-2.1", "qwen-image-edit", "flux2-dev", "flux2-klein-4b", "z-image-turbo",
                            "flux1-kontext-dev"}
 
 
-@pytest.mark.slow  # about a minute: seven dry runs on the real models' meta-device parts
+@pytest.mark.slow  # about a minute: nine dry runs on the real models' meta-device parts
 def test_dry_run_of_every_2026_config_from_the_real_config_files(capsys):
     main([])
     out = capsys.readouterr().out
-    assert out.count("[dry run] this launch") == 7 and "qwenimage (20,430,401,088 denoiser parameters" in out
+    assert out.count("[dry run] this launch") == 9 and "qwenimage (20,430,401,088 denoiser parameters" in out
     assert "qwenimage-edit (20,430,401,088 denoiser parameters" in out
+    assert "qwenimage21 (7,115,124,736 denoiser parameters" in out

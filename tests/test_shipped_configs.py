@@ -12,7 +12,7 @@ from script_loader import load_script
 from align.cli import parse_config
 from align.eval.evaluate import EvalConfig
 from align.judgebench.benchmark import JudgeBenchConfig
-from align.train import dpo
+from align.train import ddpo, dpo
 from align.train.ddpo import DDPOConfig
 from align.train.dpo import DPOConfig
 from align.train.reward_model import RewardTrainConfig
@@ -68,6 +68,8 @@ CONFIG_CLASSES = {
     "flux_nft_full_8gpu.yaml": DDPOConfig,
     "qwenimage_grpo_lora_1gpu.yaml": DDPOConfig,
     "qwenimage_nft_full_8gpu.yaml": DDPOConfig,
+    "qwenimage21_grpo_lora_1gpu.yaml": DDPOConfig,
+    "qwenimage21_grpo_lora_24gb.yaml": DDPOConfig,
     "flux2_klein_grpo_lora_1gpu.yaml": DDPOConfig,
     "flux2_dev_grpo_lora_1gpu.yaml": DDPOConfig,
     "zimage_grpo_lora_1gpu.yaml": DDPOConfig,
@@ -137,3 +139,17 @@ def test_dry_run_of_the_qwen_image_edit_plus_recipe_from_the_real_config_files(t
     assert "56.2 GiB" in (ROOT / "configs" / "qwen_image_edit_plus_dpo_lora_1gpu.yaml").read_text()
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert float(total.split()[1]) == pytest.approx(56.2, abs=0.05)
+
+
+@pytest.mark.parametrize("recipe, planned", [("qwenimage21_grpo_lora_1gpu.yaml", 32.7), ("qwenimage21_grpo_lora_24gb.yaml", 18.5)])
+def test_dry_run_of_the_qwen_image_21_recipes_from_the_real_config_files(recipe, planned, tmp_path, capsys):
+    """The Qwen-Image 2.1 recipes' --dry_run on its config files (experiments/plan_2026_models.py): the plan each
+    header quotes."""
+    folder = write_config_folder("qwen-image-2.1", tmp_path)
+    ddpo.main(["--config", str(ROOT / "configs" / recipe), "--model", str(folder), "--dry_run", "true", "--prompts",
+               "testbed:8:0", "--output_dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "qwenimage21 (7,115,124,736 denoiser parameters" in out
+    assert f"one process: {planned} GiB" in (ROOT / "configs" / recipe).read_text()
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert float(total.split()[1]) == pytest.approx(planned, abs=0.05)

@@ -124,8 +124,6 @@ class ModelFamily:
     # Instruction editing: a prompt is an instruction and a source image (rewards.edit_prompts) whose latents are
     # conditioning (``source_latents``, of ``source_latent_shape_of``); the trainers, the planner and the judges read it.
     edits: bool = False
-    # why --dry_run cannot count this family's activations on the meta device (None: it can)
-    memory_plan_unavailable: str | None = None
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     # FSDP2's units (align/train/sharding.py): the UNet's transformer blocks and resnet blocks (whole down/up blocks
     # are too coarse: SDXL's first up block alone is ~1 B parameters, gathered whole for its forward)

@@ -22,9 +22,10 @@ loads it with ``QwenImageLoraLoaderMixin``). Deliberate differences:
 - none in code, but worth knowing: prompts of different lengths in one batch are zero-padded to the longest, as the
   pipeline pads them, and the transformer places the image after the batch's longest prompt (its RoPE frame index),
   so a padded row predicts as in the pipeline's padded batch, not as that prompt alone (about 5e-3 on the tiny model).
-- not planned: ``--dry_run``'s memory planner runs the prediction on the meta device, and the 2.1 transformer reads
-  its masks by value (``repeat_interleave``, ``tolist``), so a dry run is refused in one line
-  (``memory_plan_unavailable``).
+- on the meta device (``--dry_run``'s memory planner runs the prediction there) the image-slot mask is a CPU tensor:
+  the transformer reads its values (``repeat_interleave``, ``tolist``) to lay out the sequence, and its blocks get the
+  CPU token masks it derives moved to the meta device (``cpu_masks_to_meta``). The same transformer code runs, so the
+  planner counts what it keeps.
 - text-to-image only: condition images (the pipeline's ``image``) are not used.
 - with ``sample_sigmas`` of another length than the asked number of steps, the family samples linspace(1, 1/N, N) for
   N steps, where the pipeline would ignore ``num_inference_steps`` and sample its own σ.
@@ -32,6 +33,7 @@ loads it with ``QwenImageLoraLoaderMixin``). Deliberate differences:
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,25 @@ def image_only_processor(model: str):
     return ImageOnly.from_pretrained(model, subfolder="processor")
 
 
+@contextmanager
+def cpu_masks_to_meta(denoiser):
+    """While a meta-device forward runs: the blocks and the final norm get the transformer's CPU token masks (derived
+    from a CPU image-slot mask, whose values it reads) on the meta device, where their other inputs are."""
+
+    def to_meta(module, args, kwargs):
+        def move(value):
+            return value.to("meta") if isinstance(value, torch.Tensor) and not value.is_meta else value
+        return tuple(move(arg) for arg in args), {key: move(value) for key, value in kwargs.items()}
+
+    modules = [*denoiser.transformer_blocks, denoiser.norm_out]
+    handles = [module.register_forward_pre_hook(to_meta, with_kwargs=True) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def pack_tokens(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] -> [B, H*W, C]: QwenImage21Pipeline._pack_latents (2.1 consumes latents unpatched)."""
     return latents.flatten(2).transpose(1, 2)
@@ -83,8 +104,6 @@ class QwenImage21(QwenImage):
     title = "Qwen-Image 2.1"
     pipeline_class_names = ("QwenImage21Pipeline",)
     shard_blocks = ("QwenImage21TransformerBlock",)
-    memory_plan_unavailable = ("its transformer reads the values of its masks (repeat_interleave, .tolist()), which "
-                               "parts built on the meta device do not have")
 
     def pipeline_class(self):
         from diffusers import QwenImage21Pipeline
@@ -144,12 +163,15 @@ class QwenImage21(QwenImage):
         mask = cond.get("prompt_embeds_mask")
         if mask is not None and bool(mask.all()):
             mask = None
-        img_mask = torch.cat([torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device),
+        on_meta = tokens.is_meta  # the memory planner's forward (module docstring)
+        mask_device = torch.device("cpu") if on_meta else embeds.device
+        img_mask = torch.cat([torch.zeros(embeds.shape[:2], dtype=torch.bool, device=mask_device),
                               torch.ones(batch, tokens.shape[1] // IMAGE_TOKENS_PER_SLOT, dtype=torch.bool,
-                                         device=embeds.device)], dim=1)
-        out = denoiser(hidden_states=tokens, timestep=timesteps.to(tokens.dtype) / 1000, encoder_hidden_states=embeds,
-                       encoder_hidden_states_mask=mask, img_shapes=[[(1, height, width)]] * batch, img_mask=img_mask,
-                       return_dict=False)[0]
+                                         device=mask_device)], dim=1)
+        with cpu_masks_to_meta(denoiser) if on_meta else nullcontext():
+            out = denoiser(hidden_states=tokens, timestep=timesteps.to(tokens.dtype) / 1000,
+                           encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                           img_shapes=[[(1, height, width)]] * batch, img_mask=img_mask, return_dict=False)[0]
         return unpack_tokens(out[:, -tokens.shape[1]:], height, width)
 
     def guided_prediction(self, denoiser, latents, timesteps, cond, uncond, guidance_scale: float) -> torch.Tensor:

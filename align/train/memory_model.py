@@ -272,8 +272,6 @@ def plan_parts(parts: PipelineParts, config) -> PlannedRun:
     online = hasattr(config, "algorithm")
     precision = resolve_mixed_precision(config.mixed_precision)
     family, denoiser, vae_config, others = parts.family, parts.denoiser, parts.vae_config, parts.others
-    if family.memory_plan_unavailable:
-        raise ConfigError(f"--dry_run: no memory plan for {family.title}: {family.memory_plan_unavailable}")
     denoiser_params = parameter_count(denoiser)
     base_part = frozen_part(denoiser)  # before the adapter: LoRA's frozen base
     quantize_base = getattr(config, "quantize_base", NONE)
