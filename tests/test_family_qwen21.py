@@ -1,6 +1,7 @@
 """Qwen-Image 2.1 (QwenImage21Pipeline) against its own diffusers pipeline, on a tiny pipeline of the real classes
 (align/testing/tiny_qwen21.py) saved and loaded back: detection, encoding, sampling guided and not (with and without
-the pipeline's KV cache), the LoRA in the pipeline's own loader, and Diffusion-DPO and PPO end to end."""
+the pipeline's KV cache), the LoRA in the pipeline's own loader, Diffusion-DPO and every online-RL objective end to
+end, and the memory plan."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from test_dpo import _png, small_config
 from test_family_2026 import PROMPTS, assert_training_draw_is_uniform_and_the_target_the_velocity
 from test_family_2026 import family_images as family_images_at
+from test_trainers_2026 import ROLLOUT_ALGORITHMS
 
 from align.families import family_of, family_of_pipeline
 from align.families.base import cat_conditioning, expand_conditioning
@@ -218,6 +220,31 @@ def test_ppo_runs_and_its_lora_loads_in_the_pipeline(built, tmp_path):
     final = run / "final"
     assert (final / "pytorch_lora_weights.safetensors").is_file()
     assert (diffusers_images(built, None, 3.0) - diffusers_images(built, final, 3.0)).abs().max() > 1e-4
+
+
+def test_every_online_rl_objective_and_full_dpo_run_end_to_end(built, tmp_path):
+    """Each rollout objective of the registry (reward backpropagation's need a differentiable judge) two epochs, the
+    last one's LoRA loaded by the pipeline changing its images; full-parameter DPO two steps from ln 2."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na large blue square to the left of a green triangle\n")
+    for name in ROLLOUT_ALGORITHMS:
+        config = DDPOConfig(model=built, reward="jpeg-compressibility", prompts=str(prompts),
+                            output_dir=str(tmp_path / name), report_to="none", algorithm=name, num_inference_steps=3,
+                            resolution=RES, samples_per_epoch=4, sample_batch_size=4, images_per_prompt=2,
+                            advantage="group", train_batch_size=4, gradient_accumulation_steps=1, timestep_fraction=0.67,
+                            num_epochs=2, checkpointing_epochs=2, learning_rate=3e-2, guidance_scale=3.0)
+        epochs = records(ddpo.train(config))
+        assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs), name
+        assert (tmp_path / name / "final" / "pytorch_lora_weights.safetensors").is_file(), name
+    assert (diffusers_images(built, None, 3.0) - diffusers_images(built, tmp_path / name / "final", 3.0)).abs().max() > 1e-4
+    rows = [{"caption": f"shape number {i}", "jpg_0": _png((200, 30 * i, 40), size=RES),
+             "jpg_1": _png((0, 0, 0), size=RES, noise_seed=i), "label_0": float(i % 2 == 0), "label_1": float(i % 2)}
+            for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    run = dpo.train(small_config(built, tmp_path / "full", dataset=str(tmp_path / "pairs.parquet"), resolution=RES,
+                                 max_steps=2, finetune="full", learning_rate=1e-3))
+    first, second = records(run)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and second["model_mse"] != second["ref_mse"]
 
 
 def test_the_pipelines_sample_sigmas_are_sampled_as_it_samples_them(pipe):
