@@ -191,13 +191,17 @@ def diffusers_images(model: str, lora: Path | None, guidance: float) -> torch.Te
                 true_cfg_scale=guidance, negative_prompt=" ", generator=torch.Generator().manual_seed(0)).images[:, :3]
 
 
-def test_lora_dpo_starts_at_ln2_and_its_lora_loads_in_the_pipeline(built, tmp_path):
+def pairs_file(folder: Path) -> str:
+    """Four preference pairs of RES-px images (a colour against black noise, alternately first and second)."""
     rows = [{"caption": f"shape number {i}", "jpg_0": _png((200, 30 * i, 40), size=RES),
              "jpg_1": _png((0, 0, 0), size=RES, noise_seed=i), "label_0": float(i % 2 == 0), "label_1": float(i % 2)}
             for i in range(4)]
-    pairs = tmp_path / "pairs.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), pairs)
-    run = dpo.train(small_config(built, tmp_path / "run", dataset=str(pairs), resolution=RES, max_steps=2,
+    pq.write_table(pa.Table.from_pylist(rows), folder / "pairs.parquet")
+    return str(folder / "pairs.parquet")
+
+
+def test_lora_dpo_starts_at_ln2_and_its_lora_loads_in_the_pipeline(built, tmp_path):
+    run = dpo.train(small_config(built, tmp_path / "run", dataset=pairs_file(tmp_path), resolution=RES, max_steps=2,
                                  guidance_scale=2.0, caption_dropout=0.5))
     first, second = records(run)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and first["model_mse"] == first["ref_mse"]
@@ -205,44 +209,32 @@ def test_lora_dpo_starts_at_ln2_and_its_lora_loads_in_the_pipeline(built, tmp_pa
     assert (diffusers_images(built, None, 2.0) - diffusers_images(built, run / "final", 2.0)).abs().max() > 1e-4
 
 
-def test_ppo_runs_and_its_lora_loads_in_the_pipeline(built, tmp_path):
-    prompts = tmp_path / "prompts.txt"
+def online_run(built: str, out: Path, algorithm: str, **settings) -> list[dict]:
+    """Two epochs of an online-RL objective on two prompts (4 samples, 3 steps); the epochs' records."""
+    prompts = out.parent / "prompts.txt"
     prompts.write_text("a red circle\na large blue square to the left of a green triangle\n")
-    config = DDPOConfig(model=built, reward="jpeg-compressibility", prompts=str(prompts), output_dir=str(tmp_path / "ppo"),
-                        report_to="none", algorithm="ppo", num_inference_steps=3, resolution=RES, samples_per_epoch=4,
+    config = DDPOConfig(model=built, reward="jpeg-compressibility", prompts=str(prompts), output_dir=str(out),
+                        report_to="none", algorithm=algorithm, num_inference_steps=3, resolution=RES, samples_per_epoch=4,
                         sample_batch_size=4, images_per_prompt=2, advantage="group", train_batch_size=4,
                         gradient_accumulation_steps=1, timestep_fraction=0.67, num_epochs=2, checkpointing_epochs=2,
-                        learning_rate=3e-2, guidance_scale=3.0)
-    run = ddpo.train(config)
-    epochs = records(run)
-    assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs)
-    assert epochs[0]["approx_kl"] == 0.0 and epochs[0]["clipfrac"] == 0.0
-    final = run / "final"
-    assert (final / "pytorch_lora_weights.safetensors").is_file()
-    assert (diffusers_images(built, None, 3.0) - diffusers_images(built, final, 3.0)).abs().max() > 1e-4
+                        learning_rate=3e-2, **settings)
+    epochs = records(ddpo.train(config))
+    assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs), algorithm
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file(), algorithm
+    return epochs
 
 
 def test_every_online_rl_objective_and_full_dpo_run_end_to_end(built, tmp_path):
     """Each rollout objective of the registry (reward backpropagation's need a differentiable judge) two epochs, the
-    last one's LoRA loaded by the pipeline changing its images; full-parameter DPO two steps from ln 2."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle\na large blue square to the left of a green triangle\n")
+    LoRA loaded by the pipeline changing its images; full-parameter DPO two steps from ln 2."""
     for name in ROLLOUT_ALGORITHMS:
-        config = DDPOConfig(model=built, reward="jpeg-compressibility", prompts=str(prompts),
-                            output_dir=str(tmp_path / name), report_to="none", algorithm=name, num_inference_steps=3,
-                            resolution=RES, samples_per_epoch=4, sample_batch_size=4, images_per_prompt=2,
-                            advantage="group", train_batch_size=4, gradient_accumulation_steps=1, timestep_fraction=0.67,
-                            num_epochs=2, checkpointing_epochs=2, learning_rate=3e-2, guidance_scale=3.0)
-        epochs = records(ddpo.train(config))
-        assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs), name
-        assert (tmp_path / name / "final" / "pytorch_lora_weights.safetensors").is_file(), name
-    assert (diffusers_images(built, None, 3.0) - diffusers_images(built, tmp_path / name / "final", 3.0)).abs().max() > 1e-4
-    rows = [{"caption": f"shape number {i}", "jpg_0": _png((200, 30 * i, 40), size=RES),
-             "jpg_1": _png((0, 0, 0), size=RES, noise_seed=i), "label_0": float(i % 2 == 0), "label_1": float(i % 2)}
-            for i in range(4)]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
-    run = dpo.train(small_config(built, tmp_path / "full", dataset=str(tmp_path / "pairs.parquet"), resolution=RES,
-                                 max_steps=2, finetune="full", learning_rate=1e-3))
+        epochs = online_run(built, tmp_path / name, name, guidance_scale=3.0)
+        if name == "ppo":  # sampled and re-scored steps agree exactly on the first round
+            assert epochs[0]["approx_kl"] == 0.0 and epochs[0]["clipfrac"] == 0.0
+        assert (diffusers_images(built, None, 3.0) - diffusers_images(built, tmp_path / name / "final", 3.0)
+                ).abs().max() > 1e-4, name
+    run = dpo.train(small_config(built, tmp_path / "full", dataset=pairs_file(tmp_path), resolution=RES, max_steps=2,
+                                 finetune="full", learning_rate=1e-3))
     first, second = records(run)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and second["model_mse"] != second["ref_mse"]
 
@@ -281,15 +273,6 @@ def test_dry_run_plans_the_tiny_pipeline_and_writes_nothing(built, tmp_path, cap
 def test_the_24gb_recipes_settings_run_on_the_tiny_pipeline(built, tmp_path):
     """configs/qwenimage21_grpo_lora_24gb.yaml's memory settings (int8 transformer and Qwen3-VL, offloading, cached
     prompt embeddings, bf16, checkpointing) through two Flow-GRPO epochs; the LoRA loads in the pipeline."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle\na large blue square to the left of a green triangle\n")
-    config = DDPOConfig(model=built, reward="jpeg-compressibility", prompts=str(prompts), output_dir=str(tmp_path / "q"),
-                        report_to="none", algorithm="ppo", num_inference_steps=3, resolution=RES, samples_per_epoch=4,
-                        sample_batch_size=4, images_per_prompt=2, advantage="group", train_batch_size=4,
-                        gradient_accumulation_steps=1, timestep_fraction=0.67, num_epochs=2, checkpointing_epochs=2,
-                        learning_rate=3e-2, quantize_base="int8", quantize_text_encoders="int8", offload=True,
-                        cache_prompt_embeddings=True, mixed_precision="bf16", gradient_checkpointing=True)
-    run = ddpo.train(config)
-    epochs = records(run)
-    assert len(epochs) == 2 and all(math.isfinite(e["loss"]) for e in epochs)
-    assert (diffusers_images(built, None, 1.0) - diffusers_images(built, run / "final", 1.0)).abs().max() > 1e-4
+    online_run(built, tmp_path / "q", "ppo", quantize_base="int8", quantize_text_encoders="int8", offload=True,
+               cache_prompt_embeddings=True, mixed_precision="bf16", gradient_checkpointing=True)
+    assert (diffusers_images(built, None, 1.0) - diffusers_images(built, tmp_path / "q" / "final", 1.0)).abs().max() > 1e-4
