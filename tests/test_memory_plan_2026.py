@@ -1,7 +1,8 @@
-"""The memory planner (--dry_run) on the 2026 families' tiny pipelines: the activations autograd keeps in one real
-training forward (with and without gradient checkpointing) and the whole DPO setup, within 15% of the plan; and the
-dry run from Qwen-Image's, Qwen-Image 2.1's, Qwen-Image-Edit's, FLUX.2's, Z-Image's and FLUX.1 Kontext's real config files
-(experiments/plan_2026_models.py)."""
+"""The memory planner (--dry_run) on the 2026 families' tiny pipelines (Qwen-Image, Qwen-Image 2.1, FLUX.2 [klein],
+Z-Image, FLUX.1 Kontext with its source latents; Qwen-Image-Edit(-Plus) in their own test files): the activations
+autograd keeps in one real training forward (with and without gradient checkpointing) and the whole DPO setup, within
+15% of the plan; and the dry run from Qwen-Image's, Qwen-Image 2.1's, Qwen-Image-Edit's, FLUX.2's, Z-Image's and
+FLUX.1 Kontext's real config files (experiments/plan_2026_models.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from test_memory_plan import TOLERANCE, assert_close, nbytes
 from align.families import family_of_pipeline
 from align.pipeline import add_lora, load_pipeline
 from align.testing.tiny_flux2 import build_tiny_flux2_klein
+from align.testing.tiny_kontext import build_tiny_kontext
 from align.testing.tiny_qwen import build_tiny_qwenimage
 from align.testing.tiny_qwen21 import build_tiny_qwen21
 from align.testing.tiny_zimage import build_tiny_zimage
@@ -22,7 +24,7 @@ from align.train.memory_plan import ddp_plan, total
 from experiments.plan_2026_models import MODELS, check_totals, main
 
 BUILDERS = {"qwenimage": build_tiny_qwenimage, "qwenimage21": build_tiny_qwen21, "flux2": build_tiny_flux2_klein,
-            "zimage": build_tiny_zimage}
+            "zimage": build_tiny_zimage, "kontext": build_tiny_kontext}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -34,6 +36,17 @@ def settings(model: str, finetune: str, checkpointing: bool):
     return types.SimpleNamespace(model=model, finetune=finetune, lora_rank=4, lora_alpha=None, mixed_precision="no",
                                  use_8bit_adam=False, gradient_checkpointing=checkpointing, train_batch_size=2,
                                  resolution=32)
+
+
+def training_inputs(pipe, model: str, samples: int) -> tuple[torch.Tensor, dict]:
+    """Random latents and conditioning of the planner's shapes at 32 px (an editing family's source latents too)."""
+    family = family_of_pipeline(pipe)
+    config = dict(family.denoiser(pipe).config)
+    cond = {key: torch.randn(shape)
+            for key, shape in family.conditioning_shapes(config, samples, family.text_tokens(model)).items()}
+    if family.edits:
+        cond["source_latents"] = torch.randn(samples, *family.source_latent_shape_of(config, dict(pipe.vae.config), 32))
+    return torch.randn(samples, *family.latent_shape(pipe, 32)), cond
 
 
 def measured_activations(model: str, samples: int, checkpointing: bool) -> int:
@@ -57,9 +70,7 @@ def measured_activations(model: str, samples: int, checkpointing: bool) -> int:
 
     if checkpointing:
         denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=real_checkpoint)
-    shapes = family.conditioning_shapes(dict(denoiser.config), samples, family.text_tokens(model))
-    cond = {key: torch.randn(shape) for key, shape in shapes.items()}
-    latents = torch.randn(samples, *family.latent_shape(pipe, 32))
+    latents, cond = training_inputs(pipe, model, samples)
     with kept.hooks():
         out = family.predict(denoiser, latents, torch.rand(samples) * 1000, cond)
     out.square().mean().backward()
@@ -81,10 +92,8 @@ def measured_lora_setup(model: str) -> dict[str, int]:
     add_lora(denoiser, rank=4, target_modules=family.lora_targets)
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    shapes = family.conditioning_shapes(dict(denoiser.config), 2, family.text_tokens(model))
-    latents = torch.randn(2, *family.latent_shape(pipe, 32))
-    family.predict(denoiser, latents, torch.tensor([100.0, 900.0]), {k: torch.randn(v) for k, v in shapes.items()}
-                   ).square().mean().backward()
+    latents, cond = training_inputs(pipe, model, 2)
+    family.predict(denoiser, latents, torch.tensor([100.0, 900.0]), cond).square().mean().backward()
     optimizer.step()
     return {"trained parameters (fp32)": nbytes(params),
             "frozen denoiser weights": nbytes(p for p in denoiser.parameters() if not p.requires_grad),
