@@ -124,8 +124,8 @@ class Flux2(flow_common.FlowMatchingFamily):
         mean, std = self.batch_norm_stats(vae, latents)
         return (latents - mean) / std
 
-    @torch.no_grad()
     def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        # differentiable (reward backpropagation decodes with gradients); sampling callers run under no_grad
         vae = pipe.vae
         latents = latents.to(vae.device, vae.dtype)
         mean, std = self.batch_norm_stats(vae, latents)

@@ -116,8 +116,8 @@ class QwenImage(flow_common.FlowMatchingFamily):
         mean, std = self.latent_stats(vae, latents)
         return (latents - mean) / std
 
-    @torch.no_grad()
     def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        # differentiable (reward backpropagation decodes with gradients); sampling callers run under no_grad
         vae = pipe.vae
         latents = latents.to(vae.device, vae.dtype)
         mean, std = self.latent_stats(vae, latents)

@@ -137,9 +137,9 @@ class QwenImage21(QwenImage):
             pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
         return super().encode_images(pipe, pixels)
 
-    @torch.no_grad()
     def decode_latents(self, pipe, latents: torch.Tensor) -> torch.Tensor:
-        """The pipeline's decoded image in [0, 1] without its alpha channel (the VAE decodes RGBA)."""
+        """The pipeline's decoded image in [0, 1] without its alpha channel (the VAE decodes RGBA); differentiable, as
+        Qwen-Image's (reward backpropagation decodes with gradients)."""
         return super().decode_latents(pipe, latents)[:, :3]
 
     def native_resolution_of(self, denoiser_config, vae_config) -> int:
