@@ -97,7 +97,7 @@ def test_lora_dpo_starts_at_ln2_and_its_lora_loads_in_the_familys_pipeline(kind,
 
 
 @pytest.mark.slow  # the suite's time budget (FLUX.1 Kontext's ppo runs in the default suite: test_family_kontext.py)
-@pytest.mark.parametrize("kind", sorted(BUILDERS))
+@pytest.mark.parametrize("kind", sorted(set(BUILDERS) - {"qwenimage21"}))  # Qwen-Image 2.1's: test_family_qwen21.py
 def test_every_online_rl_objective_runs_and_its_lora_loads(kind, models, prompt_file, tmp_path):
     model = models(kind)
     guidance = 3.0
@@ -117,8 +117,8 @@ def test_every_online_rl_objective_runs_and_its_lora_loads(kind, models, prompt_
     assert (diffusers_images(model, None, guidance) - diffusers_images(model, final, guidance)).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("kind", ["qwenimage", "qwenimage21", *(pytest.param(k, marks=pytest.mark.slow)
-                                                               for k in ("flux2_klein", "zimage"))])
+@pytest.mark.parametrize("kind", ["qwenimage21", *(pytest.param(k, marks=pytest.mark.slow)  # the suite's time budget
+                                                  for k in ("qwenimage", "flux2_klein", "zimage"))])
 def test_reward_backpropagation_trains_each_family(kind, models, tmp_path):
     """DRaFT-K, AlignProp, ReFL and DRaFT-LV through shapes-clip (a differentiable judge): the family's decoder keeps
     the gradient, the LoRA's zero-initialised up-projections move."""
