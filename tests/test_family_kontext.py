@@ -107,23 +107,23 @@ def test_the_source_is_conditioning_and_changes_the_edit(pipe):
         family.encode_prompts(pipe, [PROMPTS[0], "a red circle"], RES)
 
 
-def assert_lora_loads_with_the_pipelines_own_loader(pipe, model: str, images, tmp_path):
+def assert_lora_loads_with_the_pipelines_own_loader(pipe, model: str, images, tmp_path, latents=None, guidance=2.0):
     """A random LoRA on ``pipe``'s transformer, saved by the family and loaded into a fresh pipeline of ``model`` with
-    its own ``load_lora_weights``, gives the in-memory images (``images(pipe, latents)``), which differ from the base's.
-    Returns the fresh pipeline, the latents and the in-memory images."""
+    its own ``load_lora_weights``, gives the in-memory images (``images(pipe, latents, guidance)``; latents: this
+    file's by default), which differ from the base's. Returns the fresh pipeline, the latents and the in-memory images."""
     family = family_of_pipeline(pipe)
-    latents = latents_of(pipe)
-    base = images(pipe, latents, 2.0, steps=2)
+    latents = latents_of(pipe) if latents is None else latents
+    base = images(pipe, latents, guidance, steps=2)
     add_lora(pipe.transformer, rank=4, target_modules=family.lora_targets)
     with torch.no_grad():
         for name, param in pipe.transformer.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.3)
-    in_memory = images(pipe, latents, 2.0, steps=2)
+    in_memory = images(pipe, latents, guidance, steps=2)
     family.save_lora(pipe.transformer, tmp_path / "lora")
     fresh = load_pipeline(model)
     fresh.load_lora_weights(str(tmp_path / "lora"))  # the pipeline's own loader
-    torch.testing.assert_close(images(fresh, latents, 2.0, steps=2), in_memory, rtol=0, atol=1e-5)
+    torch.testing.assert_close(images(fresh, latents, guidance, steps=2), in_memory, rtol=0, atol=1e-5)
     assert (in_memory - base).abs().max() > 1e-3
     return fresh, latents, in_memory
 

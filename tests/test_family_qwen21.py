@@ -17,11 +17,12 @@ import torch
 from test_dpo import _png, small_config
 from test_family_2026 import PROMPTS, assert_training_draw_is_uniform_and_the_target_the_velocity
 from test_family_2026 import family_images as family_images_at
+from test_family_kontext import assert_lora_loads_with_the_pipelines_own_loader
 from test_trainers_2026 import ROLLOUT_ALGORITHMS
 
 from align.families import family_of, family_of_pipeline
 from align.families.base import cat_conditioning, expand_conditioning
-from align.pipeline import add_lora, generate_images, load_pipeline, load_trained
+from align.pipeline import generate_images, load_pipeline, load_trained
 from align.testing.tiny_qwen import build_tiny_qwenimage
 from align.testing.tiny_qwen21 import RESOLUTION as RES
 from align.testing.tiny_qwen21 import build_tiny_qwen21
@@ -118,21 +119,8 @@ def test_training_draw_is_uniform_and_the_target_the_velocity(pipe):
 
 
 def test_lora_saved_by_the_family_loads_with_the_pipelines_own_loader(built, pipe, tmp_path):
-    family = family_of_pipeline(pipe)
-    latents = initial_latents(pipe)
-    base = pipeline_images(pipe, latents, 3.0, steps=2)
-    add_lora(pipe.transformer, rank=4, target_modules=family.lora_targets)
-    with torch.no_grad():
-        for name, param in pipe.transformer.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.3)
-    in_memory = pipeline_images(pipe, latents, 3.0, steps=2)
-    family.save_lora(pipe.transformer, tmp_path / "lora")
-    fresh = load_pipeline(built)
-    fresh.load_lora_weights(str(tmp_path / "lora"))  # the pipeline's own loader
-    loaded = pipeline_images(fresh, latents, 3.0, steps=2)
-    torch.testing.assert_close(loaded, in_memory, rtol=0, atol=1e-5)
-    assert (loaded - base).abs().max() > 1e-3
+    _, latents, in_memory = assert_lora_loads_with_the_pipelines_own_loader(pipe, built, pipeline_images, tmp_path,
+                                                                            latents=initial_latents(pipe), guidance=3.0)
     again = pipeline_images(load_trained(str(tmp_path / "lora"), base=built), latents, 3.0, steps=2)
     torch.testing.assert_close(again, in_memory, rtol=0, atol=1e-5)
 
